@@ -1,0 +1,57 @@
+"""Helpers shared by the commands: one-line errors, JSON output, the console."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Any, Callable
+
+import typer
+from rich.console import Console
+
+from rq_core.errors import RQError
+
+console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    """Print one clear error line and exit non-zero (never a traceback)."""
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Turn RQError (and a few well-understood OS errors) into one line + exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RQError as e:
+            fail(str(e))
+        except FileNotFoundError as e:
+            fail(f"file not found: {e.filename or e}")
+        except KeyboardInterrupt:
+            fail("interrupted", code=130)
+
+    return wrapper
+
+
+def print_json(obj: Any) -> None:
+    """Machine-readable output on stdout: one JSON object."""
+    sys.stdout.write(json.dumps(obj, indent=None, default=_default) + "\n")
+    sys.stdout.flush()
+
+
+def _default(o: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    return str(o)

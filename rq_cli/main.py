@@ -1,0 +1,26 @@
+"""The `rq` command line: thin wrappers that parse, show progress, print tables or --json."""
+
+from __future__ import annotations
+
+import typer
+
+from rq_cli import calibrate, eval as eval_cmd, pack, profile, quantize, run, soak
+
+app = typer.Typer(
+    name="rq",
+    help="RotaryQuant: run big Mixture-of-Experts LLMs in 16-32 GB.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+app.command("quantize", help="Quantize a checkpoint by role with a TOML recipe.")(quantize.quantize)
+app.command("calibrate-codebook", help="Compute a Lloyd-Max codebook for the KV cache.")(calibrate.calibrate_codebook)
+app.command("pack", help="Lay out experts as aligned page files for the pager.")(pack.pack)
+app.command("run", help="Generate text with a (quantized) model.")(run.run)
+app.command("profile", help="Time attention kernels and say whether KV compression pays.")(profile.profile)
+app.command("soak", help="Generate for minutes or hours, tracking memory, speed and quality.")(soak.soak)
+app.add_typer(eval_cmd.app, name="eval", help="Quality: perplexity, needle retrieval, gates.")
+
+if __name__ == "__main__":
+    app()

@@ -1,10 +1,36 @@
-"""`rq pack`."""
+"""`rq pack CKPT [--json]`."""
 
 from __future__ import annotations
 
-from rq_cli.common import fail
+import typer
+
+from rq_cli.common import console, handle_errors, print_json
 
 
-def pack() -> None:
-    """Not implemented yet."""
-    fail("'rq pack' is not implemented yet in this version", code=3)
+@handle_errors
+def pack(
+    ckpt: str = typer.Argument(..., help="A (quantized) checkpoint directory."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Lay out each routed expert contiguously (16 KiB aligned) in CKPT/experts/ for the pager."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    from rq_core.pack import pack as run_pack
+    from rq_core.planner import fmt_bytes
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  console=console, disable=json_out, transient=True) as bar:
+        task = None
+
+        def progress(stage: str, done: int, total: int) -> None:
+            nonlocal task
+            if task is None:
+                task = bar.add_task(stage, total=total)
+            bar.update(task, completed=done)
+
+        res = run_pack(ckpt, progress=progress)
+    if json_out:
+        print_json({"pack": res.as_dict()})
+        return
+    console.print(f"wrote {res.out}: {res.experts} experts in {res.layers} layer file(s), "
+                  f"{fmt_bytes(res.page_bytes)} pages, {fmt_bytes(res.bytes_written)}", highlight=False)

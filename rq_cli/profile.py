@@ -1,10 +1,107 @@
-"""`rq profile`."""
+"""`rq profile`: where a decode step's time goes, per attention kernel, and whether compressing KV pays."""
 
 from __future__ import annotations
 
-from rq_cli.common import fail
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from rq_cli.common import console, handle_errors, print_json
+from rq_core.errors import RQError
 
 
-def profile() -> None:
-    """Not implemented yet."""
-    fail("'rq profile' is not implemented yet in this version", code=3)
+def parse_contexts(text: str) -> list[int]:
+    """'512,2K,8k' → [512, 2048, 8192]."""
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        mult = 1024 if p.endswith("k") else 1
+        try:
+            n = int(p[:-1] if mult > 1 else p) * mult
+        except ValueError:
+            raise RQError(f"bad --context {text!r}: give token counts separated by commas, e.g. 512,2048 or 2K,8K")
+        if n < 1:
+            raise RQError(f"bad --context {text!r}: lengths must be positive")
+        out.append(n)
+    return out
+
+
+def _table(report: dict) -> None:
+    t = Table(title=f"decode step ({report['kv_mode']} KV, {report['backend']}"
+                    f"{', reference path' if report['reference_path'] else ''})")
+    for col in ("context", "step ms", "tok/s", "kv attn ms", "experts ms", "ssm ms", "sliding ms", "rest ms",
+                "KV share", "verdict"):
+        t.add_column(col, justify="right")
+    for r in report["results"]:
+        a = r["attribution"]
+        t.add_row(str(r["context"]), f"{r['decode_step_ms']:.3f}", f"{r['decode_tok_per_s']:.1f}",
+                  f"{a['kv_attention']:.3f}", f"{a['experts']:.3f}", f"{a['ssm']:.3f}",
+                  f"{a['sliding_attention']:.3f}", f"{a['rest']:.3f}", f"{r['kv_attention_share']:.1%}",
+                  "[green]go[/]" if r["verdict"] == "go" else "[yellow]no-go[/]")
+    console.print(t)
+    staged = [r for r in report["results"] if r["kernels"]]
+    if staged:
+        k = Table(title="attention kernels (ms per decode step, all full-attention layers)")
+        k.add_column("context", justify="right")
+        for name in staged[0]["kernels"]:
+            k.add_column(name, justify="right")
+        k.add_column("sum / attention", justify="right")
+        k.add_column("C strategy")
+        for r in staged:
+            ratio = r.get("kernels_to_attention")
+            k.add_row(str(r["context"]), *[f"{v:.3f}" for v in r["kernels"].values()],
+                      "-" if ratio is None else f"{ratio:.2f}", str(r["strategy"]))
+        console.print(k)
+    thr = report["threshold"]
+    if report["verdict"] == "go":
+        console.print(f"[green]go[/]: KV attention is above {thr:.0%} of decode time from "
+                      f"{report['go_from_context']} tokens of context; compressing the KV cache pays there.")
+    else:
+        console.print(f"[yellow]no-go[/]: KV attention stays at or below {thr:.0%} of decode time at these "
+                      "contexts; compressing the KV cache saves memory but will not speed up decoding.")
+
+
+@handle_errors
+def profile(
+    model: Optional[str] = typer.Argument(None, help="Checkpoint directory or hub id (default: the bundled model)."),
+    context: str = typer.Option("512,2048", "--context", "-c", help="Context lengths, comma-separated (2K = 2048)."),
+    kv: str = typer.Option("isoquant3", "--kv", help="KV cache mode: fp16, isoquant3, turbo3."),
+    rotation: str = typer.Option("wht_so4", "--rotation", help="Rotation variant of a compressed KV mode."),
+    threshold: float = typer.Option(0.20, "--threshold", help="KV-attention share above which compression pays."),
+    fill: str = typer.Option("synthetic", "--fill",
+                             help="How the context is built: synthetic (random K/V appended) or prefill "
+                                  "(random tokens through the model)."),
+    repeats: int = typer.Option(7, "--repeats", help="Timed repeats per measurement (median reported)."),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed warm-up runs per measurement."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Time one decode step per context: the five attention kernels, and KV attention vs experts, SSM, rest."""
+    from rq_core.checkpoint import load, text_config
+    from rq_core.kv_cache import KVSettings
+    from rq_core.profile import profile_model
+
+    contexts = parse_contexts(context)
+    if repeats < 1 or warmup < 0:
+        raise RQError("--repeats must be ≥ 1 and --warmup ≥ 0")
+    ckpt = load(model, tokenizer=False)
+    settings = KVSettings(mode=kv, rotation=rotation)
+    limit = text_config(ckpt.config).get("max_position_embeddings")
+    if limit and max(contexts) > limit:
+        console.print(f"[yellow]note:[/] context {max(contexts)} is beyond the model's {limit} positions "
+                      "(timing is still meaningful, outputs are not)")
+
+    def progress(r: dict) -> None:
+        if not json_out:
+            console.print(f"  context {r['context']}: step {r['decode_step_ms']:.3f} ms, "
+                          f"KV attention {r['kv_attention_share']:.1%}")
+
+    report = profile_model(ckpt.model, contexts, kv=settings, fill=fill,
+                           vocab_size=text_config(ckpt.config).get("vocab_size"),
+                           warmup=warmup, repeats=repeats, threshold=threshold, on_context=progress)
+    report["model"] = str(ckpt.path)
+    report["model_type"] = ckpt.model_type
+    if json_out:
+        print_json(report)
+    else:
+        _table(report)

@@ -1,10 +1,80 @@
-"""`rq quantize`."""
+"""`rq quantize MODEL --recipe NAME|PATH -o OUT [--calib FILE] [--analyze] [--plan] [--json]`."""
 
 from __future__ import annotations
 
-from rq_cli.common import fail
+from typing import Optional
+
+import typer
+
+from rq_cli.common import console, handle_errors, print_json
+from rq_core.errors import RQError
 
 
-def quantize() -> None:
-    """Not implemented yet."""
-    fail("'rq quantize' is not implemented yet in this version", code=3)
+@handle_errors
+def quantize(
+    model: str = typer.Argument(..., help="Checkpoint directory or Hugging Face hub id."),
+    recipe: str = typer.Option(..., "--recipe", "-r", help="Bundled recipe name (e.g. qwen3-16gb) or a .toml path."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Output directory (written atomically)."),
+    calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text file (default: bundled text)."),
+    analyze: bool = typer.Option(False, "--analyze", help="Report per-role activation kurtosis on the calibration text."),
+    plan: bool = typer.Option(False, "--plan", help="Print the memory plan (no weights read) and exit."),
+    budget: Optional[str] = typer.Option(None, "--memory-budget", help="Budget for --plan (default: the recipe's)."),
+    shard_size: str = typer.Option("2GB", "--shard-size", help="Largest output shard."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Quantize a checkpoint by role with a TOML recipe."""
+    from rq_core import recipe as rq_recipe
+    from rq_core.checkpoint import load_config, resolve_model_path
+
+    rec = rq_recipe.load(recipe)
+    if plan:
+        from rq_core.planner import plan as make_plan, render
+
+        cfg = load_config(resolve_model_path(model))
+        p = make_plan(cfg, rec, budget=rq_recipe.parse_size(budget, "--memory-budget") if budget else None)
+        if json_out:
+            print_json({"plan": p.as_dict()})
+        else:
+            console.print(render(p))
+        return
+    if out is None and analyze:  # analysis only
+        from rq_core.quantize import analyze as run_analyze
+
+        a = run_analyze(model, rec, calib=calib)
+        if json_out:
+            print_json({"analyze": a, "recipe": rec.name})
+        else:
+            for role, k in sorted(a["kurtosis"].items()):
+                console.print(f"kurtosis {role:<14} {k:8.2f}", highlight=False)
+        return
+    if out is None:
+        raise RQError("missing -o/--out OUT (the output directory)")
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rq_core.quantize import quantize as run_quantize
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, disable=json_out, transient=True) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        res = run_quantize(model, rec, out, calib=calib, analyze_roles=analyze,
+                           shard_bytes=rq_recipe.parse_size(shard_size, "--shard-size"), progress=progress)
+    if json_out:
+        print_json({"quantize": res.as_dict(), "recipe": rec.name})
+        return
+    from rq_core.planner import fmt_bytes
+
+    if res.kurtosis:
+        for role, k in sorted(res.kurtosis.items()):
+            console.print(f"  kurtosis {role:<14} {k:8.2f}", highlight=False)
+    if res.promoted:
+        console.print(f"  promoted to {rec.promote.bits}-bit: {', '.join(res.promoted)}", highlight=False)
+    console.print(f"wrote {res.out}: {res.quantized}/{res.tensors} tensors quantized, {res.shards} shard(s), "
+                  f"{fmt_bytes(res.bytes_in)} -> {fmt_bytes(res.bytes_out)}, "
+                  f"peak MLX memory {fmt_bytes(res.peak_memory_bytes)}", highlight=False)

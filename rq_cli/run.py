@@ -1,10 +1,115 @@
-"""`rq run`."""
+"""`rq run`: generate text with a (quantized) checkpoint, streaming, with speed/memory/KV stats."""
 
 from __future__ import annotations
 
-from rq_cli.common import fail
+import sys
+from typing import Optional
+
+import typer
+
+from rq_cli.common import console, handle_errors, print_json
+from rq_core.errors import RQError
+
+KV_CHOICES = ("fp16", "isoquant3", "turbo3")
 
 
-def run() -> None:
-    """Not implemented yet."""
-    fail("'rq run' is not implemented yet in this version", code=3)
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+@handle_errors
+def run(
+    model: Optional[str] = typer.Argument(None, help="Checkpoint directory or Hugging Face hub id "
+                                                     "(default: the bundled model)."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
+    kv: str = typer.Option("fp16", "--kv", help="KV cache of full-attention layers: fp16, isoquant3 or turbo3."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
+                                                help="Keep the run inside SIZE (e.g. 16GB): experts beyond what fits "
+                                                     "are paged from CKPT/experts (see `rq pack`)."),
+    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru or mmap."),
+    plan_only: bool = typer.Option(False, "--plan", help="Print the memory plan for --memory-budget and exit."),
+) -> None:
+    """Generate text; streams it to stdout, then a stats line (stderr)."""
+    if kv not in KV_CHOICES:
+        raise RQError(f"unknown --kv {kv!r} (choose from: {', '.join(KV_CHOICES)})")
+    if max_tokens < 0:
+        raise RQError("--max-tokens must be >= 0")
+    if temp < 0:
+        raise RQError("--temp must be >= 0")
+    if not 0 < top_p <= 1:
+        raise RQError("--top-p must be in (0, 1]")
+    if prefill_chunk < 1:
+        raise RQError("--prefill-chunk must be >= 1")
+
+    from rq_core.checkpoint import context_length, load
+    from rq_core.generate import generate
+    from rq_core.kv_cache import KVSettings
+    from rq_core.tokenizer import StreamDecoder
+
+    ckpt = load(model)
+    tok = ckpt.tokenizer
+    if tok is None:
+        raise RQError(f"{ckpt.path} has no tokenizer.json; `rq run --prompt` needs one")
+    if chat:
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+    else:
+        ids = tok.encode(prompt)
+    ctx = context_length(ckpt.config)
+    if ctx is not None and len(ids) > ctx:
+        raise RQError(f"the prompt is {len(ids)} tokens, longer than the model's context of {ctx}")
+
+    pager_obj = None
+    if memory_budget is not None or plan_only:  # expert pager (rq_core.pager); --plan: print and exit
+        from rq_cli.run_pager import attach_pager
+
+        pager_obj = attach_pager(ckpt, memory_budget, pager, plan_only, json_out,
+                                 context=len(ids) + max_tokens, prefill_chunk=prefill_chunk, kv_mode=kv)
+        if pager_obj is None:
+            return
+
+    stream = StreamDecoder(tok)
+
+    def on_token(t: int) -> None:
+        piece = stream.add(t)
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
+                   kv=KVSettings(mode=kv), eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
+                   context_length=ctx, on_token=None if json_out else on_token)
+    text_out = tok.decode(res.tokens)
+    if json_out:
+        d = res.as_dict()
+        if pager_obj is not None:
+            d["pager"] = pager_obj.report().as_dict()
+        print_json({"text": text_out, **d, "kv_mode": kv, "model_type": ckpt.model_type,
+                    "model": str(ckpt.path)})
+        return
+    tail = stream.flush()
+    sys.stdout.write(tail + "\n")
+    sys.stdout.flush()
+    ratio = f" ({res.kv_bytes_fp16 / res.kv_bytes:.2f}x smaller)" if res.kv_bytes_fp16 > res.kv_bytes > 0 else ""
+    console.print(
+        f"prompt {res.prompt_tokens} tok @ {res.prefill_tok_per_s:.1f} tok/s | "
+        f"decode {res.generated_tokens} tok @ {res.decode_tok_per_s:.1f} tok/s | "
+        f"peak mem {_fmt_bytes(res.peak_memory_bytes)} (rss {_fmt_bytes(res.peak_rss_bytes)}) | "
+        f"KV {kv} {_fmt_bytes(res.kv_bytes)} vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}",
+        highlight=False, soft_wrap=True)
+    if pager_obj is not None:
+        st = pager_obj.report()
+        hr = f"{100 * st.hit_rate:.1f}%" if st.hit_rate is not None else "n/a (OS cache)"
+        console.print(f"pager {st.policy}: {st.slots} slots/layer, hit rate {hr}, {st.misses} reads "
+                      f"({_fmt_bytes(st.bytes_read)}), {st.evictions} evictions", highlight=False, soft_wrap=True)

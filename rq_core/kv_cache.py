@@ -7,10 +7,13 @@ with the new tokens' keys/values; the cache appends them and returns attention o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, Union
 
 import mlx.core as mx
+
+from rq_core.errors import RQError
 
 Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask [.., L, T]
 
@@ -112,10 +115,226 @@ class FP16Cache:
         return 2 * B * H * self.offset * (D + self.values.shape[3])
 
 
+# ---------------------------------------------------------------------------------------------
+# IsoQuant / TurboQuant: norm + rotation + Lloyd-Max codebook + packing (docs/FORMAT.md)
+
+
+def quantize_kv(x: mx.array, rotation, levels: mx.array, bits: int, *, norm_correction: bool = True
+                ) -> tuple[mx.array, mx.array]:
+    """Quantize vectors x [B, H, T, d] → (codes uint32 [B, H, T, W], stored norms float16 [B, H, T])."""
+    from rq_core.packing import pack
+
+    d = x.shape[-1]
+    x = x.astype(mx.float32)
+    n = mx.linalg.norm(x, axis=-1)
+    u = x / mx.where(n > 0, n, 1.0)[..., None]  # u = 0 when n = 0
+    z = rotation.forward(u) * math.sqrt(d)
+    levels = levels.astype(mx.float32)
+    thresholds = (levels[1:] + levels[:-1]) / 2
+    idx = mx.zeros(z.shape, mx.uint32)
+    for i in range(thresholds.shape[0]):  # index = number of thresholds < z (no [.., d, 2^b] temporary)
+        idx = idx + (z > thresholds[i]).astype(mx.uint32)
+    m = n
+    if norm_correction:  # store n / ||c|| so the reconstruction has length n
+        c_norm = mx.sqrt((levels[idx] ** 2).sum(-1)) / math.sqrt(d)
+        m = n / mx.maximum(c_norm, 1e-12)
+    return pack(idx, bits), m.astype(mx.float16)
+
+
+def dequantize_kv(codes: mx.array, norms: mx.array, rotation, levels: mx.array, bits: int, d: int) -> mx.array:
+    """x̂ = m · Rᵀ(levels[idx] / √d), float32 [B, H, T, d] (tests and tools; attention never does this)."""
+    from rq_core.attention import dequantize_rotated
+
+    return rotation.inverse(dequantize_rotated(codes, norms, levels, bits, d))
+
+
+class IsoQuantCache:
+    """Compressed KV cache of one full-attention layer: per kv head, norm + rotation + codebook + packing.
+
+    Layout for the GPU path: `k_codes`/`v_codes` uint32 [B, Hkv, T_cap, W] and `k_norms`/`v_norms`
+    float16 [B, Hkv, T_cap]; the first `packed_len` rows are valid. Tokens after those (positions
+    packed_len .. offset-1) are an fp16 segment: the whole prompt until `end_prefill()` (so the prompt
+    attends to itself in full precision), then at most `fp16_window` newest tokens. Decoded tokens are
+    compressed on append. Attention runs over both parts and merges them by logsumexp.
+    """
+
+    step = 256  # packed buffer growth, tokens
+    compress_chunk = 4096  # tokens compressed per graph in end_prefill (bounds temporaries)
+
+    def __init__(self, *, head_dim: int, n_kv_heads: int, layer: int = 0, bits: int = 3,
+                 rotation: str = "wht_so4", codebook: str = "sphere", fp16_window: int = 0,
+                 norm_correction: bool = True, seed: int = 0) -> None:
+        from rq_core.codebook import check_bits, get_codebook
+        from rq_core.rotation import Rotation, check_dim
+
+        self.head_dim = check_dim(head_dim)
+        self.bits = check_bits(bits)
+        if fp16_window < 0:
+            raise RQError(f"fp16_window must be >= 0 (got {fp16_window})")
+        self.n_kv_heads = n_kv_heads
+        self.rotation = Rotation(head_dim, n_kv_heads, variant=rotation, seed=seed, layer=layer)
+        self.codebook = get_codebook(codebook, self.bits, head_dim)
+        self.levels = mx.array(self.codebook.levels.astype("float32"))
+        self.fp16_window = int(fp16_window)
+        self.norm_correction = norm_correction
+        self.words = (head_dim * self.bits + 31) // 32
+        self.k_codes: mx.array | None = None
+        self.v_codes: mx.array | None = None
+        self.k_norms: mx.array | None = None
+        self.v_norms: mx.array | None = None
+        self.packed_len = 0
+        self._fk: mx.array | None = None  # fp16 segment [B, Hkv, cap, d], model dtype
+        self._fv: mx.array | None = None
+        self.fp16_len = 0
+        self.prefilling = True
+
+    @property
+    def offset(self) -> int:
+        return self.packed_len + self.fp16_len
+
+    # -- storage --
+    def _append_fp16(self, keys: mx.array, values: mx.array) -> None:
+        L = keys.shape[2]
+        if self._fk is None or self.fp16_len + L > self._fk.shape[2]:
+            B, H, _, D = keys.shape
+            cap = ((self.fp16_len + L + self.step - 1) // self.step) * self.step
+            new_k = mx.zeros((B, H, cap, D), keys.dtype)
+            new_v = mx.zeros((B, H, cap, D), values.dtype)
+            if self.fp16_len:
+                new_k[:, :, : self.fp16_len] = self._fk[:, :, : self.fp16_len]
+                new_v[:, :, : self.fp16_len] = self._fv[:, :, : self.fp16_len]
+            self._fk, self._fv = new_k, new_v
+        self._fk[:, :, self.fp16_len : self.fp16_len + L] = keys
+        self._fv[:, :, self.fp16_len : self.fp16_len + L] = values
+        self.fp16_len += L
+
+    def _append_packed(self, kc: mx.array, kn: mx.array, vc: mx.array, vn: mx.array) -> None:
+        n = kc.shape[2]
+        end = self.packed_len + n
+        if self.k_codes is None or end > self.k_codes.shape[2]:
+            B, H = kc.shape[:2]
+            cap = ((end + self.step - 1) // self.step) * self.step
+            bufs = [mx.zeros((B, H, cap, self.words), mx.uint32), mx.zeros((B, H, cap), mx.float16),
+                    mx.zeros((B, H, cap, self.words), mx.uint32), mx.zeros((B, H, cap), mx.float16)]
+            if self.packed_len:
+                old = [self.k_codes, self.k_norms, self.v_codes, self.v_norms]
+                for new, o in zip(bufs, old):
+                    new[:, :, : self.packed_len] = o[:, :, : self.packed_len]
+            self.k_codes, self.k_norms, self.v_codes, self.v_norms = bufs
+        self.k_codes[:, :, self.packed_len : end] = kc
+        self.k_norms[:, :, self.packed_len : end] = kn
+        self.v_codes[:, :, self.packed_len : end] = vc
+        self.v_norms[:, :, self.packed_len : end] = vn
+        self.packed_len = end
+
+    def compress(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return quantize_kv(x, self.rotation, self.levels, self.bits, norm_correction=self.norm_correction)
+
+    def _spill(self, keep: int) -> None:
+        """Compress the oldest fp16 tokens so that at most `keep` stay in fp16."""
+        n = self.fp16_len - keep
+        if n <= 0:
+            return
+        for a in range(0, n, self.compress_chunk):
+            b = min(n, a + self.compress_chunk)
+            kc, kn = self.compress(self._fk[:, :, a:b])
+            vc, vn = self.compress(self._fv[:, :, a:b])
+            self._append_packed(kc, kn, vc, vn)
+            if n > self.compress_chunk:
+                mx.eval(self.k_codes, self.k_norms, self.v_codes, self.v_norms)
+        if keep > 0:
+            rest_k, rest_v = self._fk[:, :, n : self.fp16_len], self._fv[:, :, n : self.fp16_len]
+            self._fk[:, :, :keep] = rest_k
+            self._fv[:, :, :keep] = rest_v
+        self.fp16_len = keep
+        if keep == 0 and self._fk is not None and self._fk.shape[2] > self.step:
+            self._fk = self._fv = None  # the prompt's fp16 buffer is no longer needed
+
+    # -- protocol --
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+               mask: Mask = None) -> mx.array:
+        from rq_core import attention
+
+        L = queries.shape[2]
+        self._append_fp16(keys, values)
+        if not self.prefilling:
+            self._spill(self.fp16_window)
+        q_pos0 = self.offset - L
+        causal = isinstance(mask, str) and L > 1
+        arr_mask = mask if isinstance(mask, mx.array) else None
+
+        if self.packed_len == 0:  # all fp16 (the prompt): the fused kernel does it
+            fk, fv = self._fk[:, :, : self.fp16_len], self._fv[:, :, : self.fp16_len]
+            m = None if (isinstance(mask, str) and L == 1) else mask
+            return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
+
+        parts = []
+        q_rot = self.rotation.forward_queries(queries)
+        o, lse = attention.packed_attention(
+            q_rot, self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.levels, bits=self.bits,
+            scale=scale, offset=q_pos0, causal=causal, valid_len=self.packed_len,
+            mask=None if arr_mask is None else arr_mask[..., : self.packed_len])
+        parts.append((self.rotation.inverse_queries(o), lse))
+        if self.fp16_len:
+            fk, fv = self._fk[:, :, : self.fp16_len], self._fv[:, :, : self.fp16_len]
+            parts.append(attention.dense_attention(
+                queries, fk, fv, scale=scale, offset=q_pos0, key_offset=self.packed_len, causal=causal,
+                mask=None if arr_mask is None else arr_mask[..., self.packed_len : self.offset]))
+        return attention.merge(parts).astype(queries.dtype)
+
+    def end_prefill(self) -> None:
+        self.prefilling = False
+        self._spill(self.fp16_window)
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(self.offset, n))
+        from_fp16 = min(n, self.fp16_len)
+        self.fp16_len -= from_fp16
+        self.packed_len -= n - from_fp16
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Codes + norms of the packed tokens, plus the fp16 segment (tokens held, not capacity)."""
+        total = 0
+        if self.k_codes is not None:
+            B, H = self.k_codes.shape[:2]
+            total += 2 * B * H * self.packed_len * (4 * self.words + 2)
+        if self._fk is not None:
+            B, H, _, D = self._fk.shape
+            total += B * H * self.fp16_len * D * (self._fk.itemsize + self._fv.itemsize)
+        return total
+
+    @property
+    def fp16_nbytes(self) -> int:
+        ref = self.k_codes if self.k_codes is not None else self._fk
+        if ref is None:
+            return 0
+        B, H = ref.shape[:2]
+        return 2 * B * H * self.offset * 2 * self.head_dim
+
+
+class TurboQuantCache(IsoQuantCache):
+    """The TurboQuant baseline: a dense Haar-random rotation, same codebook and packing."""
+
+    def __init__(self, **kw) -> None:
+        kw["rotation"] = "dense"
+        super().__init__(**kw)
+
+
+KV_MODES = ("fp16", "isoquant3", "turbo3")
+
+
 def make_kv_cache(settings: KVSettings, *, layer: int, n_kv_heads: int, head_dim: int) -> KVCache:
-    """The cache for one full-attention layer."""
+    """The cache for one full-attention layer (`isoquant3`/`turbo3` use `settings.bits`, 3 by default)."""
     if settings.mode == "fp16":
         return FP16Cache()
-    from rq_core.errors import RQError
-
-    raise RQError(f"KV mode {settings.mode!r} is not available yet (choose from: fp16)")
+    if settings.mode not in KV_MODES:
+        raise RQError(f"unknown KV mode {settings.mode!r} (choose from: {', '.join(KV_MODES)})")
+    cls = TurboQuantCache if settings.mode == "turbo3" else IsoQuantCache
+    kw = dict(head_dim=head_dim, n_kv_heads=n_kv_heads, layer=layer, bits=settings.bits,
+              codebook=settings.codebook, fp16_window=settings.fp16_window,
+              norm_correction=settings.norm_correction, seed=settings.seed)
+    if cls is IsoQuantCache:
+        kw["rotation"] = settings.rotation
+    return cls(**kw)

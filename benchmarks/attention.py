@@ -1,0 +1,288 @@
+"""Per-layer decode attention, side by side in one process (issue 4, item 4).
+
+Shape: Qwen3-30B-A3B attention, batch 1, one new token: 32 query heads, 4 kv heads, head_dim 128.
+Methods: fp16 mx.fast.scaled_dot_product_attention; mlx-lm-style quantized attention (two
+mx.quantized_matmul, 8-bit and 4-bit, group 64); TurboQuant-3 (dense rotation as matmuls around our
+packed-attention kernels); IsoQuant-3 four-kernel pipeline (query rotation, A, B, C, D); IsoQuant-3
+fused split-context kernels. Also: per-stage times of the four-kernel pipeline, and Kernel C's
+word-parallel vs dimension-parallel times over context (the switch threshold).
+
+Timing: each evaluation runs NL layers (each with its own K/V, so L2 never holds the context),
+median over repetitions of (wall time of mx.eval) / NL. Copy bandwidth is measured in the same run
+(MLX elementwise copy, and torch's device-to-device copy when torch is importable).
+
+    python3 benchmarks/attention.py [--contexts 4096,32768,131072] [--layers 16] [--reps 30] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+import rq_core.kernels as K  # noqa: E402
+
+HQ, HKV, D, BITS = 32, 4, 128, 3
+G = HQ // HKV
+SCALE = 1.0 / math.sqrt(D)
+
+
+def timeit(fn, nl: int, reps: int, warm: int = 3) -> list[float]:
+    """Per-layer microseconds of each repetition: fn() returns the list of arrays for NL layers."""
+    for _ in range(warm):
+        mx.eval(fn())
+    mx.synchronize()
+    out = []
+    for _ in range(reps):
+        outs = fn()  # build the graph first: time evaluation (encode + GPU), not Python graph building
+        t0 = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        out.append((time.perf_counter() - t0) * 1e6 / nl)
+        del outs
+    return out
+
+
+def peak_extra(fn) -> int:
+    """Extra bytes at peak while one layer runs (its inputs already live)."""
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    mx.eval(fn())
+    mx.synchronize()
+    return mx.get_peak_memory() - base
+
+
+def copy_bandwidth(reps: int = 20) -> dict:
+    res = {}
+    n = 1 << 29  # 512 Mi fp16 = 1 GiB
+    x = mx.random.normal((n,)).astype(mx.float16)
+    mx.eval(x)
+    ts = []
+    for i in range(reps + 3):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        y = x * 1.0  # elementwise: one read + one write
+        mx.eval(y)
+        mx.synchronize()
+        if i >= 3:
+            ts.append(time.perf_counter() - t0)
+        del y
+    res["mlx_elementwise_TBps"] = 2 * x.nbytes / statistics.median(ts) / 1e12
+    del x
+    try:
+        import torch
+
+        a = torch.randn(n, device="cuda", dtype=torch.float16)
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for s, e in ev:
+            s.record()
+            b.copy_(a)
+            e.record()
+        torch.cuda.synchronize()
+        ms = statistics.median(s.elapsed_time(e) for s, e in ev)
+        res["torch_copy_TBps"] = 2 * a.nbytes / (ms / 1e3) / 1e12
+        del a, b
+        torch.cuda.empty_cache()
+    except Exception as e:  # torch absent or unable to share the GPU: MLX's number stands alone
+        res["torch_error"] = f"{type(e).__name__}: {e}"[:200]
+    res["copy_TBps"] = max(v for k, v in res.items() if k.endswith("TBps"))
+    return res
+
+
+def dense_rotations(rng: np.random.Generator) -> np.ndarray:
+    out = []
+    for _ in range(HKV):
+        qm, r = np.linalg.qr(rng.standard_normal((D, D)))
+        out.append(qm * np.sign(np.diag(r)))
+    return np.stack(out).astype(np.float32)  # [Hkv, D, D]
+
+
+def build(T: int, nl: int, rng: np.random.Generator) -> dict:
+    """NL layers of inputs for every method at context T."""
+    W = D * BITS // 32
+    L = {"q": [], "k16": [], "v16": [], "kq8": [], "vq8": [], "kq4": [], "vq4": [], "kc": [], "kn": [], "vc": [],
+         "vn": [], "mats": [], "dense": []}
+    for _ in range(nl):
+        q = mx.random.normal((1, HQ, 1, D)).astype(mx.float16)
+        k = mx.random.normal((1, HKV, T, D)).astype(mx.float16)
+        v = mx.random.normal((1, HKV, T, D)).astype(mx.float16)
+        L["q"].append(q)
+        L["k16"].append(k)
+        L["v16"].append(v)
+        for b in (8, 4):
+            L[f"kq{b}"].append(mx.quantize(k, group_size=64, bits=b))
+            L[f"vq{b}"].append(mx.quantize(v, group_size=64, bits=b))
+        L["kc"].append(mx.random.bits((1, HKV, T, W)))
+        L["vc"].append(mx.random.bits((1, HKV, T, W)))
+        L["kn"].append(mx.random.uniform(0.5, 2.0, (1, HKV, T)).astype(mx.float16))
+        L["vn"].append(mx.random.uniform(0.5, 2.0, (1, HKV, T)).astype(mx.float16))
+        g = rng.standard_normal((HKV, D // 4, 2, 4))
+        g /= np.linalg.norm(g, axis=-1, keepdims=True)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from kernels_check import quat_L, quat_R
+
+        conj = g[..., 1, :] * np.array([1.0, -1.0, -1.0, -1.0])
+        L["mats"].append(mx.array((quat_L(g[..., 0, :]) @ quat_R(conj)).astype(np.float32)))
+        L["dense"].append(mx.array(dense_rotations(rng)))
+        mx.eval([x for vals in L.values() for x in vals[-1:]])
+    L["levels"] = mx.array(np.sort(np.random.default_rng(1).standard_normal(1 << BITS)).astype(np.float32))
+    return L
+
+
+def fp16_sdpa(L, i):
+    return mx.fast.scaled_dot_product_attention(L["q"][i], L["k16"][i], L["v16"][i], scale=SCALE)
+
+
+def qmm(L, i, bits):
+    # as mlx-lm's quantized_scaled_dot_product_attention
+    q = (L["q"][i] * SCALE).reshape(1, HKV, G, 1, D)
+    kq, ks, kb = (mx.expand_dims(x, -3) for x in L[f"kq{bits}"][i])
+    vq, vs, vb = (mx.expand_dims(x, -3) for x in L[f"vq{bits}"][i])
+    s = mx.quantized_matmul(q, kq, ks, kb, transpose=True, group_size=64, bits=bits)
+    p = mx.softmax(s, axis=-1, precise=True)
+    return mx.quantized_matmul(p, vq, vs, vb, transpose=False, group_size=64, bits=bits).reshape(1, HQ, 1, D)
+
+
+def turbo3(L, i):
+    """TurboQuant-3: dense per-head rotation as matmuls, then our packed kernels with no built-in rotation."""
+    T = L["kc"][i].shape[2]
+    Pi = L["dense"][i]  # [Hkv, D, D]
+    q = L["q"][i].astype(mx.float32).reshape(1, HKV, G, D)
+    qr = (q @ Pi.swapaxes(-1, -2)[None]).reshape(1, HQ, 1, D)
+    o, _ = K.attention_split(qr, None, L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"], bits=BITS,
+                             scale=SCALE, valid_len=T, rot=0)
+    return (o.reshape(1, HKV, G, D) @ Pi[None]).reshape(1, HQ, 1, D)
+
+
+def iso_four(L, i, strategy="auto"):
+    T = L["kc"][i].shape[2]
+    return K.attention_four(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+                            bits=BITS, scale=SCALE, valid_len=T, strategy=strategy)
+
+
+def iso_fused(L, i):
+    T = L["kc"][i].shape[2]
+    return K.attention_split(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+                             bits=BITS, scale=SCALE, valid_len=T)[0]
+
+
+def bytes_read(method: str, T: int) -> int:
+    rows = 2 * HKV * T  # K and V rows
+    if method == "fp16 SDPA":
+        return rows * D * 2
+    if method.startswith("qmm"):
+        b = int(method.split()[1].rstrip("-bit"))
+        return rows * (D * b // 8 + 2 * 2 * (D // 64))
+    return rows * (D * BITS // 8 + 2)  # packed codes + fp16 norm
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--contexts", default="4096,32768,131072")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--skip-threshold", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mlx": mx.__version__,
+            "device": str(mx.default_device()), "backend": K.backend()}
+    try:
+        info["gpu"] = mx.device_info().get("device_name", "")
+    except Exception:
+        pass
+    print("attention benchmark:", info, flush=True)
+    bw = copy_bandwidth()
+    print("copy bandwidth:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in bw.items()}, flush=True)
+    copy = bw["copy_TBps"]
+    rows, stage_rows, thr_rows = [], [], []
+    nl = a.layers
+    for T in [int(x) for x in a.contexts.split(",")]:
+        L = build(T, nl, rng)
+        methods = {
+            "fp16 SDPA": lambda i: fp16_sdpa(L, i),
+            "qmm 8-bit": lambda i: qmm(L, i, 8),
+            "qmm 4-bit": lambda i: qmm(L, i, 4),
+            "TurboQuant-3 (dense)": lambda i: turbo3(L, i),
+            "IsoQuant-3 four-kernel": lambda i: iso_four(L, i),
+            "IsoQuant-3 fused": lambda i: iso_fused(L, i),
+        }
+        res = {}
+        for rnd in range(2):  # two rounds, interleaved: the spread between them is the noise
+            for name, f in methods.items():
+                ts = timeit(lambda: [f(i) for i in range(nl)], nl, a.reps)
+                res.setdefault(name, []).append(statistics.median(ts))
+        base = statistics.median(res["fp16 SDPA"])
+        for name, f in methods.items():
+            us = min(res[name])
+            nb = bytes_read(name, T)
+            extra = peak_extra(lambda: f(0))
+            r = dict(context=T, method=name, us=us, us_rounds=res[name], ratio_vs_fp16=base / us,
+                     bytes=nb, TBps=nb / us / 1e6, frac_copy=nb / us / 1e6 / copy, extra_peak_bytes=extra)
+            rows.append(r)
+            print(f"T={T:6d} {name:24s} {us:8.1f} us (rounds {', '.join(f'{x:.1f}' for x in res[name])})  "
+                  f"x{base / us:5.2f} vs fp16  {nb / us / 1e6:5.2f} TB/s  {100 * nb / us / 1e6 / copy:5.1f}% copy  "
+                  f"extra {extra / 2**20:7.2f} MiB", flush=True)
+        # four-kernel pipeline stage by stage (what `rq profile` times)
+        qr = [K.rotate_queries(L["q"][j], L["mats"][j], HKV) for j in range(nl)]
+        sc = [K.qk_dot(qr[j], L["kc"][j], L["kn"][j], L["levels"], bits=BITS, scale=SCALE, valid_len=T)
+              for j in range(nl)]
+        pr = [K.softmax(x) for x in sc]
+        ov = [K.value_accum(pr[j], L["vc"][j], L["vn"][j], L["levels"], bits=BITS) for j in range(nl)]
+        mx.eval(qr, sc, pr, ov)
+        stages = {
+            "rotate query": lambda: [K.rotate_queries(L["q"][j], L["mats"][j], HKV) for j in range(nl)],
+            "A qk_dot": lambda: [K.qk_dot(qr[j], L["kc"][j], L["kn"][j], L["levels"], bits=BITS, scale=SCALE,
+                                          valid_len=T) for j in range(nl)],
+            "B softmax": lambda: [K.softmax(sc[j]) for j in range(nl)],
+            "C value (word)": lambda: [K.value_accum(pr[j], L["vc"][j], L["vn"][j], L["levels"], bits=BITS,
+                                                     strategy="word") for j in range(nl)],
+            "C value (dim)": lambda: [K.value_accum(pr[j], L["vc"][j], L["vn"][j], L["levels"], bits=BITS,
+                                                    strategy="dim") for j in range(nl)],
+            "D rotate_inverse": lambda: [K.rotate_inverse(ov[j], L["mats"][j], HKV) for j in range(nl)],
+        }
+        for name, f in stages.items():
+            us = statistics.median(timeit(f, nl, max(5, a.reps // 3)))
+            stage_rows.append(dict(context=T, stage=name, us=us))
+            print(f"T={T:6d}   stage {name:18s} {us:8.1f} us", flush=True)
+        del L, qr, sc, pr, ov
+        mx.clear_cache()
+    if not a.skip_threshold:
+        L = build(8192, nl, rng)
+        for T in (64, 128, 256, 512, 1024, 2048, 4096, 8192):
+            pr = [K.softmax(mx.random.normal((1, HQ, 1, T))) for _ in range(nl)]
+            mx.eval(pr)
+            row = {"context": T}
+            for strat in ("word", "dim"):
+                row[strat] = statistics.median(timeit(
+                    lambda: [K.value_accum(pr[j], L["vc"][j], L["vn"][j], L["levels"], bits=BITS, strategy=strat)
+                             for j in range(nl)], nl, a.reps))
+            thr_rows.append(row)
+            print(f"Kernel C T={T:5d}: word {row['word']:7.1f} us  dim {row['dim']:7.1f} us", flush=True)
+    print("\n| context | method | us/layer | vs fp16 | TB/s | % copy | extra peak MiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['context'] // 1024}K | {r['method']} | {r['us']:.1f} | {r['ratio_vs_fp16']:.2f}x | "
+              f"{r['TBps']:.2f} | {100 * r['frac_copy']:.0f}% | {r['extra_peak_bytes'] / 2**20:.2f} |")
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "attention.json").write_text(json.dumps(
+            dict(info=info, copy=bw, rows=rows, stages=stage_rows, threshold=thr_rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The expert-pager part of `rq run` (`--memory-budget`, `--pager`, `--plan`)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rq_cli.common import console, print_json
+from rq_core.errors import RQError
+
+
+def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only: bool, json_out: bool, *,
+                 context: int, prefill_chunk: int, kv_mode: str = "fp16") -> Any:
+    """Plan slots for the budget and attach an ExpertPager to ckpt.model; with --plan print the plan
+    and return None. No weights are read here (the model is lazy)."""
+    from rq_core.pack import load_index
+    from rq_core.pager import POLICIES, ExpertPager, slots_for_budget
+    from rq_core.planner import fmt_bytes
+    from rq_core.recipe import parse_size
+
+    if policy not in POLICIES:
+        raise RQError(f"unknown --pager {policy!r} (choose from: {', '.join(POLICIES)})")
+    if memory_budget is None:
+        budget = None
+    else:
+        budget = parse_size(memory_budget, "--memory-budget")
+    index = load_index(ckpt.path) if (ckpt.path / "experts" / "index.json").is_file() else None
+    p = slots_for_budget(ckpt.model, ckpt.config, budget if budget is not None else 1 << 62, context=context,
+                         prefill_chunk=prefill_chunk, kv_mode=kv_mode, index=index)
+    p["budget_bytes"] = budget
+    p["policy"] = policy
+    if plan_only:
+        if json_out:
+            print_json({"plan": p})
+        else:
+            for k, v in p.items():
+                shown = fmt_bytes(v) if k.endswith("bytes") and isinstance(v, int) else v
+                console.print(f"{k:<20} {shown}", highlight=False)
+        return None
+    if not p["experts_per_layer"]:
+        raise RQError("--memory-budget: this model has no routed experts to page")
+    if not p["fits"]:
+        raise RQError(f"--memory-budget {memory_budget} is too small: resident weights {fmt_bytes(p['resident_bytes'])}"
+                      f" + KV {fmt_bytes(p['kv_bytes'])} + working memory {fmt_bytes(p['activation_bytes'])} leave "
+                      f"room for {p['slots_per_layer']} experts per layer, top-k needs {p['top_k']}")
+    if index is None:
+        raise RQError(f"{ckpt.path} has no expert pages: run `rq pack {ckpt.path}` first")
+    return ExpertPager(ckpt.model, ckpt.path, slots=p["slots_per_layer"], policy=policy)

@@ -1,0 +1,129 @@
+"""Token generation: chunked prefill, `end_prefill()` on every cache, then sampled decode with stats."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from rq_core.errors import RQError
+from rq_core.kv_cache import KVSettings
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int] = field(default_factory=list)  # generated ids (EOS excluded)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tok_per_s: float = 0.0
+    decode_tok_per_s: float = 0.0
+    peak_memory_bytes: int = 0  # MLX's peak allocation (mx.get_peak_memory)
+    peak_rss_bytes: int = 0  # the process' peak resident set
+    kv_bytes: int = 0  # bytes held by all caches at the end
+    kv_bytes_fp16: int = 0  # what fp16 caches would hold for the same tokens
+    stop_reason: str = "length"  # "eos" | "length" | "context"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def sample(logits: mx.array, temp: float = 0.0, top_p: float = 1.0) -> mx.array:
+    """Next token ids [B] from logits [B, V]: greedy when temp == 0, else temperature + nucleus."""
+    if temp <= 0:
+        return mx.argmax(logits, axis=-1)
+    logits = logits.astype(mx.float32) / temp
+    if 0 < top_p < 1:
+        probs = mx.softmax(logits, axis=-1)
+        order = mx.argsort(-probs, axis=-1)
+        sorted_p = mx.take_along_axis(probs, order, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
+        drop_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) >= top_p
+        drop = mx.put_along_axis(mx.zeros_like(drop_sorted), order, drop_sorted, axis=-1)
+        logits = mx.where(drop, -mx.inf, logits)
+    return mx.random.categorical(logits, axis=-1)
+
+
+def cache_bytes(cache: Iterable) -> tuple[int, int]:
+    """(bytes held, fp16-equivalent bytes) summed over caches that report them."""
+    held = fp16 = 0
+    for c in cache:
+        held += int(getattr(c, "nbytes", 0) or 0)
+        fp16 += int(getattr(c, "fp16_nbytes", 0) or 0)
+    return held, fp16
+
+
+def _peak_rss() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r if sys.platform == "darwin" else r * 1024)  # bytes on macOS, KiB on Linux
+
+
+def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp: float = 0.0,
+             top_p: float = 1.0, seed: Optional[int] = None, kv: Optional[KVSettings] = None,
+             eos_token_ids: Iterable[int] = (), prefill_chunk: int = 512,
+             context_length: Optional[int] = None,
+             on_token: Optional[Callable[[int], None]] = None, cache: Optional[list] = None) -> GenerationResult:
+    """Generate up to `max_tokens` tokens after `prompt`; `on_token(id)` is called as each is produced.
+
+    The prompt runs in chunks of `prefill_chunk` tokens; then every cache gets `end_prefill()` (compressed
+    caches compress the prompt's K/V there) and decoding proceeds one token at a time.
+    """
+    if not prompt:
+        raise RQError("the prompt is empty (it encodes to zero tokens)")
+    if context_length is not None and len(prompt) > context_length:
+        raise RQError(f"the prompt is {len(prompt)} tokens, longer than the model's context of {context_length}")
+    if context_length is not None:
+        max_tokens = min(max_tokens, context_length - len(prompt))
+    eos = set(int(e) for e in eos_token_ids)
+    if seed is not None:
+        mx.random.seed(seed)
+    if cache is None:
+        cache = model.make_cache(kv or KVSettings())
+    mx.reset_peak_memory()
+    res = GenerationResult(prompt_tokens=len(prompt))
+
+    t0 = time.perf_counter()
+    x = mx.array(prompt, dtype=mx.int32)[None]
+    chunk = max(1, int(prefill_chunk))
+    for i in range(0, len(prompt), chunk):
+        logits = model(x[:, i:i + chunk], cache=cache)[:, -1, :]
+        mx.eval(logits)  # bounds the graph (and memory) to one chunk
+    for c in cache:
+        c.end_prefill()
+    y = sample(logits, temp, top_p)
+    mx.eval(y)
+    res.prefill_s = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    steps = 0
+    while max_tokens > 0:
+        tok = int(y.item())
+        if tok in eos:
+            res.stop_reason = "eos"
+            break
+        res.tokens.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if len(res.tokens) >= max_tokens:
+            res.stop_reason = "context" if context_length and len(prompt) + len(res.tokens) >= context_length \
+                else "length"
+            break
+        logits = model(y.reshape(1, 1).astype(mx.int32), cache=cache)[:, -1, :]
+        y = sample(logits, temp, top_p)
+        mx.eval(y)
+        steps += 1
+    res.decode_s = time.perf_counter() - t1 if steps else 0.0
+
+    res.generated_tokens = len(res.tokens)
+    res.prefill_tok_per_s = len(prompt) / res.prefill_s if res.prefill_s > 0 else 0.0
+    res.decode_tok_per_s = steps / res.decode_s if res.decode_s > 0 else 0.0
+    res.peak_memory_bytes = int(mx.get_peak_memory())
+    res.peak_rss_bytes = _peak_rss()
+    res.kv_bytes, res.kv_bytes_fp16 = cache_bytes(cache)
+    return res

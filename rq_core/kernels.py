@@ -1,0 +1,388 @@
+"""GPU kernels for compressed-space attention, one source for Metal and CUDA.
+
+The kernel bodies in `metal/*.body` and the helpers in `metal/common.h` are written once; a small
+prelude per backend (`metal/prelude_metal.h`, `metal/prelude_cuda.h`) maps thread ids, threadgroup
+memory, barriers and SIMD/warp reductions. `render` glues prelude + helpers + body; the result is
+compiled with `mx.fast.metal_kernel` on Apple GPUs or `mx.fast.cuda_kernel` on NVIDIA GPUs (once per
+kernel; MLX caches the compiled module per template instantiation = shape class).
+
+Pipeline (docs/FORMAT.md, "Compressed KV cache layout"), each stage callable on its own for
+`rq profile`:
+  rotate_queries   q~ = R q (WHT + SO(4)) per query head, with its kv head's R
+  qk_dot           Kernel A: scores straight from packed keys, one decode per GQA group
+  softmax          Kernel B: fp32, stable, masked
+  value_accum      Kernel C: "word" (word-parallel) or "dim" (dimension-parallel) strategy
+  rotate_inverse   Kernel D: o = R^T o~
+and the default fused path: `attn_split` (rotation + A + online softmax + C over one context split)
+then `attn_combine` (merge the splits + D). `packed_attention` follows the contract of
+`rq_core.attention.packed_attention` (queries already rotated; returns (o~, lse)).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+SRC_DIR = Path(__file__).resolve().parent.parent / "metal"
+BACKENDS = ("metal", "cuda")
+BODY_MARK = "//--- body ---"
+
+# Kernel C: below this many tokens the word-parallel strategy, at or above it dimension-parallel.
+# The paper used 512 on Apple GPUs; benchmarks/kernels_check.py measures it (docs/KERNEL_NOTES.md).
+C_SWITCH = int(os.environ.get("RQ_C_SWITCH", "512"))
+# Fused path: aim for about this many (kv head, split) blocks so a big GPU is filled.
+TARGET_BLOCKS = int(os.environ.get("RQ_TARGET_BLOCKS", "528"))
+NTH = 128  # threads per block of the split/tile kernels
+# Checks set this: every output is filled with NaN before its kernel runs, so an element a kernel
+# forgot to write shows up (MLX would otherwise hand back whatever its allocator had there).
+POISON = False
+SMEM_LIMIT = {"metal": 32768, "cuda": 49152}
+ROT_WHT, ROT_SO4 = 1, 2
+
+
+@dataclass(frozen=True)
+class Spec:
+    body: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+SPECS: dict[str, Spec] = {
+    "attn_split": Spec("attn_split.body",
+                       ("q", "mats", "levels", "k_codes", "k_norms", "v_codes", "v_norms", "prm", "fprm"),
+                       ("o_part", "ml_part")),
+    "attn_combine": Spec("attn_combine.body", ("o_part", "ml_part", "mats", "prm"), ("out", "lse")),
+    "rotate_query": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
+    "rotate_inverse": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
+    "qk_dot": Spec("qk_dot.body", ("q_rot", "levels", "k_codes", "k_norms", "prm", "fprm"), ("scores",)),
+    "softmax": Spec("softmax.body", ("scores", "prm"), ("probs",)),
+    "value_dim": Spec("value_dim.body", ("probs", "levels", "v_codes", "v_norms", "prm"), ("part",)),
+    "value_reduce": Spec("value_reduce.body", ("part", "prm"), ("out",)),
+    "value_word": Spec("value_word.body", ("probs", "levels", "v_codes", "v_norms", "prm"), ("out",)),
+}
+
+
+class KernelUnsupported(ValueError):
+    """These shapes are outside what the kernels handle; callers fall back to the reference path."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+@functools.lru_cache(maxsize=None)
+def _read(name: str) -> str:
+    return (SRC_DIR / name).read_text()
+
+
+def prelude(backend: str) -> tuple[str, str]:
+    """(header part, body-start part) of a backend's prelude."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}")
+    head, body = _read(f"prelude_{backend}.h").split(BODY_MARK + "\n")
+    return head, body
+
+
+def render(name: str, backend: str) -> tuple[str, str]:
+    """(header, source) of kernel `name` for `backend`, as passed to mx.fast.{metal,cuda}_kernel."""
+    head, start = prelude(backend)
+    header = head + "\n" + _read("common.h")
+    if not header.endswith("\n"):
+        header += "\n"  # cuda_kernel glues the next line to a header without a final newline
+    return header, start + "\n" + _read(SPECS[name].body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend detection and compilation
+
+
+def backend() -> str | None:
+    """'metal' or 'cuda' when MLX has that GPU backend and a device; None on CPU-only installs."""
+    if os.environ.get("RQ_KERNELS", "1") == "0":
+        return None
+    try:
+        if mx.metal.is_available():
+            return "metal"
+    except Exception:
+        pass
+    cuda = getattr(mx, "cuda", None)
+    try:
+        if cuda is not None and cuda.is_available():
+            return "cuda"
+    except Exception:
+        pass
+    return None
+
+
+def available() -> bool:
+    """True when the GPU kernels can run here (and the default device is the GPU)."""
+    return backend() is not None and mx.default_device() == mx.gpu
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, be: str):
+    header, source = render(name, be)
+    spec = SPECS[name]
+    make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
+    return make(name=f"rq_{name}", input_names=list(spec.inputs), output_names=list(spec.outputs),
+                source=source, header=header)
+
+
+def _run(name: str, inputs: list, template: list, grid: tuple, threads: int, out_shapes: list,
+         out_dtypes: list) -> list:
+    be = backend()
+    if be is None:
+        raise KernelUnsupported("no GPU backend")
+    k = _kernel(name, be)
+    return k(inputs=inputs, template=template, grid=(grid[0] * threads, grid[1], 1),
+             threadgroup=(threads, 1, 1), output_shapes=out_shapes, output_dtypes=out_dtypes,
+             init_value=float("nan") if POISON else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape classes
+
+
+def _check(D: int, bits: int, R: int) -> None:
+    if D not in (64, 128, 256):
+        raise KernelUnsupported(f"head_dim {D} (kernels cover 64, 128, 256)")
+    if bits not in (2, 3, 4):
+        raise KernelUnsupported(f"{bits}-bit codes (kernels cover 2, 3, 4)")
+    if R < 1 or R * (D // 32) > 64:
+        raise KernelUnsupported(f"{R} query rows per kv head at head_dim {D}")
+
+
+def _tpt(D: int, bits: int, R: int, be: str) -> int:
+    """Keys per thread in Kernel A / the split kernel: amortise query loads, fit registers and smem."""
+    W = D * bits // 32
+    for tpt in (4, 2, 1):
+        if tpt * R > 32 or tpt * W > 48:
+            continue
+        tile = NTH * tpt
+        smem = 4 * (2 * D * R + R * tile + tile * W + 1 + tile + (1 << bits) + 3 * R)
+        if smem <= SMEM_LIMIT[be]:
+            return tpt
+    raise KernelUnsupported(f"threadgroup memory for R={R}, head_dim {D}")
+
+
+def split_plan(T: int, n_groups: int, tile: int) -> tuple[int, int]:
+    """(n_splits, split_len) for the fused path: about TARGET_BLOCKS blocks, whole tiles per split."""
+    tiles = -(-T // tile)
+    ns = max(1, min(tiles, -(-TARGET_BLOCKS // max(1, n_groups))))
+    per = -(-tiles // ns)
+    ch = per * tile
+    return -(-T // ch), ch
+
+
+def _mats(mats: mx.array | None) -> mx.array:
+    return mx.zeros((1,), mx.float32) if mats is None else mats.astype(mx.float32)
+
+
+def _prm(T: int, Tcap: int, causal: bool, ns: int, ch: int, Hkv: int, offset: int) -> mx.array:
+    return mx.array([T, Tcap, int(causal), ns, ch, Hkv, offset, 0], dtype=mx.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages (each callable on its own: `rq profile` times them)
+
+
+def rotate_queries(q: mx.array, mats: mx.array | None, n_kv_heads: int, *, rot: int = ROT_WHT | ROT_SO4,
+                   inverse: bool = False) -> mx.array:
+    """q [B, Hq, L, D] → R q (or Rᵀ q with inverse=True) in float32, per query head with its kv head's R."""
+    B, Hq, L, D = q.shape
+    R = (Hq // n_kv_heads) * L
+    prm = _prm(0, 0, False, 0, 0, n_kv_heads, 0)
+    (out,) = _run("rotate_inverse" if inverse else "rotate_query",
+                  [q.astype(mx.float32), _mats(mats), prm],
+                  [("D", D), ("R", R), ("ROT", rot), ("INV", int(inverse))], (B * Hq * L, 1), D,
+                  [(B, Hq, L, D)], [mx.float32])
+    return out
+
+
+def rotate_inverse(o_rot: mx.array, mats: mx.array | None, n_kv_heads: int, *,
+                   rot: int = ROT_WHT | ROT_SO4) -> mx.array:
+    """Kernel D: o = Rᵀ õ (float32)."""
+    return rotate_queries(o_rot, mats, n_kv_heads, rot=rot, inverse=True)
+
+
+def qk_dot(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, levels: mx.array, *, bits: int,
+           scale: float, valid_len: int, offset: int = 0, causal: bool = False) -> mx.array:
+    """Kernel A: scores [B, Hq, L, T] (float32, natural units; masked entries -1e30)."""
+    B, Hq, L, D = q_rot.shape
+    Hkv, Tcap = k_codes.shape[1], k_codes.shape[2]
+    R = (Hq // Hkv) * L
+    _check(D, bits, R)
+    be = backend() or "cuda"
+    tpt = _tpt(D, bits, R, be)
+    T = valid_len
+    tiles = -(-T // (NTH * tpt))
+    (s,) = _run("qk_dot",
+                [q_rot.astype(mx.float32), levels.astype(mx.float32), k_codes, k_norms,
+                 _prm(T, Tcap, causal, 0, 0, Hkv, offset), mx.array([scale], dtype=mx.float32)],
+                [("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("TPT", tpt), ("NTH", NTH)],
+                (B * Hkv, tiles), NTH, [(B, Hq, L, T)], [mx.float32])
+    return s
+
+
+def softmax(scores: mx.array) -> mx.array:
+    """Kernel B: softmax over the last axis in float32 (entries ≤ -5e29 are masked)."""
+    T = scores.shape[-1]
+    rows = scores.size // T
+    nth = 1024 if T >= 8192 else 256
+    (p,) = _run("softmax", [scores, _prm(T, 0, False, 0, 0, 1, 0)], [("NTH", nth)], (rows, 1), nth,
+                [scores.shape], [mx.float32])
+    return p
+
+
+def value_accum(probs: mx.array, v_codes: mx.array, v_norms: mx.array, levels: mx.array, *, bits: int,
+                strategy: str = "auto") -> mx.array:
+    """Kernel C: õ = Σ_j α_j m'_j levels[vidx_j] / √d → [B, Hq, L, D] float32 (rotated space)."""
+    B, Hq, L, T = probs.shape
+    Hkv, Tcap, W = v_codes.shape[1], v_codes.shape[2], v_codes.shape[3]
+    D = W * 32 // bits
+    R = (Hq // Hkv) * L
+    _check(D, bits, R)
+    if strategy == "auto":
+        strategy = "word" if T < C_SWITCH else "dim"
+    lv = levels.astype(mx.float32)
+    if strategy == "word":
+        nc = D // 32
+        if R * nc > 1024:
+            raise KernelUnsupported("too many rows for the word-parallel strategy")
+        nsl = 32
+        while R * nc * nsl > 1024:
+            nsl //= 2
+        (o,) = _run("value_word", [probs, lv, v_codes, v_norms, _prm(T, Tcap, False, 0, 0, Hkv, 0)],
+                    [("D", D), ("BITS", bits), ("R", R), ("NSL", nsl)], (B * Hkv, 1), R * nc * nsl,
+                    [(B, Hq, L, D)], [mx.float32])
+        return o
+    if strategy != "dim":
+        raise ValueError(f"unknown Kernel C strategy {strategy!r} (word, dim, auto)")
+    tile = NTH
+    ns, ch = split_plan(T, B * Hkv, tile)
+    prm = _prm(T, Tcap, False, ns, ch, Hkv, 0)
+    (part,) = _run("value_dim", [probs, lv, v_codes, v_norms, prm],
+                   [("D", D), ("BITS", bits), ("R", R), ("NTH", NTH), ("TILE", tile)], (B * Hkv, ns), NTH,
+                   [(B * Hkv, ns, R, D)], [mx.float32])
+    (o,) = _run("value_reduce", [part, prm], [("D", D), ("R", R)], (B * Hq * L, 1), D,
+                [(B, Hq, L, D)], [mx.float32])
+    return o
+
+
+def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array,
+                    v_codes: mx.array, v_norms: mx.array, levels: mx.array, *, bits: int, scale: float,
+                    valid_len: int, offset: int = 0, causal: bool = False,
+                    rot: int = ROT_WHT | ROT_SO4) -> tuple[mx.array, mx.array]:
+    """Fused path: (rotation) + A + online softmax + C per context split, then merge + D.
+
+    q [B, Hq, L, D] un-rotated (rot selects which rotation the kernels apply; rot=0: q is already in
+    the rotated space and the output stays there). Returns (out [B, Hq, L, D] float32, lse [B, Hq, L]).
+    """
+    B, Hq, L, D = q.shape
+    Hkv, Tcap = k_codes.shape[1], k_codes.shape[2]
+    R = (Hq // Hkv) * L
+    _check(D, bits, R)
+    be = backend() or "cuda"
+    tpt = _tpt(D, bits, R, be)
+    T = valid_len
+    ns, ch = split_plan(T, B * Hkv, NTH * tpt)
+    prm = _prm(T, Tcap, causal, ns, ch, Hkv, offset)
+    m = _mats(mats)
+    o_part, ml_part = _run(
+        "attn_split",
+        [q.astype(mx.float32), m, levels.astype(mx.float32), k_codes, k_norms, v_codes, v_norms, prm,
+         mx.array([scale], dtype=mx.float32)],
+        [("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("TPT", tpt), ("NTH", NTH), ("ROT", rot)],
+        (B * Hkv, ns), NTH, [(B * Hkv, ns, R, D), (B * Hkv, ns, R, 2)], [mx.float32, mx.float32])
+    out, lse = _run("attn_combine", [o_part, ml_part, m, prm], [("D", D), ("R", R), ("ROT", rot)],
+                    (B * Hq * L, 1), D, [(B, Hq, L, D), (B, Hq, L)], [mx.float32, mx.float32])
+    return out, lse
+
+
+def attention_four(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array,
+                   v_codes: mx.array, v_norms: mx.array, levels: mx.array, *, bits: int, scale: float,
+                   valid_len: int, offset: int = 0, causal: bool = False, rot: int = ROT_WHT | ROT_SO4,
+                   strategy: str = "auto") -> mx.array:
+    """The four-kernel pipeline (query rotation, A, B, C, D); returns out [B, Hq, L, D] float32."""
+    Hkv = k_codes.shape[1]
+    q_rot = rotate_queries(q, mats, Hkv, rot=rot) if rot else q.astype(mx.float32)
+    s = qk_dot(q_rot, k_codes, k_norms, levels, bits=bits, scale=scale, valid_len=valid_len, offset=offset,
+               causal=causal)
+    p = softmax(s)
+    o = value_accum(p, v_codes, v_norms, levels, bits=bits, strategy=strategy)
+    return rotate_inverse(o, mats, Hkv, rot=rot) if rot else o
+
+
+def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
+                     v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, offset: int,
+                     causal: bool, valid_len: int, path: str | None = None) -> tuple[mx.array, mx.array]:
+    """GPU version of rq_core.attention.packed_attention (same contract, no extra mask): (õ, lse)."""
+    path = path or os.environ.get("RQ_ATTN_PATH", "fused")
+    if valid_len < 1:
+        raise KernelUnsupported("empty context")
+    if path == "fused":
+        return attention_split(q_rot, None, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
+                               valid_len=valid_len, offset=offset, causal=causal, rot=0)
+    s = qk_dot(q_rot, k_codes, k_norms, levels, bits=bits, scale=scale, valid_len=valid_len, offset=offset,
+               causal=causal)
+    lse = mx.logsumexp(s, axis=-1)
+    lse = mx.where(lse < -1e29, -mx.inf, lse)
+    o = value_accum(softmax(s), v_codes, v_norms, levels, bits=bits)
+    return o, lse
+
+
+def can_dispatch(q_rot: mx.array, k_codes: mx.array, bits: int, mask) -> bool:
+    """Whether packed_attention may take the GPU path for these arguments."""
+    if mask is not None or not available():
+        return False
+    B, Hq, L, D = q_rot.shape
+    Hkv = k_codes.shape[1]
+    if Hq % Hkv or k_codes.shape[3] * 32 != D * bits:
+        return False
+    try:
+        _check(D, bits, (Hq // Hkv) * L)
+        _tpt(D, bits, (Hq // Hkv) * L, backend() or "cuda")
+    except KernelUnsupported:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole translation units, as MLX builds them (for compile checks off the GPU and resource reports)
+
+# input dtype per input name (everything else is float32); outputs are float32
+INPUT_TYPES = {"k_codes": "u32", "v_codes": "u32", "k_norms": "f16", "v_norms": "f16", "prm": "i32"}
+_TYPE_NAMES = {"metal": {"f32": "float", "u32": "uint32_t", "f16": "float16_t", "i32": "int32_t"},
+               "cuda": {"f32": "float", "u32": "uint32_t", "f16": "__half", "i32": "int32_t"}}
+# Metal attributes MLX adds to the signature when the body names them (the prelude uses these three)
+_METAL_ATTRS = (("thread_position_in_threadgroup", "uint3"), ("threadgroup_position_in_grid", "uint3"),
+                ("threads_per_threadgroup", "uint3"))
+
+
+def full_source(name: str, be: str, template: list[tuple[str, int]]) -> str:
+    """The complete kernel source MLX would compile for `name` (MLX's own includes left to the caller)."""
+    header, source = render(name, be)
+    spec = SPECS[name]
+    types = _TYPE_NAMES[be]
+    kname = f"custom_kernel_rq_{name}"
+    if be == "cuda":
+        args = [f"    const {types[INPUT_TYPES.get(n, 'f32')]}* {n}" for n in spec.inputs]
+        args += [f"    float* {n}" for n in spec.outputs]
+        consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+        return (header + "namespace mlx::core::cu {\n\n__global__ void " + kname + "(\n" + ",\n".join(args)
+                + ") {\n" + consts + source + "\n}\n\n} // namespace mlx::core::cu\n")
+    args = [f"  const device {types[INPUT_TYPES.get(n, 'f32')]}* {n} [[buffer({i})]]"
+            for i, n in enumerate(spec.inputs)]
+    args += [f"  device float* {n} [[buffer({len(spec.inputs) + i})]]" for i, n in enumerate(spec.outputs)]
+    args += [f"  {t} {a} [[{a}]]" for a, t in _METAL_ATTRS if a in source]
+    tparams = ", ".join(f"int {k}" for k, _ in template)
+    targs = ", ".join(str(v) for _, v in template)
+    sig = ",\n".join(args)
+    return (header + f"template <{tparams}>\n[[kernel]] void {kname}(\n{sig}) {{\n{source}\n}}\n\n"
+            + f"template [[kernel]] void {kname}<{targs}>(\n"
+            + ",\n".join(a.split(" [[")[0] for a in args) + ");\n")

@@ -1,0 +1,422 @@
+"""Small primitives shared by the model families: config args, RoPE, routed experts, routing, caches.
+
+Names follow mlx-lm (`switch_mlp.{gate,up,down}_proj`, `to_quantized`) so checkpoints interoperate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from rq_core.kv_cache import Mask
+
+
+# --------------------------------------------------------------------------------------------- args
+@dataclasses.dataclass
+class BaseModelArgs:
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]):
+        """Build from a config.json dict, ignoring keys the dataclass does not name."""
+        names = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in params.items() if k in names})
+
+
+# --------------------------------------------------------------------------------------------- RoPE
+def rope_params(config: dict[str, Any], layer_type: Optional[str] = None) -> tuple[float, Optional[dict]]:
+    """(theta, scaling dict or None) from a config, whichever way it spells them.
+
+    transformers <5: `rope_theta` + `rope_scaling`; transformers 5: `rope_parameters`
+    (`{"rope_type", "rope_theta", ...}`, or one such dict per layer type, e.g. Gemma's
+    `{"sliding_attention": {...}, "full_attention": {...}}`).
+    """
+    rp = config.get("rope_parameters")
+    if isinstance(rp, dict) and layer_type is not None and isinstance(rp.get(layer_type), dict):
+        rp = rp[layer_type]
+    if isinstance(rp, dict) and rp and all(isinstance(v, dict) for v in rp.values()):
+        rp = next(iter(rp.values()))  # per-layer-type dict but no type asked: take the first
+    scaling = config.get("rope_scaling")
+    theta = config.get("rope_theta")
+    if isinstance(rp, dict) and rp:
+        theta = rp.get("rope_theta", theta)
+        if scaling is None:
+            scaling = rp
+    if theta is None:
+        theta = 10000.0
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            scaling = None
+    return float(theta), scaling
+
+
+class _FreqRoPE(nn.Module):
+    """RoPE with explicit inverse-frequency periods (mx.fast.rope `freqs`) and an optional input scale."""
+
+    def __init__(self, dims: int, freqs: mx.array, traditional: bool = False, mscale: float = 1.0):
+        super().__init__()
+        self.dims = dims
+        self.traditional = traditional
+        self.mscale = mscale
+        self._freqs = freqs
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        if self.mscale != 1.0:
+            x = x.at[..., : self.dims].multiply(self.mscale)
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=None, scale=1.0,
+                            offset=offset, freqs=self._freqs)
+
+
+def _yarn(dims: int, base: float, cfg: dict, max_pos: Optional[int]) -> tuple[mx.array, float]:
+    factor = float(cfg["factor"])
+    orig = cfg.get("original_max_position_embeddings") or max_pos or 4096
+    beta_fast, beta_slow = cfg.get("beta_fast", 32), cfg.get("beta_slow", 1)
+
+    def corr_dim(rot: float) -> float:
+        return (dims * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low = max(math.floor(corr_dim(beta_fast)), 0)
+    high = min(math.ceil(corr_dim(beta_slow)), dims - 1)
+    if cfg.get("truncate") is False:
+        low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extra_mask = 1.0 - ramp
+    freq_extra = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    freq_inter = factor * freq_extra
+    freqs = (freq_inter * freq_extra) / (freq_inter * extra_mask + freq_extra * (1 - extra_mask))
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if cfg.get("attention_factor") is not None:
+        mscale = float(cfg["attention_factor"])
+    elif cfg.get("mscale") and cfg.get("mscale_all_dim"):
+        mscale = get_mscale(factor, cfg["mscale"]) / get_mscale(factor, cfg["mscale_all_dim"])
+    else:
+        mscale = get_mscale(factor)
+    return freqs, mscale
+
+
+def make_rope(dims: int, base: float, scaling: Optional[dict] = None, *, traditional: bool = False,
+              max_position_embeddings: Optional[int] = None) -> nn.Module:
+    """A RoPE module for `dims` rotated dims; `scaling` as from `rope_params` (None = plain RoPE).
+
+    Supports rope types default, linear, llama3, yarn, proportional (Gemma: partial rotation
+    inside a full head) and `partial_rotary_factor`. The module is called as rope(x, offset).
+    """
+    kind = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+    partial = float(scaling.get("partial_rotary_factor", 1.0)) if scaling else 1.0
+    if kind == "proportional":
+        # Rotate the first `rotated` dims of a head but with exponents over the whole head.
+        rotated = int(dims * partial)
+        rotated -= rotated % 2
+        factor = float(scaling.get("factor", 1.0))
+        exps = mx.arange(0, rotated, 2, dtype=mx.float32) / dims
+        freqs = mx.concatenate([factor * (base ** exps), mx.full(((dims - rotated) // 2,), mx.inf)])
+        return _FreqRoPE(dims, freqs, traditional)
+    rot = int(dims * partial)
+    rot -= rot % 2
+    if kind == "default":
+        return nn.RoPE(rot, traditional=traditional, base=base)
+    if kind == "linear":
+        return nn.RoPE(rot, traditional=traditional, base=base, scale=1.0 / float(scaling["factor"]))
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        lo, hi = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old = scaling.get("original_max_position_embeddings", 8192)
+        freqs = base ** (mx.arange(0, rot, 2, dtype=mx.float32) / rot)
+        wavelens = 2 * mx.pi * freqs
+        freqs = mx.where(wavelens > old / lo, freqs * factor, freqs)
+        medium = (wavelens > old / hi) & (wavelens < old / lo)
+        smooth = (old / wavelens - lo) / (hi - lo)
+        freqs = mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
+        return _FreqRoPE(rot, freqs, traditional)
+    if kind == "yarn":
+        freqs, mscale = _yarn(rot, base, scaling, max_position_embeddings)
+        return _FreqRoPE(rot, freqs, traditional, mscale)
+    from rq_core.errors import RQError
+
+    raise RQError(f"unsupported rope type {kind!r} (supported: default, linear, llama3, yarn, proportional)")
+
+
+# ------------------------------------------------------------------------------------------- norms
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * (offset + weight) via mx.fast.rms_norm; offset=1 is Gemma's (1 + w) form."""
+
+    def __init__(self, dims: int, eps: float = 1e-6, offset: float = 0.0, with_scale: bool = True):
+        super().__init__()
+        if with_scale:
+            self.weight = mx.zeros((dims,)) if offset else mx.ones((dims,))
+        self.eps = eps
+        self.offset = offset
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "weight" not in self:
+            return mx.fast.rms_norm(x, None, self.eps)
+        w = self.weight + self.offset if self.offset else self.weight
+        return mx.fast.rms_norm(x, w, self.eps)
+
+
+# ------------------------------------------------------------------------------------ routed experts
+class SwitchLinear(nn.Module):
+    """A bank of E linear maps, weight [E, out, in]; x @ W[idx]^T by one mx.gather_mm."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False):
+        super().__init__()
+        scale = math.sqrt(1 / input_dims)
+        self.weight = mx.random.uniform(low=-scale, high=scale, shape=(num_experts, output_dims, input_dims))
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        x = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        if "bias" in self:
+            x = x + mx.expand_dims(self["bias"][indices], -2)
+        return x
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine", **_: Any) -> "QuantizedSwitchLinear":
+        E, out, inp = self.weight.shape
+        ql = QuantizedSwitchLinear(inp, out, E, bias=False, group_size=group_size, bits=bits, mode=mode,
+                                   weight=self.weight)
+        if "bias" in self:
+            ql.bias = self.bias
+        return ql
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """SwitchLinear with mx.quantize'd weights; one mx.gather_qmm per call."""
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False,
+                 group_size: int = 64, bits: int = 4, mode: str = "affine", weight: Optional[mx.array] = None):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        if weight is None:
+            weight = mx.zeros((num_experts, output_dims, input_dims))
+        self.weight, self.scales, *b = mx.quantize(weight, group_size, bits, mode=mode)
+        self.biases = b[0] if b else None
+        if bias:
+            self.bias = mx.zeros((num_experts, output_dims))
+        self.freeze()
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        x = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
+                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
+                          sorted_indices=sorted_indices)
+        if "bias" in self:
+            x = x + mx.expand_dims(self["bias"][indices], -2)
+        return x
+
+
+def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    # Group token copies by expert so each expert's rows are contiguous (faster gather for prefill).
+    *_, M = indices.shape
+    flat = indices.flatten()
+    order = mx.argsort(flat)
+    inv_order = mx.argsort(order)
+    return x.flatten(0, -3)[order // M], flat[order], inv_order
+
+
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+def relu2(x: mx.array) -> mx.array:
+    return mx.square(nn.relu(x))
+
+
+class SwitchGLU(nn.Module):
+    """Routed experts y_e = down(act(gate x) * up x), stacked per layer.
+
+    `activation(gate, up)` combines the two projections (default SwiGLU). With `gated=False` there is no
+    gate_proj and `activation(up)` is applied alone (Nemotron-H's ReLU² experts).
+    The expert pager swaps the banks (`gate_proj`, `up_proj`, `down_proj`) behind this class.
+    """
+
+    def __init__(self, input_dims: int, hidden_dims: int, num_experts: int,
+                 activation: Optional[Callable] = None, bias: bool = False, gated: bool = True):
+        super().__init__()
+        self.gated = gated
+        if gated:
+            self.gate_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.up_proj = SwitchLinear(input_dims, hidden_dims, num_experts, bias=bias)
+        self.down_proj = SwitchLinear(hidden_dims, input_dims, num_experts, bias=bias)
+        self.activation = activation or (swiglu if gated else relu2)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """x [..., D], indices [..., k] → [..., k, D] (one output per selected expert)."""
+        x = mx.expand_dims(x, (-2, -3))
+        indices = mx.stop_gradient(indices)
+        do_sort = indices.size >= 64
+        idx, inv_order = indices, None
+        if do_sort:
+            x, idx, inv_order = _gather_sort(x, indices)
+        up = self.up_proj(x, idx, sorted_indices=do_sort)
+        if self.gated:
+            h = self.activation(self.gate_proj(x, idx, sorted_indices=do_sort), up)
+        else:
+            h = self.activation(up)
+        x = self.down_proj(h, idx, sorted_indices=do_sort)
+        if do_sort:
+            x = mx.unflatten(x[inv_order], 0, indices.shape)
+        return x.squeeze(-2)
+
+
+# ------------------------------------------------------------------------------------------ routing
+def topk_indices(scores: mx.array, k: int) -> mx.array:
+    """Indices of the k largest scores along the last axis (unordered)."""
+    return mx.stop_gradient(mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k])
+
+
+def route_softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
+    """Softmax over all experts (fp32), pick top-k, optionally renormalise: (indices, weights)."""
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)
+    inds = topk_indices(probs, k)
+    w = mx.take_along_axis(probs, inds, axis=-1)
+    if norm_topk_prob:
+        w = w / mx.sum(w, axis=-1, keepdims=True)
+    return inds, w
+
+
+def route_sigmoid_group_topk(logits: mx.array, k: int, *, correction_bias: Optional[mx.array] = None,
+                             n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                             routed_scaling_factor: float = 1.0) -> tuple[mx.array, mx.array]:
+    """DeepSeek-V3 / Nemotron-H routing: sigmoid scores, bias only for choosing, group top-k."""
+    scores = mx.sigmoid(logits.astype(mx.float32))
+    choice = scores if correction_bias is None else scores + correction_bias.astype(mx.float32)
+    if n_group > 1:
+        E = choice.shape[-1]
+        g = choice.reshape(*choice.shape[:-1], n_group, E // n_group)
+        group_scores = mx.sum(mx.sort(g, axis=-1)[..., -2:], axis=-1)  # top-2 per group
+        drop = n_group - topk_group
+        if drop > 0:
+            low = mx.stop_gradient(mx.argpartition(group_scores, kth=drop - 1, axis=-1)[..., :drop])
+            g = mx.put_along_axis(g, mx.expand_dims(low, -1), mx.array(-mx.inf, g.dtype), axis=-2)  # -inf: biased scores may be < 0
+        choice = g.reshape(*choice.shape)
+    inds = topk_indices(choice, k)
+    w = mx.take_along_axis(scores, inds, axis=-1)
+    if norm_topk_prob:  # transformers normalises for k = 1 too (weight → 1)
+        w = w / (mx.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return inds, w * routed_scaling_factor
+
+
+def combine_experts(y: mx.array, weights: mx.array) -> mx.array:
+    """Sum the k expert outputs [..., k, D] weighted by [..., k] (weights cast to y's dtype)."""
+    return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+
+
+# ------------------------------------------------------------------------------------------ caches
+class SlidingWindowCache:
+    """fp16 cache for sliding-window layers: keeps only the newest `window` tokens.
+
+    Follows the KVCache protocol (`attend`, `end_prefill`, `trim`, byte counts). A query at
+    position i sees keys j with i - window < j <= i (transformers' sliding-window semantics).
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = int(window)
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+               mask: Mask = None) -> mx.array:
+        L = keys.shape[2]
+        if self.keys is None:
+            k, v = keys, values
+        else:
+            k = mx.concatenate([self.keys, keys], axis=2)
+            v = mx.concatenate([self.values, values], axis=2)
+        T = k.shape[2]
+        start = self.offset + L - T  # absolute position of k[..., 0, :]
+        q_pos = mx.arange(self.offset, self.offset + L)[:, None]
+        k_pos = mx.arange(start, start + T)[None]
+        allowed = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
+        out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=allowed)
+        keep = min(T, self.window - 1) if self.window > 1 else 0
+        self.keys, self.values = k[..., T - keep:, :], v[..., T - keep:, :]
+        self.offset += L
+        return out
+
+    def end_prefill(self) -> None:
+        pass
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.offset, 0 if self.keys is None else self.keys.shape[2])
+        if n:
+            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+            self.offset -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    @property
+    def fp16_nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H, T, D = self.keys.shape
+        return 2 * B * H * T * (D + self.values.shape[3])
+
+
+def attention_mask(L: int) -> Mask:
+    """The mask argument models pass to `cache.attend` for L new tokens."""
+    return "causal" if L > 1 else None
+
+
+def attend(cache: Any, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+           window: Optional[int] = None) -> mx.array:
+    """Attention of the new tokens: through the layer's cache, or (cache None, e.g. training) directly."""
+    L = queries.shape[2]
+    if cache is not None:
+        return cache.attend(queries, keys, values, scale=scale, mask=attention_mask(L))
+    mask: Mask = attention_mask(L)
+    if window is not None and L > 1:
+        pos = mx.arange(L)
+        mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - window)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int,
+                  names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj"),
+                  dst: str = "switch_mlp") -> None:
+    """Rewrite one MoE block's expert weights in place into `<prefix>.<dst>.<name>.weight` [E, out, in].
+
+    Handles the hub layout (`<prefix>.experts.<e>.<name>.weight`) and transformers 5's fused layout
+    (`<prefix>.experts.gate_up_proj` [E, 2I, D] — gate rows first — and `<prefix>.experts.down_proj`
+    [E, D, I], with or without a `.weight` suffix). Already-stacked names pass through.
+    """
+    for n in names:
+        k0 = f"{prefix}.experts.0.{n}.weight"
+        if k0 in weights:
+            parts = [weights.pop(f"{prefix}.experts.{e}.{n}.weight") for e in range(num_experts)]
+            weights[f"{prefix}.{dst}.{n}.weight"] = mx.stack(parts)
+            for suffix in ("bias",):
+                kb = f"{prefix}.experts.0.{n}.{suffix}"
+                if kb in weights:
+                    bs = [weights.pop(f"{prefix}.experts.{e}.{n}.{suffix}") for e in range(num_experts)]
+                    weights[f"{prefix}.{dst}.{n}.{suffix}"] = mx.stack(bs)
+    for suf in ("", ".weight"):
+        fused = weights.pop(f"{prefix}.experts.gate_up_proj{suf}", None)
+        if fused is not None:
+            half = fused.shape[1] // 2
+            weights[f"{prefix}.{dst}.gate_proj.weight"] = fused[:, :half]
+            weights[f"{prefix}.{dst}.up_proj.weight"] = fused[:, half:]
+        for n in names:
+            w = weights.pop(f"{prefix}.experts.{n}{suf}", None)
+            if w is not None:
+                weights[f"{prefix}.{dst}.{n}.weight"] = w

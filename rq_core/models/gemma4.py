@@ -1,0 +1,355 @@
+"""Gemma 4 text model (`gemma4` multimodal release with a nested `text_config`, or `gemma4_text`).
+
+Matches transformers' `Gemma4ForConditionalGeneration` / `Gemma4ForCausalLM` on text. Per layer:
+sliding or full attention (full layers may have their own head dim and kv-head count, K = V
+sharing via `attention_k_eq_v`, proportional partial RoPE), q/k RMSNorm and a scale-free v norm,
+attention scale 1; a GeGLU MLP, plus (with `enable_moe_block`) routed GeGLU experts in parallel;
+sandwich norms, per-layer embeddings (PLE) when `hidden_size_per_layer_input` > 0, a learned
+layer scalar, final logit soft-capping. Vision/audio towers are skipped.
+Parameter names follow mlx-lm (`gemma4`: `language_model.model.…`; `gemma4_text`: `model.…`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from rq_core.errors import RQError
+from rq_core.kv_cache import KVSettings, make_kv_cache
+from rq_core.models.base import (
+    BaseModelArgs,
+    SlidingWindowCache,
+    SwitchGLU,
+    attend,
+    combine_experts,
+    make_rope,
+    route_softmax_topk,
+    stack_experts,
+)
+
+_DEFAULT_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+_SKIP_PREFIXES = ("vision_tower", "audio_tower", "embed_vision", "embed_audio", "multi_modal_projector",
+                  "vision_embedder")
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str = "gemma4_text"
+    vocab_size: int = 262_144
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    global_head_dim: Optional[int] = None  # transformers' default for full layers: 512
+    num_global_key_value_heads: Optional[int] = None
+    per_layer_config: Optional[dict] = None  # transformers ≥5.2x: {layer index: {"head_dim", "num_key_value_heads"}}
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    rope_parameters: Optional[dict] = None
+    attention_bias: bool = False
+    sliding_window: int = 512
+    layer_types: Optional[list] = None
+    final_logit_softcapping: Optional[float] = None
+    use_bidirectional_attention: Optional[str] = None
+    vocab_size_per_layer_input: int = 262_144
+    hidden_size_per_layer_input: int = 256
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    enable_moe_block: bool = False
+    use_double_wide_mlp: bool = False
+    num_experts: Optional[int] = None
+    top_k_experts: Optional[int] = None
+    moe_intermediate_size: Optional[int] = None
+    multimodal: bool = False  # set by from_dict for a `gemma4` config with a nested text_config
+    layer_head_dim: list = field(default_factory=list)
+    layer_kv_heads: list = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
+        tc = params.get("text_config")
+        if isinstance(tc, dict):
+            merged = dict(tc)
+            merged["model_type"] = params.get("model_type", "gemma4")
+            merged["multimodal"] = True
+            if "tie_word_embeddings" in params and "tie_word_embeddings" not in tc:
+                merged["tie_word_embeddings"] = params["tie_word_embeddings"]
+            params = merged
+        return super().from_dict(params)
+
+    def __post_init__(self):
+        if self.use_bidirectional_attention == "all":
+            raise RQError("gemma4: use_bidirectional_attention='all' (a non-causal model) is not supported")
+        if self.num_kv_shared_layers:
+            raise RQError(f"gemma4: num_kv_shared_layers={self.num_kv_shared_layers} (KV sharing across layers, "
+                          "used by the small dense Gemma 4 models) is not supported")
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_approx"):
+            raise RQError(f"gemma4: hidden_activation={self.hidden_activation!r} is not supported")
+        if self.layer_types is None:  # transformers' default: every 6th layer full
+            self.layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                for i in range(self.num_hidden_layers)]
+        self.layer_types = list(self.layer_types)
+        if self.layer_types[-1] != "full_attention":  # transformers forces this too
+            self.layer_types[-1] = "full_attention"
+        unknown = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+        if unknown:
+            raise RQError(f"gemma4: unknown layer types {unknown}")
+        if self.rope_parameters is None:
+            self.rope_parameters = _DEFAULT_ROPE
+        if self.enable_moe_block and not (self.num_experts and self.top_k_experts and self.moe_intermediate_size):
+            raise RQError("gemma4: enable_moe_block needs num_experts, top_k_experts and moe_intermediate_size")
+        # Per-layer head dim / kv heads, as transformers resolves them.
+        if self.per_layer_config is not None:
+            overrides = {int(k): v for k, v in self.per_layer_config.items()}
+        else:
+            full = {"head_dim": self.global_head_dim or 512}
+            if self.attention_k_eq_v and self.num_global_key_value_heads is not None:
+                full["num_key_value_heads"] = self.num_global_key_value_heads
+            overrides = {i: full for i, t in enumerate(self.layer_types) if t == "full_attention"}
+        self.layer_head_dim = [overrides.get(i, {}).get("head_dim", self.head_dim)
+                               for i in range(self.num_hidden_layers)]
+        self.layer_kv_heads = [overrides.get(i, {}).get("num_key_value_heads", self.num_key_value_heads)
+                               for i in range(self.num_hidden_layers)]
+
+
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.gelu_approx(gate) * up
+
+
+def _rms(x: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, None, eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, i: int):
+        super().__init__()
+        self.layer_type = args.layer_types[i]
+        self.is_sliding = self.layer_type == "sliding_attention"
+        self.window = args.sliding_window if self.is_sliding else None
+        self.head_dim = hd = args.layer_head_dim[i]
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.layer_kv_heads[i]
+        self.k_eq_v = args.attention_k_eq_v and not self.is_sliding
+        self.eps = args.rms_norm_eps
+        d, b = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=b)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=b)
+        if not self.k_eq_v:
+            self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=b)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=b)
+        self.q_norm = nn.RMSNorm(hd, eps=self.eps)
+        self.k_norm = nn.RMSNorm(hd, eps=self.eps)
+        rp = args.rope_parameters.get(self.layer_type) or {}
+        kind = rp.get("rope_type", "default")
+        # transformers' "default" Gemma 4 RoPE rotates the whole head whatever partial_rotary_factor says.
+        self.rope = make_rope(hd, float(rp.get("rope_theta", 10_000.0)), None if kind == "default" else rp)
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        offset = cache.offset if cache is not None else 0
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k_raw = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = k_raw if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        k = self.k_norm(k_raw).transpose(0, 2, 1, 3)
+        v = _rms(v, self.eps).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=offset)
+        k = self.rope(k, offset=offset)
+        o = attend(cache, q, k, v, scale=1.0, window=self.window)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden, bias=False)
+        self.up_proj = nn.Linear(dims, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dims, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class Router(nn.Module):
+    """Scale-free RMSNorm → ·scale/√d → logits → softmax top-k, renormalised, times a per-expert scale."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.k, self.eps = args.top_k_experts, args.rms_norm_eps
+        self.root = args.hidden_size ** -0.5
+        self.proj = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        self.scale = mx.ones((args.hidden_size,))
+        self.per_expert_scale = mx.ones((args.num_experts,))
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        h = _rms(x, self.eps) * self.scale * self.root
+        inds, w = route_softmax_topk(self.proj(h), self.k, norm_topk_prob=True)
+        return inds, w * self.per_expert_scale[inds].astype(w.dtype)
+
+
+class Experts(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.switch_glu = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                    activation=geglu)
+
+    def __call__(self, x: mx.array, inds: mx.array, w: mx.array) -> mx.array:
+        return combine_experts(self.switch_glu(x, inds), w)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, i: int):
+        super().__init__()
+        d, eps = args.hidden_size, args.rms_norm_eps
+        self.layer_type = args.layer_types[i]
+        self.self_attn = Attention(args, i)
+        self.mlp = MLP(d, args.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(d, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(d, eps=eps)
+        self.post_feedforward_layernorm = nn.RMSNorm(d, eps=eps)
+        self.enable_moe = args.enable_moe_block
+        if self.enable_moe:
+            self.router = Router(args)
+            self.experts = Experts(args)
+            self.post_feedforward_layernorm_1 = nn.RMSNorm(d, eps=eps)
+            self.post_feedforward_layernorm_2 = nn.RMSNorm(d, eps=eps)
+            self.pre_feedforward_layernorm_2 = nn.RMSNorm(d, eps=eps)
+        self.ple = bool(args.hidden_size_per_layer_input)
+        if self.ple:
+            self.per_layer_input_gate = nn.Linear(d, args.hidden_size_per_layer_input, bias=False)
+            self.per_layer_projection = nn.Linear(args.hidden_size_per_layer_input, d, bias=False)
+            self.post_per_layer_input_norm = nn.RMSNorm(d, eps=eps)
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(self, x: mx.array, cache: Any = None, per_layer_input: Optional[mx.array] = None) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+        y = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.enable_moe:  # experts in parallel with the dense MLP, both fed the residual stream
+            inds, w = self.router(h)
+            y2 = self.experts(self.pre_feedforward_layernorm_2(h), inds, w)
+            y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(y2)
+        h = h + self.post_feedforward_layernorm(y)
+        if self.ple:
+            g = nn.gelu_approx(self.per_layer_input_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        return h * self.layer_scalar.astype(h.dtype)
+
+
+class TextModel(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.ple_dim = args.hidden_size_per_layer_input
+        if self.ple_dim:
+            n = args.num_hidden_layers
+            self.embed_tokens_per_layer = nn.Embedding(args.vocab_size_per_layer_input, n * self.ple_dim)
+            self.per_layer_model_projection = nn.Linear(args.hidden_size, n * self.ple_dim, bias=False)
+            self.per_layer_projection_norm = nn.RMSNorm(self.ple_dim, eps=args.rms_norm_eps)
+
+    def _per_layer_inputs(self, inputs: mx.array, h: mx.array) -> mx.array:
+        n = self.args.num_hidden_layers
+        tok = self.embed_tokens_per_layer(inputs)
+        tok = tok * mx.array(math.sqrt(self.ple_dim), dtype=tok.dtype)
+        ctx = self.per_layer_model_projection(h) * mx.array(self.args.hidden_size ** -0.5, dtype=h.dtype)
+        ctx = self.per_layer_projection_norm(ctx.reshape(*h.shape[:-1], n, self.ple_dim))
+        return (ctx + tok.reshape(*inputs.shape, n, self.ple_dim)) * mx.array(2.0 ** -0.5, dtype=h.dtype)
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)  # scale rounded to the weights' dtype
+        ple = self._per_layer_inputs(inputs, h) if self.ple_dim else None
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for i, (layer, c) in enumerate(zip(self.layers, cache)):
+            h = layer(h, c, ple[:, :, i] if ple is not None else None)
+        return self.norm(h)
+
+
+class LanguageModel(nn.Module):
+    """Holds `model` (+ `lm_head` when untied): the multimodal release's `language_model`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.model = TextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        if args.multimodal:
+            self.language_model = LanguageModel(args)
+        else:
+            self.model = TextModel(args)
+            if not args.tie_word_embeddings:
+                self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def _lm(self) -> nn.Module:
+        return self.language_model if self.args.multimodal else self
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        lm = self._lm
+        h = lm.model(inputs, cache)
+        logits = lm.lm_head(h) if "lm_head" in lm else lm.model.embed_tokens.as_linear(h)
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def layers(self) -> list:
+        return self._lm.model.layers
+
+    def make_cache(self, kv: Optional[KVSettings] = None) -> list:
+        """Sliding layers: a fp16 window cache; full layers: the chosen KV mode."""
+        kv = kv or KVSettings()
+        caches: list = []
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            if a.is_sliding:
+                caches.append(SlidingWindowCache(self.args.sliding_window))
+            else:
+                caches.append(make_kv_cache(kv, layer=i, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim))
+        return caches
+
+    def sanitize(self, weights: dict) -> dict:
+        """transformers / hub names → ours: drops vision/audio towers and rotary buffers, splits the fused
+        expert `gate_up_proj` into the SwitchGLU banks, maps `model.language_model.*` (multimodal) or
+        `model.*` (text-only) onto this module's layout."""
+        lm_prefix = "language_model.model." if self.args.multimodal else "model."
+        out = {}
+        for k, v in weights.items():
+            if "rotary_emb" in k or k.endswith(("input_max", "input_min", "output_max", "output_min")):
+                continue
+            key = k[len("model."):] if k.startswith("model.") else k
+            if key.startswith(_SKIP_PREFIXES):
+                continue
+            if key.startswith("language_model."):
+                key = key[len("language_model."):]
+                key = key[len("model."):] if key.startswith("model.") else key
+            if key.startswith("lm_head."):
+                if self.args.tie_word_embeddings:
+                    continue
+                out[("language_model." if self.args.multimodal else "") + key] = v
+                continue
+            out[lm_prefix + key] = v
+        if self.args.enable_moe_block:
+            for i in range(self.args.num_hidden_layers):
+                stack_experts(out, f"{lm_prefix}layers.{i}", self.args.num_experts,
+                              dst="experts.switch_glu")
+        return out

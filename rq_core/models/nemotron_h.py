@@ -1,0 +1,301 @@
+"""Nemotron-H (Nemotron 3 Nano / Super): hybrid Mamba2 / attention / MoE stack.
+
+Matches transformers' `NemotronHForCausalLM`. Layer kinds (`hybrid_override_pattern` chars or
+`layers_block_type` names): `M` Mamba2 mixer, `*` attention (no RoPE), `E` MoE with ReLU² experts,
+sigmoid group-top-k routing with `e_score_correction_bias`, a shared expert and optional latent
+projections (`moe_latent_size`), `-` dense ReLU² MLP. Each block is `x + mixer(norm(x))`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from rq_core.errors import RQError
+from rq_core.kv_cache import KVSettings, make_kv_cache
+from rq_core.models.base import (
+    BaseModelArgs,
+    SwitchGLU,
+    attend,
+    combine_experts,
+    relu2,
+    route_sigmoid_group_topk,
+    stack_experts,
+)
+from rq_core.models.mamba import Mamba2Mixer, MambaCache
+
+_BLOCK_CHARS = {
+    "linear_attention": "M", "mamba": "M", "conv": "M",
+    "full_attention": "*", "attention": "*",
+    "moe": "E", "mlp": "-",
+}
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str = "nemotron_h"
+    vocab_size: int = 131072
+    hidden_size: int = 4096
+    hybrid_override_pattern: Optional[Union[str, list]] = None
+    layers_block_type: Optional[list] = None
+    layer_types: Optional[list] = None
+    num_attention_heads: int = 32
+    num_key_value_heads: Optional[int] = 8
+    head_dim: Optional[int] = 128
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    intermediate_size: int = 21504
+    mlp_bias: bool = False
+    mlp_hidden_act: str = "relu2"
+    ssm_state_size: int = 128
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    mamba_hidden_act: str = "silu"
+    mamba_proj_bias: bool = False
+    n_groups: int = 8
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    time_step_min: float = 0.001
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    n_routed_experts: int = 8
+    n_shared_experts: Optional[int] = 1
+    moe_intermediate_size: int = 7688
+    moe_shared_expert_intermediate_size: int = 7688
+    moe_latent_size: Optional[int] = None
+    num_experts_per_tok: int = 2
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    # Legacy spellings some hub configs use (transformers' NemotronHConfig accepts them).
+    mamba_n_groups: Optional[int] = None
+    mamba_d_conv: Optional[int] = None
+    mamba_chunk_size: Optional[int] = None
+    mamba_dt_min: Optional[float] = None
+    mamba_conv_bias: Optional[bool] = None
+
+    def __post_init__(self):
+        for legacy, field in (("mamba_n_groups", "n_groups"), ("mamba_d_conv", "conv_kernel"),
+                              ("mamba_chunk_size", "chunk_size"), ("mamba_dt_min", "time_step_min"),
+                              ("mamba_conv_bias", "use_conv_bias")):
+            if getattr(self, legacy) is not None:
+                setattr(self, field, getattr(self, legacy))
+        if self.hybrid_override_pattern is not None:
+            pattern = "".join(self.hybrid_override_pattern)
+        elif self.layers_block_type or self.layer_types:
+            types = self.layers_block_type or self.layer_types
+            unknown = sorted(set(types) - set(_BLOCK_CHARS))
+            if unknown:
+                raise RQError(f"nemotron_h: unknown layer types {unknown} (known: {', '.join(_BLOCK_CHARS)})")
+            pattern = "".join(_BLOCK_CHARS[t] for t in types)
+        else:
+            raise RQError("nemotron_h: config.json has neither hybrid_override_pattern nor layers_block_type")
+        bad = sorted(set(pattern) - set("M*E-"))
+        if bad:
+            raise RQError(f"nemotron_h: unknown pattern characters {bad} (known: M * E -)")
+        self.pattern = pattern
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        for name, act in (("mlp_hidden_act", self.mlp_hidden_act), ("mamba_hidden_act", self.mamba_hidden_act)):
+            want = "relu2" if name == "mlp_hidden_act" else "silu"
+            if act != want:
+                raise RQError(f"nemotron_h: {name}={act!r} is not supported (only {want!r})")
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.pattern)
+
+
+class NoCache:
+    """Cache slot of a stateless layer (MLP / MoE): keeps the one-entry-per-layer list uniform."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+
+    def end_prefill(self) -> None:
+        pass
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.offset)
+        self.offset -= n
+        return n
+
+    nbytes = 0
+    fp16_nbytes = 0
+
+
+class Attention(nn.Module):
+    """Plain GQA attention; Nemotron-H uses no positional encoding in attention."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.scale = self.head_dim ** -0.5
+        d, b = args.hidden_size, args.attention_bias
+        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=b)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=b)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=b)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=b)
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        o = attend(cache, q, k, v, scale=self.scale)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs, intermediate_size: Optional[int] = None):
+        super().__init__()
+        i = intermediate_size or args.intermediate_size
+        self.up_proj = nn.Linear(args.hidden_size, i, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(i, args.hidden_size, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(relu2(self.up_proj(x)))
+
+
+class MoEGate(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.weight = mx.zeros((args.n_routed_experts, args.hidden_size))
+        self.e_score_correction_bias = mx.zeros((args.n_routed_experts,))
+
+    def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        a = self.args
+        logits = x.astype(mx.float32) @ self.weight.astype(mx.float32).T  # router runs in fp32
+        return route_sigmoid_group_topk(logits, a.num_experts_per_tok, correction_bias=self.e_score_correction_bias,
+                                        n_group=a.n_group, topk_group=a.topk_group, norm_topk_prob=a.norm_topk_prob,
+                                        routed_scaling_factor=a.routed_scaling_factor)
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.latent = args.moe_latent_size is not None
+        expert_dim = args.moe_latent_size if self.latent else args.hidden_size
+        self.gate = MoEGate(args)
+        self.switch_mlp = SwitchGLU(expert_dim, args.moe_intermediate_size, args.n_routed_experts,
+                                    activation=relu2, gated=False)
+        self.shared_experts = MLP(args, args.moe_shared_expert_intermediate_size)
+        if self.latent:
+            self.fc1_latent_proj = nn.Linear(args.hidden_size, args.moe_latent_size, bias=args.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(args.moe_latent_size, args.hidden_size, bias=args.mlp_bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        inds, w = self.gate(x)
+        h = self.fc1_latent_proj(x) if self.latent else x
+        y = combine_experts(self.switch_mlp(h, inds), w)
+        if self.latent:
+            y = self.fc2_latent_proj(y)
+        return y + self.shared_experts(x)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, kind: str):
+        super().__init__()
+        self.block_type = kind
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.layer_norm_epsilon)
+        if kind == "M":
+            self.mixer = Mamba2Mixer(args.hidden_size, args.mamba_num_heads, args.mamba_head_dim, args.ssm_state_size,
+                                     args.n_groups, args.conv_kernel, chunk_size=args.chunk_size,
+                                     eps=args.layer_norm_epsilon, proj_bias=args.mamba_proj_bias,
+                                     conv_bias=args.use_conv_bias, dt_min=args.time_step_min)
+        elif kind == "*":
+            self.mixer = Attention(args)
+        elif kind == "E":
+            self.mixer = MoE(args)
+        else:
+            self.mixer = MLP(args)
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        h = self.norm(x)
+        if self.block_type in ("M", "*"):
+            h = self.mixer(h, cache)
+        else:
+            h = self.mixer(h)
+            if cache is not None:
+                cache.offset += x.shape[1]
+        return x + h
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [Block(args, c) for c in args.pattern]
+        self.norm_f = nn.RMSNorm(args.hidden_size, eps=args.layer_norm_epsilon)
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        h = self.embeddings(inputs)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, c)
+        return self.norm_f(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.backbone = Backbone(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        h = self.backbone(inputs, cache)
+        if self.args.tie_word_embeddings:
+            return self.backbone.embeddings.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self) -> list:
+        return self.backbone.layers
+
+    def make_cache(self, kv: Optional[KVSettings] = None) -> list:
+        """Attention layers: a KV cache of the chosen mode; Mamba layers: conv/SSM state; MLP/MoE: `NoCache`."""
+        kv = kv or KVSettings()
+        caches: list = []
+        for i, layer in enumerate(self.layers):
+            if layer.block_type == "*":
+                caches.append(make_kv_cache(kv, layer=i, n_kv_heads=self.args.num_key_value_heads,
+                                            head_dim=self.args.head_dim))
+            elif layer.block_type == "M":
+                caches.append(MambaCache())
+            else:
+                caches.append(NoCache())
+        return caches
+
+    def sanitize(self, weights: dict) -> dict:
+        """Hub names (`backbone.…`, per-expert `experts.<e>.{up,down}_proj`, conv weight [C, 1, K]),
+        transformers 5 in-memory names (`model.…`, stacked `experts.{up,down}_proj`) and mlx-lm's
+        (`switch_mlp.fc1/fc2`) → ours."""
+        out = {}
+        for k, v in weights.items():
+            if k.startswith("mtp.") or k.startswith("model.mtp."):
+                continue  # multi-token-prediction head: not used for generation
+            if k.startswith("model."):
+                k = "backbone." + k[len("model."):]
+            k = k.replace(".switch_mlp.fc1.", ".switch_mlp.up_proj.").replace(".switch_mlp.fc2.", ".switch_mlp.down_proj.")
+            if k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[-1] != 1:
+                v = v.swapaxes(1, 2)  # torch [C, 1, K] → mlx [C, K, 1]
+            out[k] = v
+        for i, c in enumerate(self.args.pattern):
+            if c == "E":
+                stack_experts(out, f"backbone.layers.{i}.mixer", self.args.n_routed_experts,
+                              names=("up_proj", "down_proj"), dst="switch_mlp")
+        if self.args.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out

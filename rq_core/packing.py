@@ -1,0 +1,110 @@
+"""b-bit indices ↔ uint32 words (docs/FORMAT.md, "Packing").
+
+Little-endian bit stream per row: index i occupies bits [b·i, b·i + b); word k holds bits
+[32k, 32k + 32); a value may straddle two words (b = 3). Words per row = ceil(n·b / 32).
+MLX versions are vectorized (no Python loop over values); numpy mirrors are for tests and tools.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from rq_core.errors import RQError
+
+PACK_BITS = (1, 2, 3, 4)
+
+
+def _check(bits: int) -> int:
+    if bits not in PACK_BITS:
+        raise RQError(f"bits must be 1, 2, 3 or 4 (got {bits})")
+    return bits
+
+
+def words_per_row(n: int, bits: int) -> int:
+    return (n * _check(bits) + 31) // 32
+
+
+@functools.lru_cache(maxsize=None)
+def _pack_tables(bits: int):
+    """One period of the stream: P values fill Wp whole words. Per (value j, word w) shift tables."""
+    P = 32 // math.gcd(bits, 32)
+    Wp = P * bits // 32
+    lsh = np.zeros((P, Wp), np.uint32)
+    rsh = np.zeros((P, Wp), np.uint32)
+    lo = np.zeros((P, Wp), bool)  # value j's low bits land in word w at shift lsh
+    hi = np.zeros((P, Wp), bool)  # value j's high bits spill into word w, shifted right by rsh
+    for j in range(P):
+        k, s = divmod(j * bits, 32)
+        lo[j, k], lsh[j, k] = True, s
+        if s + bits > 32:
+            hi[j, k + 1], rsh[j, k + 1] = True, 32 - s
+    return P, Wp, mx.array(lsh), mx.array(rsh), mx.array(lo), mx.array(hi)
+
+
+def pack(idx: mx.array, bits: int) -> mx.array:
+    """Pack indices [..., n] (values < 2^bits) into uint32 words [..., ceil(n·bits/32)]."""
+    P, Wp, lsh, rsh, lo, hi = _pack_tables(_check(bits))
+    *lead, n = idx.shape
+    W = (n * bits + 31) // 32
+    x = idx.astype(mx.uint32) & ((1 << bits) - 1)
+    n_per = -(-n // P)
+    if n_per * P != n:
+        x = mx.concatenate([x, mx.zeros((*lead, n_per * P - n), mx.uint32)], axis=-1)
+    x = x.reshape(*lead, n_per, P, 1)
+    zero = mx.zeros((1,), mx.uint32)
+    part = mx.where(lo, x << lsh, zero) | mx.where(hi, x >> rsh, zero)  # [..., n_per, P, Wp]
+    # Bits of different values never overlap, so OR over j equals a sum.
+    words = part.sum(axis=-2).astype(mx.uint32).reshape(*lead, n_per * Wp)
+    return words[..., :W]
+
+
+@functools.lru_cache(maxsize=None)
+def _unpack_tables(n: int, bits: int):
+    pos = np.arange(n) * bits
+    k, s = pos // 32, pos % 32
+    straddle = s + bits > 32
+    # Shift for the next word's contribution; 0 (and masked out) where it does not straddle.
+    s2 = np.where(straddle, 32 - s, 0).astype(np.uint32)
+    return (mx.array(k.astype(np.int32)), mx.array((k + 1).astype(np.int32)), mx.array(s.astype(np.uint32)),
+            mx.array(s2), mx.array(straddle))
+
+
+def unpack(words: mx.array, bits: int, n: int) -> mx.array:
+    """Unpack uint32 words [..., W] into n indices [..., n] (uint32)."""
+    k0, k1, s, s2, straddle = _unpack_tables(n, _check(bits))
+    W = words.shape[-1]
+    if W < (n * bits + 31) // 32:
+        raise ValueError(f"{W} words cannot hold {n} {bits}-bit values")
+    w = mx.concatenate([words.astype(mx.uint32), mx.zeros((*words.shape[:-1], 1), mx.uint32)], axis=-1)
+    lo = mx.take(w, k0, axis=-1) >> s
+    hi = mx.where(straddle, mx.take(w, k1, axis=-1) << s2, mx.zeros((1,), mx.uint32))
+    return (lo | hi) & ((1 << bits) - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy mirrors (bit by bit; slow but obviously right)
+
+
+def pack_np(idx: np.ndarray, bits: int) -> np.ndarray:
+    _check(bits)
+    idx = np.asarray(idx)
+    *lead, n = idx.shape
+    W = (n * bits + 31) // 32
+    bitsarr = ((idx[..., :, None].astype(np.uint64) >> np.arange(bits, dtype=np.uint64)) & 1).reshape(*lead, n * bits)
+    stream = np.zeros((*lead, W * 32), np.uint64)
+    stream[..., : n * bits] = bitsarr
+    stream = stream.reshape(*lead, W, 32)
+    return (stream << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32)
+
+
+def unpack_np(words: np.ndarray, bits: int, n: int) -> np.ndarray:
+    _check(bits)
+    words = np.asarray(words, dtype=np.uint32)
+    *lead, W = words.shape
+    stream = ((words[..., :, None].astype(np.uint64) >> np.arange(32, dtype=np.uint64)) & 1).reshape(*lead, W * 32)
+    vals = stream[..., : n * bits].reshape(*lead, n, bits)
+    return (vals << np.arange(bits, dtype=np.uint64)).sum(-1).astype(np.uint32)

@@ -1,0 +1,233 @@
+"""The expert pager: routed experts live in page files (`rq pack`); each MoE layer keeps a bank of
+expert slots (stacked arrays, so one gather_qmm per projection still serves the layer); an LRU over
+(layer, expert) decides which slot a missing expert is read into.
+
+The only host sync added to the forward pass is reading the routing indices of each MoE layer,
+which a pager cannot avoid (it must know which experts to fetch). Slot writes are lazy scatters
+evaluated with the rest of the step.
+
+`policy="mmap"` keeps no slots: each call copies the experts it needs out of a memory map of the
+page file, leaving caching to the OS page cache (for comparison).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zlib
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from rq_core.errors import RQError
+from rq_core.pack import PACK_DIR, decode_page, expert_banks, load_index
+
+POLICIES = ("lru", "mmap")
+
+
+@dataclass
+class PagerStats:
+    hits: int = 0
+    misses: int = 0
+    hit_rate: Optional[float] = None
+    bytes_read: int = 0
+    evictions: int = 0
+    resident_bytes: int = 0
+    slots: int = 0
+    policy: str = "lru"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _mx_from_np(a: np.ndarray, dtype: str) -> mx.array:
+    x = mx.array(a)
+    return x.view(mx.bfloat16) if dtype == "bfloat16" else x
+
+
+class _Layer:
+    def __init__(self, pager: "ExpertPager", path: str, module: Any, meta: dict, slots: int) -> None:
+        self.pager, self.path, self.module, self.meta = pager, path, module, meta
+        self.E = meta["num_experts"]
+        self.slots = min(slots, self.E)
+        self.fd = os.open(pager.dir / meta["file"], os.O_RDONLY)
+        self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
+        self.free = list(range(self.slots))
+        self.map: Optional[mmap.mmap] = None
+        if pager.policy == "mmap":
+            self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+        else:  # the banks: [slots, ...] per tensor, zero until first written (lazy: no memory yet)
+            for t in meta["tensors"]:
+                proj, part = t["name"].split(".")
+                dt = getattr(mx, t["dtype"])
+                self.module[proj][part] = mx.zeros((self.slots, *t["shape"]), dt)
+
+    @property
+    def resident_bytes(self) -> int:
+        per = sum(t["nbytes"] for t in self.meta["tensors"])
+        return per * self.slots if self.pager.policy == "lru" else 0
+
+    def read(self, e: int) -> dict[str, np.ndarray]:
+        used = self.meta["used_bytes"]
+        off = e * self.meta["page_bytes"]
+        if self.map is not None:
+            buf = self.map[off:off + used]
+        else:
+            buf = os.pread(self.fd, used, off)
+        if len(buf) != used:
+            raise RQError(f"{self.meta['file']}: short read for expert {e} (truncated page file?)")
+        if self.pager.verify and zlib.crc32(buf) != self.meta["crc32"][e]:
+            raise RQError(f"{self.meta['file']}: checksum mismatch for expert {e} (corrupt page file; re-run rq pack)")
+        self.pager.stats.bytes_read += used
+        return decode_page(buf, self.meta["tensors"])
+
+    def load(self, experts: list[int], slots: list[int]) -> None:
+        """Read `experts` and write them into `slots` of the banks (one lazy scatter per tensor)."""
+        pages = [self.read(e) for e in experts]
+        idx = mx.array(np.array(slots, dtype=np.int32))
+        for t in self.meta["tensors"]:
+            proj, part = t["name"].split(".")
+            new = _mx_from_np(np.stack([p[t["name"]] for p in pages]), t["dtype"])
+            bank = self.module[proj][part]
+            bank[idx] = new
+            self.module[proj][part] = bank
+
+    def acquire(self, needed: np.ndarray) -> dict[int, int]:
+        """Make `needed` experts (len <= slots) resident; returns expert -> slot."""
+        st = self.pager.stats
+        for e in needed:
+            if int(e) in self.lru:
+                self.lru.move_to_end(int(e))
+                st.hits += 1
+        miss = [int(e) for e in needed if int(e) not in self.lru]
+        slots = []
+        for e in miss:
+            if self.free:
+                s = self.free.pop(0)
+            else:
+                _, s = self.lru.popitem(last=False)
+                st.evictions += 1
+            self.lru[e] = s
+            slots.append(s)
+        st.misses += len(miss)
+        if miss:
+            self.load(miss, slots)
+        return {int(e): self.lru[int(e)] for e in needed}
+
+    def mmap_bank(self, needed: np.ndarray) -> None:
+        """mmap policy: a temporary bank holding exactly `needed`, copied out of the mapping."""
+        pages = [self.read(int(e)) for e in needed]
+        self.pager.stats.misses += len(needed)
+        for t in self.meta["tensors"]:
+            proj, part = t["name"].split(".")
+            self.module[proj][part] = _mx_from_np(np.stack([p[t["name"]] for p in pages]), t["dtype"])
+
+    def close(self) -> None:
+        if self.map is not None:
+            self.map.close()
+        os.close(self.fd)
+
+
+class ExpertPager:
+    """Attach to a loaded (lazy) model: the routed-expert banks become slot banks fed from page files."""
+
+    def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
+                 verify: bool = False) -> None:
+        if policy not in POLICIES:
+            raise RQError(f"unknown pager policy {policy!r} (choose from: {', '.join(POLICIES)})")
+        self.dir = Path(ckpt) / PACK_DIR
+        index = load_index(ckpt)
+        self.policy, self.verify = policy, verify
+        self.stats = PagerStats(policy=policy)
+        self.layers: dict[str, _Layer] = {}
+        banks = expert_banks(model)
+        missing = [p for p in banks if p not in index["layers"]]
+        if missing:
+            raise RQError(f"{self.dir}: no pages for {missing[0]} (re-run `rq pack`)")
+        top_k = None
+        for path, mod in banks.items():
+            layer = _Layer(self, path, mod, index["layers"][path], slots)
+            self.layers[path] = layer
+            _patch(mod, layer)
+        self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
+        self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
+        del top_k
+
+    def report(self) -> PagerStats:
+        s = self.stats
+        s.hit_rate = s.hits / (s.hits + s.misses) if (self.policy == "lru" and s.hits + s.misses) else None
+        if self.policy == "mmap":
+            s.resident_bytes = 0
+        return s
+
+    def close(self) -> None:
+        for l in self.layers.values():
+            l.close()
+
+
+def _patch(module: Any, layer: _Layer) -> None:
+    """Route the SwitchGLU's calls through the pager (class swap on this one instance)."""
+    old = type(module)
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:  # noqa: N807
+        idx = np.array(indices)  # the one sync routing needs: which experts to fetch
+        needed = np.unique(idx)
+        if layer.pager.policy == "mmap":
+            layer.mmap_bank(needed)
+            lut = np.zeros(layer.E, np.int32)
+            lut[needed] = np.arange(len(needed), dtype=np.int32)
+            return old.__call__(self, x, mx.array(lut[idx]))
+        if len(needed) <= layer.slots:
+            m = layer.acquire(needed)
+            lut = np.zeros(layer.E, np.int32)
+            for e, s in m.items():
+                lut[e] = s
+            return old.__call__(self, x, mx.array(lut[idx]))
+        # More distinct experts than slots (a long prefill chunk): serve them in passes of `slots`
+        # experts; each (token, k) output comes from exactly one pass.
+        y = None
+        for i in range(0, len(needed), layer.slots):
+            part = needed[i:i + layer.slots]
+            m = layer.acquire(part)
+            lut = np.full(layer.E, m[int(part[0])], np.int32)
+            for e, s in m.items():
+                lut[e] = s
+            yp = old.__call__(self, x, mx.array(lut[idx]))
+            mask = mx.array(np.isin(idx, part))[..., None]
+            y = mx.where(mask, yp, 0) if y is None else mx.where(mask, yp, y)
+            mx.eval(y)  # the next pass overwrites slots this one reads
+        return y
+
+    module.__class__ = type(f"Paged{old.__name__}", (old,), {"__call__": __call__})
+
+
+def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, prefill_chunk: int,
+                     kv_mode: str = "fp16", kv_bits: int = 3, index: Optional[dict] = None) -> dict[str, Any]:
+    """How many expert slots per MoE layer fit `budget` bytes next to the resident weights (measured
+    from the loaded model's arrays), the KV cache for `context` tokens and a prefill working reserve."""
+    from mlx.utils import tree_flatten
+
+    from rq_core.planner import _moe_info, activation_bytes, kv_bytes
+
+    banks = expert_banks(model)
+    bank_ids = {id(v) for m in banks.values() for _, v in tree_flatten(m.parameters())}
+    resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if id(v) not in bank_ids)
+    per_tok, fixed = kv_bytes(config, kv_mode, kv_bits)
+    kvb = per_tok * context + fixed
+    act = activation_bytes(config, min(prefill_chunk, max(context, 1)))
+    n_moe, E, k = _moe_info(config)
+    if index is not None:
+        per_expert = max(sum(t["nbytes"] for t in meta["tensors"]) for meta in index["layers"].values())
+    else:
+        per_expert = max(sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
+                         for m in banks.values())
+    free = budget - resident - kvb - act
+    slots = int(max(0, min(E, free // max(n_moe * per_expert, 1))))
+    return {"budget_bytes": budget, "resident_bytes": resident, "kv_bytes": kvb, "activation_bytes": act,
+            "bytes_per_expert": per_expert, "moe_layers": n_moe, "experts_per_layer": E, "top_k": k,
+            "slots_per_layer": slots, "fits": slots >= k,
+            "planned_peak_bytes": resident + kvb + act + n_moe * slots * per_expert}

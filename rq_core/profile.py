@@ -1,0 +1,557 @@
+"""Where a decode step's time goes, and whether compressing the KV cache pays.
+
+The paper's rule: compressing KV pays only when KV attention takes more than ~20% of decode time.
+`profile_model` fills every layer's cache with N tokens, then
+
+1. times whole decode steps (one evaluation each: what `rq run` does per token);
+2. records one step's calls to the components (full-attention `cache.attend`, sliding-window
+   attention, routed experts `SwitchGLU` including any pager I/O, Mamba mixers) with their inputs,
+   and re-runs each kind for all layers in one evaluation: its time without per-call syncs;
+3. for compressed caches, times the attention pipeline's stages one by one (query rotation,
+   A `fused_qk_dot`, B `softmax`, C `fused_value_accum`, D `rotate_inverse`) on the same caches.
+
+Every timing: warm-up runs, then the median of repeats, each ended by `mx.eval` + `mx.synchronize`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from rq_core.errors import RQError
+
+STAGES = ("rotation", "A_fused_qk_dot", "B_softmax", "C_fused_value_accum", "D_rotate_inverse")
+DEFAULT_THRESHOLD = 0.20  # the paper's break-even share of decode time for KV attention
+
+
+# ------------------------------------------------------------------------------------------- timing
+def sync(*arrays: Any) -> None:
+    """Finish all pending work (evaluate, then wait for the device stream)."""
+    if arrays:
+        mx.eval(*arrays)
+    mx.synchronize()
+
+
+@dataclass
+class Timing:
+    """Seconds per call: median of the repeats, plus the spread."""
+
+    median: float
+    p10: float
+    p90: float
+    repeats: int
+    samples: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def ms(self) -> float:
+        return self.median * 1e3
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median_ms": self.median * 1e3, "p10_ms": self.p10 * 1e3, "p90_ms": self.p90 * 1e3,
+                "repeats": self.repeats}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    i = q * (len(s) - 1)
+    lo, hi = int(i), min(int(i) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (i - lo)
+
+
+def time_fn(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 7,
+            after: Optional[Callable[[], None]] = None) -> Timing:
+    """Time `fn()` (which must evaluate what it computes); `after()` runs untimed after each call."""
+    if repeats < 1:
+        raise RQError("repeats must be at least 1")
+    for _ in range(warmup):
+        sync(*_arrays(fn()))
+        if after:
+            after()
+    samples = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        sync(*_arrays(fn()))
+        samples.append(time.perf_counter() - t0)
+        if after:
+            after()
+    return Timing(statistics.median(samples), _quantile(samples, 0.1), _quantile(samples, 0.9), repeats, samples)
+
+
+def _arrays(out: Any) -> list:
+    """The mx.arrays in a (nested) result, to evaluate them."""
+    if isinstance(out, mx.array):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [a for o in out for a in _arrays(o)]
+    if isinstance(out, dict):
+        return [a for o in out.values() for a in _arrays(o)]
+    return []
+
+
+def backend() -> str:
+    """'cuda', 'metal' or 'cpu': where the default device runs."""
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda"
+
+
+# ------------------------------------------------------------------------------- recording components
+KINDS = ("kv_attention", "sliding_attention", "experts", "ssm")
+
+
+@dataclass
+class Call:
+    kind: str
+    obj: Any
+    method: str
+    args: tuple
+    kwargs: dict
+
+    def replay(self) -> Any:
+        return getattr(self.obj, self.method)(*self.args, **self.kwargs)
+
+
+class Recorder:
+    """Swap components' classes for recording subclasses (no edits to model code), restore on exit.
+
+    Caches are recorded at `attend`, modules at `__call__`: Python looks special methods up on the
+    type, so the instance's `__class__` is swapped rather than its attribute.
+    """
+
+    def __init__(self, targets: list[tuple[str, Any, str]]) -> None:
+        self.targets = targets
+        self.calls: list[Call] = []
+        self.active = False
+        self._orig: list[tuple[Any, type]] = []
+        self._subclasses: dict[tuple[type, str, str], type] = {}
+
+    def _subclass(self, cls: type, kind: str, method: str) -> type:
+        key = (cls, kind, method)
+        if key not in self._subclasses:
+            rec = self
+            base_fn = getattr(cls, method)
+
+            def wrapped(obj, *args, **kwargs):
+                out = base_fn(obj, *args, **kwargs)
+                if rec.active:
+                    rec.calls.append(Call(kind, obj, method, args, kwargs))
+                return out
+
+            self._subclasses[key] = type(f"Recorded{cls.__name__}", (cls,), {method: wrapped})
+        return self._subclasses[key]
+
+    def __enter__(self) -> "Recorder":
+        for kind, obj, method in self.targets:
+            self._orig.append((obj, obj.__class__))
+            obj.__class__ = self._subclass(obj.__class__, kind, method)
+        self.active = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        for obj, cls in reversed(self._orig):
+            obj.__class__ = cls
+        self._orig.clear()
+
+    def inputs(self) -> list:
+        return [a for c in self.calls for a in _arrays(list(c.args) + list(c.kwargs.values()))]
+
+
+def _is_sliding(cache: Any) -> bool:
+    return "sliding" in type(cache).__name__.lower() or "rotating" in type(cache).__name__.lower()
+
+
+def find_components(model: nn.Module, caches: list) -> list[tuple[str, Any, str]]:
+    """(kind, object, method) for every timed component of one decode step."""
+    from rq_core.models.base import SwitchGLU
+
+    targets: list[tuple[str, Any, str]] = []
+    for c in caches:
+        if hasattr(c, "attend"):
+            targets.append(("sliding_attention" if _is_sliding(c) else "kv_attention", c, "attend"))
+    seen_ssm: list[str] = []
+    for name, m in sorted(model.named_modules(), key=lambda nm: nm[0].count(".")):
+        if isinstance(m, SwitchGLU):
+            targets.append(("experts", m, "__call__"))
+        elif "mamba" in type(m).__name__.lower() and not any(name.startswith(p + ".") for p in seen_ssm):
+            seen_ssm.append(name)  # the outermost Mamba module (the mixer), not its parts
+            targets.append(("ssm", m, "__call__"))
+    return targets
+
+
+def _trim(caches: Iterable, n: int = 1) -> None:
+    for c in caches:
+        if hasattr(c, "trim"):
+            c.trim(n)
+
+
+# ------------------------------------------------------------------------------------ filling a cache
+def _synthetic_kv(shape: tuple, dtype: Any, key: mx.array, outliers: bool) -> mx.array:
+    """Random K or V [B, H, T, d]; keys get a few channels 10-30× larger, as real keys have."""
+    x = mx.random.normal(shape, key=key)
+    if outliers:
+        d = shape[-1]
+        boost = mx.ones((d,)).at[mx.array([1, d // 3, d // 2 + 1])].multiply(mx.array([10.0, 20.0, 30.0]))
+        x = x * boost
+    return x.astype(dtype)
+
+
+def fill_caches(model: nn.Module, caches: list, n_tokens: int, *, fill: str = "synthetic",
+                vocab_size: Optional[int] = None, seed: int = 0, chunk: int = 512) -> None:
+    """Put `n_tokens` tokens of context into `caches`, then end the prefill (compressing caches compress).
+
+    `prefill`: a real prefill of random token ids through the model, in chunks.
+    `synthetic`: one real token through the model (it shows each cache the shapes and dtype of its
+    K/V and sets up state caches), then random K/V for the other n-1 tokens appended to each
+    attention cache directly — fast at long context, and attention cost does not depend on values.
+    """
+    if n_tokens < 1:
+        raise RQError(f"context must be at least 1 token (got {n_tokens})")
+    key = mx.random.key(seed)
+    if fill == "prefill":
+        if vocab_size is None:
+            raise RQError("a prefill fill needs the vocabulary size")
+        ids = mx.random.randint(0, vocab_size, (1, n_tokens), key=key)
+        for s in range(0, n_tokens, chunk):
+            sync(model(ids[:, s : s + chunk], cache=caches))
+    elif fill == "synthetic":
+        targets = [t for t in find_components(model, caches) if t[0].endswith("attention")]
+        with Recorder(targets) as rec:
+            sync(model(mx.array([[1]], mx.int32), cache=caches))
+        first = {id(c.obj): c for c in rec.calls}
+        n = n_tokens - 1
+        for i, (_, cache, _) in enumerate(targets):
+            call = first.get(id(cache))
+            if call is None or n == 0:
+                continue
+            q, k, v = call.args[:3]
+            B, Hkv, _, d = k.shape
+            kk, kv_ = mx.random.split(mx.random.key(seed * 1000 + i))
+            window = getattr(cache, "window", None)
+            m = min(n, window) if window else n  # a sliding cache keeps only its window
+            for s in range(0, m, 8192):  # appended in pieces to bound the temporary fp16 K/V
+                L = min(8192, m - s)
+                kc = _synthetic_kv((B, Hkv, L, d), k.dtype, mx.random.split(kk, s // 8192 + 1)[-1], True)
+                vc = _synthetic_kv((B, Hkv, L, v.shape[-1]), v.dtype, mx.random.split(kv_, s // 8192 + 1)[-1], False)
+                # One query over all new keys (cheap); a sliding cache builds its own window mask,
+                # so it gets queries as long as the keys (its window bounds that cost).
+                Lq, mask = (L, "causal") if window else (1, None)
+                qc = mx.zeros((B, q.shape[1], Lq, d), q.dtype)
+                sync(cache.attend(qc, kc, vc, scale=call.kwargs.get("scale", d ** -0.5), mask=mask))
+            if m < n and hasattr(cache, "offset"):
+                cache.offset += n - m  # positions of the tokens that slid out of the window
+    else:
+        raise RQError(f"unknown fill {fill!r} (choose from: synthetic, prefill)")
+    for c in caches:
+        if hasattr(c, "end_prefill"):
+            c.end_prefill()
+    sync(*[a for c in caches if hasattr(c, "__dict__") for a in _arrays(vars(c))])
+
+
+# ------------------------------------------------------------------------------- attention stages
+def attention_stages(cache: Any, queries: mx.array, scale: float) -> Optional[dict[str, Any]]:
+    """The compressed cache's decode attention split into its five stages, or None for an uncompressed cache.
+
+    Returns {"stages": {name: fn}, "strategy": str, "path": "kernels" | "reference"}; each fn runs one
+    stage on the (already evaluated) output of the stage before it. On a GPU these are the kernels of
+    `rq_core.kernels`; on CPU the reference math (`rq_core.attention`) done stage by stage.
+    """
+    if not hasattr(cache, "k_codes") or cache.k_codes is None:
+        return None
+    if backend() != "cpu":
+        return _kernel_stages(cache, queries, scale)
+    return _reference_stages(cache, queries, scale)
+
+
+def _kernel_stages(cache: Any, q: mx.array, scale: float) -> dict[str, Any]:
+    """The GPU pipeline stage by stage: `rq_core.kernels` rotate_queries, qk_dot (A), softmax (B),
+    value_accum (C, with the strategy it picks for this context) and rotate_inverse (D)."""
+    from rq_core import kernels as K
+
+    rot = cache.rotation
+    T, bits, Hkv = cache.packed_len, cache.bits, cache.k_codes.shape[1]
+    levels = cache.levels
+    if rot.variant == "dense":  # TurboQuant: a dense d×d rotation, which the kernels do not do
+        flags, mats = 0, None
+        fwd = lambda: rot.forward_queries(q)  # noqa: E731
+        inv = lambda o: rot.inverse_queries(o)  # noqa: E731
+    else:
+        flags = (K.ROT_WHT if rot.use_wht else 0) | (K.ROT_SO4 if rot.variant != "wht" else 0)
+        mats = rot.block_matrices() if rot.variant != "wht" else None
+        fwd = lambda: K.rotate_queries(q, mats, Hkv, rot=flags)  # noqa: E731
+        inv = lambda o: K.rotate_inverse(o, mats, Hkv, rot=flags)  # noqa: E731
+    strategy = "word" if T < K.C_SWITCH else "dim"
+    st: dict[str, Any] = {}
+
+    def rotation() -> mx.array:
+        st["q_rot"] = fwd()
+        return st["q_rot"]
+
+    def qk_dot() -> mx.array:
+        st["scores"] = K.qk_dot(st["q_rot"], cache.k_codes, cache.k_norms, levels, bits=bits, scale=scale,
+                                valid_len=T)
+        return st["scores"]
+
+    def softmax() -> mx.array:
+        st["p"] = K.softmax(st["scores"])
+        return st["p"]
+
+    def value_accum(strategy: str = strategy) -> mx.array:
+        st["o_rot"] = K.value_accum(st["p"], cache.v_codes, cache.v_norms, levels, bits=bits, strategy=strategy)
+        return st["o_rot"]
+
+    def rotate_inverse() -> mx.array:
+        return inv(st["o_rot"])
+
+    fns = [rotation, qk_dot, softmax, value_accum, rotate_inverse]
+    for f in fns:
+        sync(f())
+    other = "dim" if strategy == "word" else "word"
+    alt = {}
+    try:  # the strategy not chosen, for comparison (the switch point is a measured choice)
+        sync(value_accum(other))
+        alt[other] = lambda: value_accum(other)
+    except K.KernelUnsupported:
+        pass
+    return {"stages": dict(zip(STAGES, fns)), "strategy": strategy, "path": "kernels", "alternatives": alt,
+            "switch_tokens": K.C_SWITCH}
+
+
+def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int] = None) -> dict[str, Any]:
+    """The CPU reference path stage by stage: like `attention.packed_attention` but with the scores
+    written out whole ([.., T] floats, what kernels A/B/C exchange) instead of an online softmax."""
+    from rq_core import attention
+    from rq_core.packing import unpack
+
+    chunk = chunk or attention.CHUNK
+    T, d, bits = cache.packed_len, q.shape[-1], cache.bits
+    B, Hq = q.shape[:2]
+    Hkv = cache.k_codes.shape[1]
+    G = Hq // Hkv
+    inv = 1.0 / d ** 0.5
+    levels = cache.levels.astype(mx.float32)
+    st: dict[str, Any] = {}
+
+    def rotation() -> mx.array:
+        st["q_rot"] = cache.rotation.forward_queries(q).reshape(B, Hkv, G, -1, d)
+        return st["q_rot"]
+
+    def qk_dot() -> mx.array:
+        parts = []
+        for k0 in range(0, T, chunk):
+            k1 = min(T, k0 + chunk)
+            keys = levels[unpack(cache.k_codes[:, :, k0:k1], bits, d)]
+            ks = cache.k_norms[:, :, k0:k1].astype(mx.float32) * (inv * scale)
+            parts.append((st["q_rot"] @ keys[:, :, None].swapaxes(-1, -2)) * ks[:, :, None, None, :])
+        st["scores"] = mx.concatenate(parts, axis=-1)
+        return st["scores"]
+
+    def softmax() -> mx.array:
+        st["p"] = mx.softmax(st["scores"], axis=-1)
+        return st["p"]
+
+    def value_accum() -> mx.array:
+        acc = None
+        for k0 in range(0, T, chunk):
+            k1 = min(T, k0 + chunk)
+            vals = levels[unpack(cache.v_codes[:, :, k0:k1], bits, d)]
+            vs = cache.v_norms[:, :, k0:k1].astype(mx.float32) * inv
+            part = (st["p"][..., k0:k1] * vs[:, :, None, None, :]) @ vals[:, :, None]
+            acc = part if acc is None else acc + part
+        st["o_rot"] = acc.reshape(B, Hq, -1, d)
+        return st["o_rot"]
+
+    def rotate_inverse() -> mx.array:
+        return cache.rotation.inverse_queries(st["o_rot"])
+
+    fns = [rotation, qk_dot, softmax, value_accum, rotate_inverse]
+    for f in fns:  # run once so every stage has its input ready and evaluated
+        sync(f())
+    return {"stages": dict(zip(STAGES, fns)), "strategy": "reference-chunked", "path": "reference"}
+
+
+# ------------------------------------------------------------------------------------------ profiling
+def verdict(share: float, threshold: float) -> str:
+    """'go' when KV attention's share of a decode step is above the threshold: compressing KV pays."""
+    return "go" if share > threshold else "no-go"
+
+
+def time_round_robin(measures: dict[str, tuple[Callable[[], Any], Optional[Callable[[], None]]]], *,
+                     warmup: int = 2, repeats: int = 7) -> dict[str, Timing]:
+    """Time several (fn, after) pairs in turns, one call of each per round, so that a busy machine
+    slows them alike; the result per name is the median over rounds."""
+    if repeats < 1:
+        raise RQError("repeats must be at least 1")
+    samples: dict[str, list[float]] = {k: [] for k in measures}
+    for r in range(warmup + repeats):
+        for name, (fn, after) in measures.items():
+            sync()
+            t0 = time.perf_counter()
+            sync(*_arrays(fn()))
+            dt = time.perf_counter() - t0
+            if after:
+                after()
+            if r >= warmup:
+                samples[name].append(dt)
+    return {k: Timing(statistics.median(v), _quantile(v, 0.1), _quantile(v, 0.9), repeats, v)
+            for k, v in samples.items()}
+
+
+def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str = "synthetic",
+                    vocab_size: Optional[int] = None, warmup: int = 2, repeats: int = 7,
+                    threshold: float = DEFAULT_THRESHOLD, layer_scale: float = 1.0,
+                    seed: int = 0) -> dict[str, Any]:
+    """Profile one decode step at `n_tokens` of context (caches fresh from `model.make_cache`).
+
+    `layer_scale` multiplies every per-layer component (for a model built with fewer layers than the
+    real one: all layers are alike, so their times scale; embedding and lm_head do not).
+    Times are milliseconds per decode step.
+    """
+    fill_caches(model, caches, n_tokens, fill=fill, vocab_size=vocab_size, seed=seed)
+    tok = mx.array([[7]], mx.int32)
+
+    def step() -> mx.array:
+        return model(tok, cache=caches)
+
+    def undo() -> None:
+        _trim(caches)
+
+    # Record one step's component calls and their inputs, then put the caches back at n_tokens.
+    targets = find_components(model, caches)
+    if layer_scale != 1:  # whole decoder layers too: what is per-layer in "rest" must scale as well
+        targets += [("layer", layer, "__call__") for layer in model.layers]
+    with Recorder(targets) as rec:
+        out = step()
+        sync(out, *rec.inputs())
+    undo()
+
+    measures: dict[str, tuple[Callable[[], Any], Optional[Callable[[], None]]]] = {"step": (step, undo)}
+    counts: dict[str, int] = {}
+    for kind in KINDS:
+        calls = [c for c in rec.calls if c.kind == kind]
+        counts[kind] = len(calls)
+        if calls:
+            objs = [c.obj for c in calls]
+            after = (lambda objs=objs: _trim(objs)) if kind.endswith("attention") else None
+            measures[kind] = (lambda calls=calls: [c.replay() for c in calls], after)
+
+    # The compressed pipeline's stages, on the same caches and the recorded queries.
+    kv_calls = [c for c in rec.calls if c.kind == "kv_attention"]
+    staged = [attention_stages(c.obj, c.args[0], c.kwargs.get("scale", c.args[0].shape[-1] ** -0.5))
+              for c in kv_calls]
+    have_stages = bool(kv_calls) and all(x is not None for x in staged)
+    if have_stages:
+        for name in STAGES:
+            fns = [x["stages"][name] for x in staged]
+            measures[name] = (lambda fns=fns: [f() for f in fns], None)
+        for alt in staged[0].get("alternatives", {}):
+            fns = [x["alternatives"][alt] for x in staged]
+            measures[f"C_{alt}"] = (lambda fns=fns: [f() for f in fns], None)
+        if all(hasattr(c.obj, "compress") for c in kv_calls):
+            # Appending the new token: quantize + pack its K and V (inside `attend`, outside the stages).
+            measures["append"] = (lambda: [(c.obj.compress(c.args[1]), c.obj.compress(c.args[2]))
+                                           for c in kv_calls], None)
+
+    layer_calls = [c for c in rec.calls if c.kind == "layer"]
+    if layer_calls:
+        measures["layers"] = (lambda: [c.replay() for c in layer_calls], undo)
+
+    t = time_round_robin(measures, warmup=warmup, repeats=repeats)
+
+    # Per-layer parts scale with the layer count; the rest is what is left of the whole step.
+    full_ms = t["step"].ms
+    parts = {k: (t[k].ms if k in t else 0.0) for k in KINDS}
+    rest_raw = full_ms - sum(parts.values())
+    scaled = {k: v * layer_scale for k, v in parts.items()}
+    rest = max(rest_raw, 0.0)
+    if "layers" in t:  # rest = outside the layers (embedding, head) + layer_scale × the layers' own rest
+        rest = max(full_ms - t["layers"].ms, 0.0) + layer_scale * max(t["layers"].ms - sum(parts.values()), 0.0)
+    step_ms = sum(scaled.values()) + rest
+    attribution = {**scaled, "rest": rest}
+    share = attribution["kv_attention"] / step_ms if step_ms > 0 else 0.0
+    result: dict[str, Any] = {
+        "context": n_tokens,
+        "fill": fill,
+        "decode_step_ms": step_ms,
+        "decode_tok_per_s": 1e3 / step_ms if step_ms > 0 else None,
+        "measured_step_ms": full_ms,
+        "measured_step_p10_ms": t["step"].p10 * 1e3,
+        "measured_step_p90_ms": t["step"].p90 * 1e3,
+        "measured_parts_ms": parts,  # per component, before layer_scale
+        "measured_layers_ms": t["layers"].ms if "layers" in t else None,  # all decoder layers, replayed
+        "rest_raw_ms": rest_raw,  # negative when the parts timed alone exceed the whole step (noise)
+        "attribution": attribution,
+        "attribution_share": {k: (v / step_ms if step_ms > 0 else 0.0) for k, v in attribution.items()},
+        "layers": counts,
+        "kernels": None,
+        "strategy": staged[0]["strategy"] if have_stages else None,
+        "attention_path": staged[0]["path"] if have_stages else ("sdpa" if kv_calls else None),
+        "kv_attention_share": share,
+        "threshold": threshold,
+        "verdict": verdict(share, threshold),
+    }
+    if have_stages:
+        kern = {k: t[k].ms * layer_scale for k in STAGES}
+        total = sum(kern.values())
+        append = t["append"].ms * layer_scale if "append" in t else 0.0
+        result["kernels"] = kern
+        result["kernels_total_ms"] = total
+        result["append_ms"] = append if "append" in t else None
+        result["kernels_per_layer_us"] = {k: t[k].ms * 1e3 / len(kv_calls) for k in STAGES}
+        result["C_strategies_ms"] = {result["strategy"]: kern["C_fused_value_accum"],
+                                     **{k[2:]: t[k].ms * layer_scale for k in t if k.startswith("C_") and
+                                        k != "C_fused_value_accum"}}
+        if "switch_tokens" in staged[0]:
+            result["C_switch_tokens"] = staged[0]["switch_tokens"]
+        kv = attribution["kv_attention"]
+        # Stages + append account for `attend`; this ratio is ~1 when the breakdown is complete.
+        result["kernels_to_attention"] = (total + append) / kv if kv > 0 else None
+    return result
+
+
+def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill: str = "synthetic",
+                  vocab_size: Optional[int] = None, warmup: int = 2, repeats: int = 7,
+                  threshold: float = DEFAULT_THRESHOLD, layer_scale: float = 1.0,
+                  on_context: Optional[Callable[[dict], None]] = None) -> dict[str, Any]:
+    """`profile_context` for each context length (fresh caches each), plus an overall verdict."""
+    from rq_core.kv_cache import KVSettings
+
+    kv = kv or KVSettings(mode="isoquant3")
+    if not contexts:
+        raise RQError("give at least one context length")
+    if not 0 < threshold < 1:
+        raise RQError(f"threshold must be a fraction between 0 and 1 (got {threshold})")
+    results = []
+    for n in contexts:
+        caches = model.make_cache(kv)
+        r = profile_context(model, caches, n, fill=fill, vocab_size=vocab_size, warmup=warmup, repeats=repeats,
+                            threshold=threshold, layer_scale=layer_scale)
+        del caches
+        results.append(r)
+        if on_context:
+            on_context(r)
+    be = backend()
+    paths = {r["attention_path"] for r in results}
+    go = [r["context"] for r in results if r["verdict"] == "go"]
+    return {
+        "backend": be,
+        "reference_path": be == "cpu",  # on CPU the reference (MLX ops) path was timed, not GPU kernels
+        "kv_mode": kv.mode,
+        "rotation": getattr(kv, "rotation", None),
+        "attention_path": paths.pop() if len(paths) == 1 else sorted(p for p in paths if p),
+        "threshold": threshold,
+        "warmup": warmup,
+        "repeats": repeats,
+        "layer_scale": layer_scale,
+        "results": results,
+        "verdict": "go" if go else "no-go",
+        "go_from_context": min(go) if go else None,
+    }

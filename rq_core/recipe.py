@@ -1,0 +1,289 @@
+"""Recipes: per-role weight precision, KV-cache settings, pager and calibration, as versioned TOML.
+
+A recipe is read with tomllib and written (resolved, every default filled in) with tomli_w.
+Every problem is one RQError line naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from rq_core.errors import RQError
+from rq_core.kv_cache import KVSettings
+from rq_core.roles import FAMILIES, ROLES
+
+VERSION = 1
+BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+METHODS = ("rtn", "gptq")
+# Roles whose tensors are plain Linear weights: the calibrated method (GPTQ) applies to them.
+GPTQ_ROLES = ("attention", "dense_mlp", "mamba", "shared_expert", "lm_head")
+KV_MODES = ("fp16", "isoquant3", "turbo3")
+ROTATIONS = ("wht_so4", "wht", "so4", "so3", "dense")
+POLICIES = ("lru", "mmap")
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+@dataclass
+class RoleSpec:
+    bits: int | None = 4  # None: keep in full precision
+    group_size: int = 64
+    method: str = "rtn"
+
+    def as_quant(self) -> dict | bool:
+        """mlx-lm's per-path quantization entry."""
+        return False if self.bits is None else {"group_size": self.group_size, "bits": self.bits}
+
+
+@dataclass
+class PagerSettings:
+    memory_budget: str | None = None  # e.g. "16GB"; None: everything resident
+    policy: str = "lru"
+    context: int = 4096  # tokens of context the planner reserves KV cache for
+
+
+@dataclass
+class CalibrationSettings:
+    text: str = "default"  # "default" (bundled) or a path
+    tokens: int = 2048
+    seq_len: int = 256
+    damp: float = 0.01  # GPTQ: fraction of the mean Hessian diagonal added to it
+
+
+@dataclass
+class Promotion:
+    kurtosis_threshold: float | None = None  # None: no promotion
+    bits: int = 8
+    group_size: int = 32
+
+
+@dataclass
+class Recipe:
+    name: str
+    family: str | None  # model_type it targets; None: any
+    roles: dict[str, RoleSpec]
+    kv: KVSettings = field(default_factory=KVSettings)
+    pager: PagerSettings = field(default_factory=PagerSettings)
+    calibration: CalibrationSettings = field(default_factory=CalibrationSettings)
+    promote: Promotion = field(default_factory=Promotion)
+    description: str = ""
+    version: int = VERSION
+    source: str = "<recipe>"
+
+    @property
+    def calibrated(self) -> bool:
+        return any(r.method != "rtn" for r in self.roles.values())
+
+    def to_dict(self) -> dict:
+        """The resolved recipe (every default filled in), as written to `recipe.toml`."""
+        d: dict[str, Any] = {"version": self.version, "name": self.name}
+        if self.family:
+            d["family"] = self.family
+        if self.description:
+            d["description"] = self.description
+        d["roles"] = {}
+        for role, spec in self.roles.items():
+            if spec.bits is None:
+                d["roles"][role] = {"quantize": False}
+            else:
+                d["roles"][role] = {"bits": spec.bits, "group_size": spec.group_size, "method": spec.method}
+        d["kv"] = dataclasses.asdict(self.kv)
+        d["pager"] = {k: v for k, v in dataclasses.asdict(self.pager).items() if v is not None}
+        d["calibration"] = dataclasses.asdict(self.calibration)
+        if self.promote.kurtosis_threshold is not None:
+            d["promote"] = dataclasses.asdict(self.promote)
+        return d
+
+    def dumps(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def save(self, path: str | Path) -> None:
+        import os
+
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.dumps())
+        os.replace(tmp, path)
+
+
+_DEFAULT_ROLES = {
+    "attention": RoleSpec(4, 64),
+    "dense_mlp": RoleSpec(4, 64),
+    "mamba": RoleSpec(4, 64),
+    "routed_expert": RoleSpec(2, 64),
+    "shared_expert": RoleSpec(8, 32),
+    "router": RoleSpec(8, 64),
+    "embeddings": RoleSpec(6, 64),
+    "lm_head": RoleSpec(6, 64),
+}
+
+
+def _check_keys(where: str, table: Any, allowed: tuple[str, ...], src: str) -> dict:
+    if not isinstance(table, dict):
+        raise RQError(f"{src}: '{where}' must be a table")
+    for k in table:
+        if k not in allowed:
+            at = f"{where}.{k}" if where else k
+            raise RQError(f"{src}: unknown key '{at}' (expected one of: {', '.join(allowed)})")
+    return table
+
+
+def _typed(src: str, key: str, v: Any, typ: type | tuple) -> Any:
+    if isinstance(v, bool) and typ is not bool and bool not in (typ if isinstance(typ, tuple) else (typ,)):
+        raise RQError(f"{src}: '{key}' must be {getattr(typ, '__name__', typ)}, got {v!r}")
+    if not isinstance(v, typ):
+        name = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+        raise RQError(f"{src}: '{key}' must be {name}, got {v!r}")
+    return v
+
+
+def _role_spec(src: str, role: str, t: Any, base: RoleSpec) -> RoleSpec:
+    t = _check_keys(f"roles.{role}", t, ("bits", "group_size", "method", "quantize"), src)
+    if t.get("quantize", True) is False:
+        return RoleSpec(None, base.group_size, "rtn")
+    bits = _typed(src, f"roles.{role}.bits", t.get("bits", base.bits if base.bits else 4), int)
+    if bits not in BITS:
+        raise RQError(f"{src}: roles.{role}.bits = {bits} is not one of {', '.join(map(str, BITS))}")
+    gs = _typed(src, f"roles.{role}.group_size", t.get("group_size", base.group_size), int)
+    if gs not in GROUP_SIZES:
+        raise RQError(f"{src}: roles.{role}.group_size = {gs} is not one of {', '.join(map(str, GROUP_SIZES))}")
+    method = _typed(src, f"roles.{role}.method", t.get("method", "rtn"), str)
+    if method not in METHODS:
+        raise RQError(f"{src}: roles.{role}.method = {method!r} is not one of {', '.join(METHODS)}")
+    if method == "gptq" and role not in GPTQ_ROLES:
+        raise RQError(f"{src}: roles.{role}.method = 'gptq' applies only to {', '.join(GPTQ_ROLES)}")
+    return RoleSpec(bits, gs, method)
+
+
+def parse(data: dict, source: str = "<recipe>") -> Recipe:
+    """Validate a recipe dict (as read from TOML) into a Recipe."""
+    src = source
+    _check_keys("", data, ("version", "name", "family", "description", "roles", "kv", "pager",
+                           "calibration", "promote"), src)
+    version = data.get("version")
+    if version != VERSION:
+        raise RQError(f"{src}: 'version' must be {VERSION} (got {version!r})")
+    name = _typed(src, "name", data.get("name", Path(source).stem), str)
+    family = data.get("family")
+    if family is not None:
+        _typed(src, "family", family, str)
+        if family not in FAMILIES:
+            raise RQError(f"{src}: family {family!r} is not one of {', '.join(FAMILIES)}")
+    roles_t = _check_keys("roles", data.get("roles", {}), ROLES, src)
+    roles: dict[str, RoleSpec] = {}
+    for role in ROLES:
+        base = _DEFAULT_ROLES[role]  # a role the recipe leaves out keeps its default
+        roles[role] = _role_spec(src, role, roles_t.get(role, {}), base)
+
+    kv_t = _check_keys("kv", data.get("kv", {}), tuple(f.name for f in dataclasses.fields(KVSettings)), src)
+    kv = KVSettings(**kv_t)
+    if kv.mode not in KV_MODES:
+        raise RQError(f"{src}: kv.mode = {kv.mode!r} is not one of {', '.join(KV_MODES)}")
+    if kv.rotation not in ROTATIONS:
+        raise RQError(f"{src}: kv.rotation = {kv.rotation!r} is not one of {', '.join(ROTATIONS)}")
+    _typed(src, "kv.bits", kv.bits, int)
+    if not 1 <= kv.bits <= 8:
+        raise RQError(f"{src}: kv.bits = {kv.bits} must be between 1 and 8")
+    _typed(src, "kv.fp16_window", kv.fp16_window, int)
+    _typed(src, "kv.seed", kv.seed, int)
+    _typed(src, "kv.norm_correction", kv.norm_correction, bool)
+    _typed(src, "kv.codebook", kv.codebook, str)
+
+    pg_t = _check_keys("pager", data.get("pager", {}), tuple(f.name for f in dataclasses.fields(PagerSettings)), src)
+    pager = PagerSettings(**pg_t)
+    if pager.memory_budget is not None:
+        parse_size(str(pager.memory_budget), f"{src}: pager.memory_budget")
+    if pager.policy not in POLICIES:
+        raise RQError(f"{src}: pager.policy = {pager.policy!r} is not one of {', '.join(POLICIES)}")
+    _typed(src, "pager.context", pager.context, int)
+
+    cal_t = _check_keys("calibration", data.get("calibration", {}),
+                        tuple(f.name for f in dataclasses.fields(CalibrationSettings)), src)
+    cal = CalibrationSettings(**cal_t)
+    _typed(src, "calibration.tokens", cal.tokens, int)
+    _typed(src, "calibration.seq_len", cal.seq_len, int)
+    _typed(src, "calibration.damp", cal.damp, (int, float))
+
+    pr_t = _check_keys("promote", data.get("promote", {}), ("kurtosis_threshold", "bits", "group_size"), src)
+    promote = Promotion(**pr_t)
+    if promote.kurtosis_threshold is not None:
+        _typed(src, "promote.kurtosis_threshold", promote.kurtosis_threshold, (int, float))
+        if promote.bits not in BITS:
+            raise RQError(f"{src}: promote.bits = {promote.bits} is not one of {', '.join(map(str, BITS))}")
+        if promote.group_size not in GROUP_SIZES:
+            raise RQError(f"{src}: promote.group_size = {promote.group_size} is not one of "
+                          f"{', '.join(map(str, GROUP_SIZES))}")
+    desc = _typed(src, "description", data.get("description", ""), str)
+    return Recipe(name=name, family=family, roles=roles, kv=kv, pager=pager, calibration=cal,
+                  promote=promote, description=desc, source=src)
+
+
+def loads(text: str, source: str = "<recipe>") -> Recipe:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RQError(f"{source}: not valid TOML ({e})") from None
+    return parse(data, source)
+
+
+def load(name_or_path: str | Path) -> Recipe:
+    """A recipe by bundled name (`qwen3-16gb`) or by path to a TOML file."""
+    p = Path(name_or_path)
+    if not p.exists() and p.suffix != ".toml":
+        bundled = RECIPES_DIR / f"{name_or_path}.toml"
+        if bundled.exists():
+            p = bundled
+        else:
+            names = ", ".join(sorted(x.stem for x in RECIPES_DIR.glob("*.toml")))
+            raise RQError(f"no recipe {str(name_or_path)!r} (a path to a .toml, or one of: {names})")
+    if not p.exists():
+        raise RQError(f"recipe file not found: {p}")
+    return loads(p.read_text(), str(p))
+
+
+def bundled() -> list[str]:
+    return sorted(x.stem for x in RECIPES_DIR.glob("*.toml"))
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)?\s*$", re.I)
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """'16GB' / '512MiB' / '1.5G' / '1000000' -> bytes (GB = 1e9, GiB = 2**30)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise RQError(f"{what}: cannot read {text!r} as a size (examples: 16GB, 512MiB, 2.5G)")
+    num, unit, suffix = float(m.group(1)), m.group(2).upper(), (m.group(3) or "").lower()
+    base = 1024 if suffix.startswith("i") else 1000
+    return int(num * base ** " KMGT".index(unit or " "))
+
+
+def check_against(recipe: Recipe, config: dict, dims: dict[str, list[tuple[str, tuple[int, ...]]]]) -> None:
+    """Validate a recipe against a model: its family, and that each role's group size divides the
+    input dimension of every tensor of that role. `dims`: role -> [(name, shape)]."""
+    from rq_core.roles import family_of
+
+    fam = family_of(config)
+    if recipe.family and recipe.family != fam:
+        raise RQError(f"{recipe.source}: recipe {recipe.name!r} is for {recipe.family} models, "
+                      f"this model is {fam}")
+    for role, items in dims.items():
+        spec = recipe.roles.get(role)
+        if spec is None or spec.bits is None:
+            continue
+        for name, shape in items:
+            if shape[-1] % spec.group_size:
+                raise RQError(f"{recipe.source}: roles.{role}.group_size = {spec.group_size} does not divide "
+                              f"dimension {shape[-1]} of {name}")

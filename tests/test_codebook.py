@@ -1,0 +1,77 @@
+"""Lloyd-Max codebooks: SPEC numbers, sample fitting, TOML round trip."""
+
+import numpy as np
+import pytest
+
+from rq_core.codebook import Codebook, fit_codebook, gaussian_codebook, get_codebook, sphere_codebook
+from rq_core.errors import RQError
+
+GAUSS3 = [0.2451, 0.7560, 1.3439, 2.1519]
+SPHERE3_128 = [0.2444, 0.7533, 1.3366, 2.1315]
+
+
+def _sym(levels):
+    return np.array([-x for x in reversed(levels)] + list(levels))
+
+
+def test_gaussian_3bit():
+    cb = gaussian_codebook(3)
+    np.testing.assert_allclose(cb.levels, _sym(GAUSS3), atol=2e-3)
+    assert abs(cb.mse - 0.03455) < 2e-4
+    np.testing.assert_allclose(cb.thresholds, (cb.levels[1:] + cb.levels[:-1]) / 2)
+
+
+def test_sphere_128_3bit():
+    cb = sphere_codebook(3, 128)
+    np.testing.assert_allclose(cb.levels, _sym(SPHERE3_128), atol=2e-3)
+    assert abs(cb.mse - 0.0340) < 5e-4
+
+
+def test_known_low_bits_and_trend():
+    np.testing.assert_allclose(gaussian_codebook(1).levels, [-0.7979, 0.7979], atol=1e-3)  # ±sqrt(2/pi)
+    np.testing.assert_allclose(gaussian_codebook(2).levels, [-1.5104, -0.4528, 0.4528, 1.5104], atol=1e-3)
+    mses = [gaussian_codebook(b).mse for b in (1, 2, 3, 4)]
+    assert all(a > b for a, b in zip(mses, mses[1:]))
+    # The sphere marginal approaches N(0,1) as d grows.
+    gap = [np.abs(sphere_codebook(3, d).levels - gaussian_codebook(3).levels).max() for d in (16, 128, 1024)]
+    assert gap[0] > gap[1] > gap[2]
+
+
+def test_fit_to_samples_recovers_gaussian():
+    z = np.random.default_rng(0).standard_normal(200_000)
+    cb = fit_codebook(z, 3)
+    np.testing.assert_allclose(cb.levels, gaussian_codebook(3).levels, atol=0.02)
+    assert abs(cb.mse - 0.03455) < 2e-3
+    assert np.all(np.diff(cb.levels) > 0)
+
+
+def test_encode_counts_thresholds():
+    cb = gaussian_codebook(2)
+    z = np.array([-10, cb.thresholds[0], cb.thresholds[0] + 1e-9, 0.0, 10])
+    assert cb.encode(z).tolist() == [0, 0, 1, 1, 3]
+
+
+def test_toml_round_trip(tmp_path):
+    cb = sphere_codebook(4, 64)
+    path = tmp_path / "sub" / "cb.toml"
+    cb.save(path)
+    back = Codebook.load(path)
+    assert back.bits == 4 and back.dim == 64 and back.distribution == "sphere"
+    np.testing.assert_array_equal(back.levels, cb.levels)
+    assert get_codebook(str(path), 4, 64).levels.tolist() == cb.levels.tolist()
+    with pytest.raises(RQError, match="4 bits"):
+        get_codebook(str(path), 3, 64)
+
+
+def test_bad_inputs(tmp_path):
+    for b in (0, 5):
+        with pytest.raises(RQError, match="bits"):
+            gaussian_codebook(b)
+    with pytest.raises(RQError, match="power of two"):
+        sphere_codebook(3, 100)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("x = 1\n")
+    with pytest.raises(RQError, match="not a codebook"):
+        Codebook.load(bad)
+    with pytest.raises(RQError, match="not found"):
+        Codebook.load(tmp_path / "missing.toml")

@@ -1,0 +1,124 @@
+"""IsoQuant / TurboQuant caches: bytes, deferred prefill, decode, window, trim, factory errors."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from rq_core.attention import reference_attention
+from rq_core.errors import RQError
+from rq_core.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, TurboQuantCache, dequantize_kv,
+                              make_kv_cache, quantize_kv)
+
+B, HQ, HKV, D = 1, 4, 2, 32
+SCALE = 1 / math.sqrt(D)
+
+
+def _rand(shape, seed):
+    return mx.random.normal(shape, key=mx.random.key(seed))
+
+
+def _qkv(L, seed):
+    return _rand((B, HQ, L, D), seed), _rand((B, HKV, L, D), seed + 1), _rand((B, HKV, L, D), seed + 2)
+
+
+def _mk(**kw):
+    return make_kv_cache(KVSettings(mode="isoquant3", **kw), layer=1, n_kv_heads=HKV, head_dim=D)
+
+
+def test_isoquant_is_5x_smaller_at_d128():
+    c = make_kv_cache(KVSettings(mode="isoquant3"), layer=0, n_kv_heads=2, head_dim=128)
+    c.attend(_rand((1, 4, 100, 128), 0), _rand((1, 2, 100, 128), 1), _rand((1, 2, 100, 128), 2), scale=0.1,
+             mask="causal")
+    c.end_prefill()
+    assert c.k_codes.shape[-1] == 12 and c.k_codes.dtype == mx.uint32 and c.k_norms.dtype == mx.float16
+    assert c.nbytes == 100 * 2 * 2 * (48 + 2)  # codes + fp16 norms, K and V
+    assert c.fp16_nbytes == 100 * 2 * 2 * 256
+    assert c.fp16_nbytes / c.nbytes >= 5.0
+
+
+def test_quantize_reconstruction():
+    from rq_core.codebook import sphere_codebook
+    from rq_core.rotation import Rotation
+
+    rot = Rotation(128, 2, seed=0)
+    levels = mx.array(sphere_codebook(3, 128).levels.astype(np.float32))
+    x = _rand((1, 2, 256, 128), 5) * 3
+    n = np.linalg.norm(np.array(x), axis=-1)
+    for nc in (False, True):
+        codes, norms = quantize_kv(x, rot, levels, 3, norm_correction=nc)
+        xh = np.array(dequantize_kv(codes, norms, rot, levels, 3, 128))
+        rel = np.mean(np.sum((xh - np.array(x)) ** 2, -1) / n**2)
+        assert 0.02 < rel < 0.05  # ≈ the codebook's MSE (0.034)
+        if nc:  # norm correction: the reconstruction has the original length (fp16 norm)
+            np.testing.assert_allclose(np.linalg.norm(xh, axis=-1), n, rtol=2e-3)
+    zero_codes, zero_norms = quantize_kv(mx.zeros((1, 2, 1, 128)), rot, levels, 3)
+    assert np.all(np.array(zero_norms) == 0)
+
+
+def test_deferred_prefill_is_exact_fp16_then_compressed():
+    c, f = _mk(), FP16Cache()
+    for L, seed in [(20, 0), (7, 10)]:  # chunked prefill: the 2nd chunk sees the 1st in fp16
+        q, k, v = _qkv(L, seed)
+        np.testing.assert_array_equal(np.array(c.attend(q, k, v, scale=SCALE, mask="causal")),
+                                      np.array(f.attend(q, k, v, scale=SCALE, mask="causal")))
+    assert c.packed_len == 0 and c.fp16_len == 27
+    c.end_prefill()
+    assert c.packed_len == 27 and c.fp16_len == 0 and c.offset == 27
+    # Decode: the new token is compressed on append and attention matches the oracle over all tokens.
+    q, k, v = _qkv(1, 20)
+    out = c.attend(q, k, v, scale=SCALE)
+    assert c.packed_len == 28
+    K = dequantize_kv(c.k_codes[:, :, :28], c.k_norms[:, :, :28], c.rotation, c.levels, 3, D)
+    V = dequantize_kv(c.v_codes[:, :, :28], c.v_norms[:, :, :28], c.rotation, c.levels, 3, D)
+    np.testing.assert_allclose(np.array(out), np.array(reference_attention(q, K, V, scale=SCALE)), atol=1e-5)
+    # ... and stays close to fp16 attention.
+    fout = f.attend(q, k, v, scale=SCALE)
+    assert float(mx.abs(out - fout).max()) < 0.5 * float(mx.abs(fout).max())
+
+
+def test_fp16_window_and_multi_token_decode():
+    c = _mk(fp16_window=4)
+    q, k, v = _qkv(12, 0)
+    c.attend(q, k, v, scale=SCALE, mask="causal")
+    c.end_prefill()
+    assert (c.packed_len, c.fp16_len) == (8, 4)
+    q2, k2, v2 = _qkv(3, 30)  # 3 new tokens at once, causal among themselves
+    out = c.attend(q2, k2, v2, scale=SCALE, mask="causal")
+    assert (c.packed_len, c.fp16_len) == (11, 4)
+    Kp = dequantize_kv(c.k_codes[:, :, :11], c.k_norms[:, :, :11], c.rotation, c.levels, 3, D)
+    Vp = dequantize_kv(c.v_codes[:, :, :11], c.v_norms[:, :, :11], c.rotation, c.levels, 3, D)
+    fk = mx.concatenate([k, k2], axis=2)[:, :, 11:]
+    fv = mx.concatenate([v, v2], axis=2)[:, :, 11:]
+    K, V = mx.concatenate([Kp, fk], axis=2), mx.concatenate([Vp, fv], axis=2)
+    want = reference_attention(q2, K, V, scale=SCALE, offset=12, causal=True)
+    np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
+    assert c.nbytes == 2 * 11 * 2 * (12 + 2) + 2 * 4 * D * 2 * 4  # fp32 test tensors in the window
+
+
+def test_trim_and_bytes():
+    c = _mk()
+    q, k, v = _qkv(10, 0)
+    c.attend(q, k, v, scale=SCALE, mask="causal")
+    c.end_prefill()
+    for i in range(3):
+        c.attend(*_qkv(1, 40 + i), scale=SCALE)
+    assert c.offset == 13 and c.trim(5) == 5 and c.offset == 8 and c.packed_len == 8
+    assert c.trim(100) == 8 and c.offset == 0 and c.nbytes == 0
+
+
+def test_turbo_uses_dense_rotation():
+    c = make_kv_cache(KVSettings(mode="turbo3", rotation="wht_so4"), layer=0, n_kv_heads=2, head_dim=64)
+    assert isinstance(c, TurboQuantCache) and c.rotation.variant == "dense"
+    iso = make_kv_cache(KVSettings(mode="isoquant3", rotation="so3"), layer=0, n_kv_heads=2, head_dim=64)
+    assert isinstance(iso, IsoQuantCache) and iso.rotation.variant == "so3"
+
+
+@pytest.mark.parametrize("kw,match", [(dict(mode="isoquant3"), "power of two"), (dict(mode="zip"), "unknown KV mode"),
+                                      (dict(mode="isoquant3", bits=5), "bits"),
+                                      (dict(mode="turbo3", codebook="/nope.toml"), "not found")])
+def test_factory_errors(kw, match):
+    d = 100 if match == "power of two" else 64
+    with pytest.raises(RQError, match=match):
+        make_kv_cache(KVSettings(**kw), layer=0, n_kv_heads=2, head_dim=d)

@@ -1,0 +1,73 @@
+"""The planner: shapes from the lazy model agree with real tensors; budgets decide the slots."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _tiny_models import TINY, available
+from rq_core import recipe
+from rq_core.planner import kv_bytes, param_shapes, plan, tensor_bytes
+from rq_core.recipe import RoleSpec
+
+CONFIGS = Path(__file__).parent / "data" / "configs"
+
+
+def _cfg(name):
+    return json.loads((CONFIGS / name).read_text())
+
+
+def test_tensor_bytes_matches_mx_quantize():
+    import mlx.core as mx
+
+    w = mx.zeros((64, 256), mx.bfloat16)
+    q, s, b = mx.quantize(w, group_size=64, bits=2)
+    assert tensor_bytes((64, 256), RoleSpec(2, 64)) == q.nbytes + s.nbytes + b.nbytes
+    assert tensor_bytes((64,), RoleSpec(2, 64)) == 128  # vectors are never quantized
+
+
+def test_qwen3_real_config_plan():
+    cfg = _cfg("qwen3-30b-a3b.json")
+    p = plan(cfg, recipe.load("qwen3-16gb"))
+    assert p.moe_layers == 48 and p.experts_per_layer == 128 and p.top_k == 8
+    # parameter count of Qwen3-30B-A3B is ~30.5B
+    assert 30.0e9 < sum(p.role_params.values()) < 31.0e9
+    # per expert: 3 projections of 768x2048 at 2 bits, group 64 (bf16 scale+bias)
+    assert p.bytes_per_expert == 3 * (768 * 2048 // 4 + 768 * 2048 // 64 * 4)
+    assert p.kv_bytes_per_token == 48 * 2 * 4 * (12 * 4 + 2)  # isoquant3: 12 words + fp16 norm per vector
+    assert p.fits and p.budget_bytes == 16 * 10**9
+
+
+def test_budget_decides_slots():
+    cfg = _cfg("nemotron3-super-120b-a12b.json")
+    r = recipe.load("nemotron-32gb")
+    full = plan(cfg, r, budget=None)
+    assert full.moe_layers == 40 and full.experts_per_layer == 512 and full.top_k == 22
+    assert 115e9 < sum(full.role_params.values()) < 125e9
+    p32 = plan(cfg, r, budget=32 * 10**9)
+    assert p32.top_k <= p32.slots_per_layer < 512 and p32.fits
+    assert p32.planned_peak_bytes <= 32 * 10**9
+    p8 = plan(cfg, r, budget=8 * 10**9)
+    assert not p8.fits and p8.notes
+
+
+def test_gemma4_kv_counts_only_global_layers_per_token():
+    cfg = _cfg("gemma4-26b-a4b.json")
+    per_tok, fixed = kv_bytes(cfg, "fp16")
+    assert per_tok == 5 * 2 * 2 * 512 * 2  # 5 full layers, 2 global kv heads, head_dim 512
+    assert fixed == 25 * 1024 * 2 * 8 * 2 * 256  # 25 sliding layers at a 1024 window
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_plan_bytes_match_a_real_quantized_checkpoint(family, tmp_path):
+    if not available(family):
+        pytest.skip(f"model family {family} not in this build yet")
+    from _tiny_models import make_tiny
+    from rq_core.quantize import quantize
+
+    r = recipe.load(Path(__file__).parent / "data" / "tiny-rtn.toml")
+    src = make_tiny(family, tmp_path / "src")
+    res = quantize(src, r, tmp_path / "q")
+    p = plan(TINY[family], r)
+    assert p.total_bytes == res.bytes_out
+    assert set(param_shapes(TINY[family])) >= {k for k in param_shapes(TINY[family]) if "switch" in k}

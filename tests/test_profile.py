@@ -1,0 +1,132 @@
+"""`rq profile`: timing harness, component recording, attribution and the kernel breakdown."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from typer.testing import CliRunner
+
+from rq_cli.main import app
+from rq_core.checkpoint import build_model
+from rq_core.kv_cache import KVSettings
+from rq_core.profile import (STAGES, Recorder, fill_caches, find_components, profile_model, time_fn,
+                             time_round_robin, verdict)
+
+GOLDEN = Path(__file__).parent / "golden" / "qwen3_moe" / "model"
+TINY = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            intermediate_size=64, vocab_size=256, max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    mx.random.seed(0)
+    m = build_model(TINY)
+    mx.eval(m.parameters())
+    return m
+
+
+def test_time_fn_median_and_warmup() -> None:
+    calls = []
+    t = time_fn(lambda: (calls.append(1), time.sleep(0.01))[0], warmup=2, repeats=5)
+    assert len(calls) == 7 and t.repeats == 5 and len(t.samples) == 5
+    assert 0.009 < t.median < 0.1 and t.p10 <= t.median <= t.p90
+    rr = time_round_robin({"a": (lambda: time.sleep(0.002), None), "b": (lambda: time.sleep(0.02), None)},
+                          warmup=1, repeats=3)
+    assert rr["a"].median < rr["b"].median
+
+
+def test_verdict_threshold() -> None:
+    assert verdict(0.45, 0.2) == "go" and verdict(0.14, 0.2) == "no-go" and verdict(0.2, 0.2) == "no-go"
+
+
+@pytest.mark.parametrize("fill", ["synthetic", "prefill"])
+def test_fill_reaches_the_context(tiny, fill: str) -> None:
+    caches = tiny.make_cache(KVSettings(mode="isoquant3"))
+    fill_caches(tiny, caches, 300, fill=fill, vocab_size=256)
+    assert [c.offset for c in caches] == [300, 300]
+    assert all(c.packed_len == 300 for c in caches)  # prefill ended: all of it compressed
+
+
+def test_recorder_records_and_restores(tiny) -> None:
+    caches = tiny.make_cache(KVSettings(mode="fp16"))
+    targets = find_components(tiny, caches)
+    kinds = sorted(k for k, _, _ in targets)
+    assert kinds == ["experts", "experts", "kv_attention", "kv_attention"]
+    before = [type(o) for _, o, _ in targets]
+    with Recorder(targets) as rec:
+        mx.eval(tiny(mx.array([[1, 2, 3]]), cache=caches))
+    assert [type(o) for _, o, _ in targets] == before
+    assert sorted(c.kind for c in rec.calls) == kinds
+
+
+def _check_report(r: dict) -> None:
+    a = r["attribution"]
+    assert set(a) == {"kv_attention", "sliding_attention", "experts", "ssm", "rest"}
+    assert sum(a.values()) == pytest.approx(r["decode_step_ms"])
+    assert r["kv_attention_share"] == pytest.approx(a["kv_attention"] / r["decode_step_ms"])
+    assert r["verdict"] == verdict(r["kv_attention_share"], r["threshold"])
+    assert r["layers"]["kv_attention"] == 2 and r["layers"]["experts"] == 2
+
+
+def test_profile_compressed_kernels_add_up(tiny) -> None:
+    # Timing on a shared CI machine is noisy: the sum must match within 40%, best of two tries.
+    for attempt in range(2):
+        rep = profile_model(tiny, [1024], kv=KVSettings(mode="isoquant3"), warmup=1, repeats=5)
+        r = rep["results"][0]
+        _check_report(r)
+        assert list(r["kernels"]) == list(STAGES) and all(v > 0 for v in r["kernels"].values())
+        assert r["kernels_total_ms"] == pytest.approx(sum(r["kernels"].values()))
+        assert r["strategy"] and r["attention_path"] == ("reference" if rep["backend"] == "cpu" else "kernels")
+        if 0.6 <= r["kernels_to_attention"] <= 1.4:
+            break
+    assert 0.6 <= r["kernels_to_attention"] <= 1.4, r
+    assert rep["reference_path"] == (rep["backend"] == "cpu")
+
+
+def test_profile_fp16_has_no_stages(tiny) -> None:
+    rep = profile_model(tiny, [128], kv=KVSettings(mode="fp16"), warmup=1, repeats=3)
+    r = rep["results"][0]
+    _check_report(r)
+    assert r["kernels"] is None and r["attention_path"] == "sdpa"
+
+
+def test_profile_scales_layers(tiny) -> None:
+    rep = profile_model(tiny, [64], kv=KVSettings(mode="isoquant3"), warmup=0, repeats=2, layer_scale=24)
+    r = rep["results"][0]
+    for k in ("kv_attention", "experts"):
+        assert r["attribution"][k] == pytest.approx(24 * r["measured_parts_ms"][k])
+    assert r["kernels_total_ms"] == pytest.approx(24 * sum(r["kernels_per_layer_us"].values()) * 2 / 1e3)
+    assert r["decode_step_ms"] == pytest.approx(sum(r["attribution"].values()))
+    # rest = outside the layers + 24 × the layers' own remainder (norms, projections, router)
+    inside = max(r["measured_layers_ms"] - sum(r["measured_parts_ms"].values()), 0)
+    outside = max(r["measured_step_ms"] - r["measured_layers_ms"], 0)
+    assert r["attribution"]["rest"] == pytest.approx(outside + 24 * inside)
+
+
+@pytest.mark.skipif(not (GOLDEN / "config.json").is_file(), reason="golden tiny model missing")
+def test_cli_json() -> None:
+    res = CliRunner().invoke(app, ["profile", str(GOLDEN), "--context", "32,96", "--repeats", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert [r["context"] for r in rep["results"]] == [32, 96]
+    for r in rep["results"]:
+        assert set(r["kernels"]) == set(STAGES)
+        assert r["verdict"] in ("go", "no-go") and 0 <= r["kv_attention_share"] <= 1
+    assert rep["backend"] in ("cpu", "cuda", "metal") and rep["verdict"] in ("go", "no-go")
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--context", "abc"], "bad --context"),
+    (["--context", "0"], "positive"),
+    (["--threshold", "1.5"], "threshold"),
+    (["--fill", "magic"], "unknown fill"),
+    (["--kv", "int9"], "KV mode"),
+])
+def test_cli_bad_input(args: list[str], msg: str) -> None:
+    res = CliRunner().invoke(app, ["profile", str(GOLDEN), *args])
+    assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output

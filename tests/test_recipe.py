@@ -1,0 +1,70 @@
+"""Recipes: bundled ones load; every validation problem is one clear line; round trip."""
+
+import pytest
+
+from rq_core import recipe
+from rq_core.errors import RQError
+
+BASE = 'version = 1\nname = "t"\n'
+
+
+def test_bundled_recipes_load():
+    names = recipe.bundled()
+    for n in ["nemotron-32gb", "qwen3-16gb", "gemma4-16gb", "shakespeare-moe"]:
+        assert n in names
+        r = recipe.load(n)
+        assert r.roles["routed_expert"].bits == 2
+        assert r.roles["attention"].method == "gptq"
+
+
+def test_resolved_round_trip():
+    r = recipe.load("nemotron-32gb")
+    r2 = recipe.loads(r.dumps())
+    assert r2.to_dict() == r.to_dict()
+    assert r2.roles["router"].bits is None and r2.promote.kurtosis_threshold == 5.0
+    assert r2.kv.mode == "isoquant3" and r2.pager.memory_budget == "32GB"
+
+
+@pytest.mark.parametrize("text,match", [
+    (BASE + "[roles.attention]\nbitz = 4\n", "unknown key 'roles.attention.bitz'"),
+    (BASE + "[roles.atention]\nbits = 4\n", "unknown key 'roles.atention'"),
+    (BASE + "colour = 1\n", "unknown key 'colour'"),
+    (BASE + "[roles.attention]\nbits = 7\n", r"roles.attention.bits = 7 is not one of 2, 3, 4, 5, 6, 8"),
+    (BASE + "[roles.attention]\nbits = 1\n", "is not one of"),
+    (BASE + "[roles.attention]\ngroup_size = 48\n", "group_size = 48"),
+    (BASE + "[roles.routed_expert]\nmethod = \"gptq\"\n", "applies only to"),
+    (BASE + "family = \"llama\"\n", "family 'llama'"),
+    (BASE + "[kv]\nmode = \"int4\"\n", "kv.mode"),
+    (BASE + "[kv]\nwindow = 3\n", "unknown key 'kv.window'"),
+    (BASE + "[pager]\npolicy = \"fifo\"\n", "pager.policy"),
+    (BASE + "[pager]\nmemory_budget = \"lots\"\n", "cannot read 'lots'"),
+    ('version = 2\n', "'version' must be 1"),
+    ('version = 1\n[roles\n', "not valid TOML"),
+])
+def test_validation_is_one_line(text, match):
+    with pytest.raises(RQError, match=match) as e:
+        recipe.loads(text, "x.toml")
+    assert "\n" not in str(e.value) and str(e.value).startswith("x.toml")
+
+
+def test_recipe_for_another_family_and_group_dims():
+    r = recipe.load("qwen3-16gb")
+    with pytest.raises(RQError, match="is for qwen3_moe models, this model is nemotron_h"):
+        recipe.check_against(r, {"model_type": "nemotron_h"}, {})
+    with pytest.raises(RQError, match="does not divide dimension 96"):
+        recipe.check_against(r, {"model_type": "qwen3_moe"}, {"attention": [("q.weight", (64, 96))]})
+
+
+def test_kv_settings_and_sizes():
+    r = recipe.loads(BASE + '[kv]\nmode = "isoquant3"\nrotation = "so3"\nseed = 7\n')
+    from rq_core.kv_cache import KVSettings
+
+    assert isinstance(r.kv, KVSettings) and r.kv.rotation == "so3" and r.kv.seed == 7
+    assert recipe.parse_size("16GB") == 16 * 10**9
+    assert recipe.parse_size("512MiB") == 512 * 2**20
+    assert recipe.parse_size("1.5G") == 1.5e9
+
+
+def test_unknown_recipe_name():
+    with pytest.raises(RQError, match="no recipe 'nope'.*qwen3-16gb"):
+        recipe.load("nope")

@@ -1,0 +1,135 @@
+"""`rq run`: greedy output equals transformers', --json fields, and bad input → one line, non-zero exit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import rq_core.checkpoint as checkpoint
+from rq_cli.main import app
+
+GOLDEN = Path(__file__).parent / "golden"
+FAMILIES = sorted(p.parent.name for p in GOLDEN.glob("*/golden.json"))
+QWEN2 = GOLDEN / "qwen2_moe" / "model"
+JSON_FIELDS = {"text", "tokens", "prompt_tokens", "generated_tokens", "prefill_tok_per_s", "decode_tok_per_s",
+               "peak_memory_bytes", "kv_bytes", "kv_bytes_fp16", "kv_mode", "model_type"}
+
+
+def _rq(*args: str):
+    return CliRunner().invoke(app, ["run", *args])
+
+
+def _error_line(result) -> str:
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("error:")
+    return lines[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_json_matches_transformers(family: str) -> None:
+    g = json.loads((GOLDEN / family / "golden.json").read_text())
+    r = _rq(str(GOLDEN / family / "model"), "--prompt", g["prompt_text"], "--temp", "0", "--kv", "fp16",
+            "--max-tokens", str(len(g["greedy"])), "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert JSON_FIELDS <= set(out)
+    assert out["prompt_tokens"] == len(g["prompt_ids"])
+    assert out["tokens"] == g["greedy"]
+    assert out["generated_tokens"] == len(out["tokens"])
+    assert out["kv_mode"] == "fp16" and out["model_type"] == family
+    assert out["prefill_tok_per_s"] > 0 and out["decode_tok_per_s"] > 0
+    assert out["peak_memory_bytes"] > 0 and out["kv_bytes"] > 0 and out["kv_bytes_fp16"] > 0
+
+
+def test_isoquant_json_reports_smaller_kv() -> None:
+    r = _rq(str(QWEN2), "--prompt", "The quick brown fox", "--max-tokens", "4", "--kv", "isoquant3", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["kv_mode"] == "isoquant3" and out["generated_tokens"] == 4
+    fp16 = json.loads(_rq(str(QWEN2), "--prompt", "The quick brown fox", "--max-tokens", "4", "--json")
+                      .stdout.strip().splitlines()[-1])
+    assert out["kv_bytes_fp16"] == fp16["kv_bytes_fp16"]
+    assert out["kv_bytes"] < fp16["kv_bytes"]
+
+
+def test_streams_text_and_stats_line() -> None:
+    r = _rq(str(QWEN2), "--prompt", "Hello world", "--max-tokens", "5", "--temp", "0.8", "--top-p", "0.9",
+            "--seed", "3")
+    assert r.exit_code == 0, r.output
+    assert "tok/s" in r.output and "peak mem" in r.output and "KV fp16" in r.output
+    again = _rq(str(QWEN2), "--prompt", "Hello world", "--max-tokens", "5", "--temp", "0.8", "--top-p", "0.9",
+                "--seed", "3")
+    assert again.stdout == r.stdout  # same seed, same text
+
+
+def test_chat_template_is_applied() -> None:
+    plain = json.loads(_rq(str(QWEN2), "--prompt", "hi", "--max-tokens", "1", "--json").stdout.splitlines()[-1])
+    chat = json.loads(_rq(str(QWEN2), "--prompt", "hi", "--max-tokens", "1", "--chat", "--json")
+                      .stdout.splitlines()[-1])
+    assert chat["prompt_tokens"] > plain["prompt_tokens"]
+
+
+def test_stops_at_eos(tmp_path: Path) -> None:
+    g = json.loads((GOLDEN / "qwen2_moe" / "golden.json").read_text())
+    model = tmp_path / "m"
+    shutil.copytree(QWEN2, model)
+    # Declare the 4th greedy token an EOS: generation must stop before it.
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, g["greedy"][3]]}))
+    out = json.loads(_rq(str(model), "--prompt", g["prompt_text"], "--max-tokens", "16", "--json")
+                     .stdout.splitlines()[-1])
+    assert out["tokens"] == g["greedy"][:3] and out["stop_reason"] == "eos"
+
+
+def test_dir_without_config(tmp_path: Path) -> None:
+    assert "config.json" in _error_line(_rq(str(tmp_path), "--prompt", "x"))
+
+
+def test_unknown_model_type_names_supported(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(QWEN2, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["model_type"] = "llama_moe_9000"
+    (model / "config.json").write_text(json.dumps(cfg))
+    line = _error_line(_rq(str(model), "--prompt", "x"))
+    assert "llama_moe_9000" in line and "qwen3_moe" in line and "qwen2_moe" in line and "gemma4" in line
+
+
+def test_truncated_safetensors(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(QWEN2, model)
+    f = model / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    assert "truncated" in _error_line(_rq(str(model), "--prompt", "x"))
+    f.write_bytes(data[:5])
+    assert "truncated" in _error_line(_rq(str(model), "--prompt", "x"))
+
+
+def test_prompt_longer_than_context() -> None:
+    line = _error_line(_rq(str(QWEN2), "--prompt", "hello " * 200))
+    assert "context" in line and "128" in line
+
+
+def test_bad_kv_mode() -> None:
+    assert "isoquant3" in _error_line(_rq(str(QWEN2), "--prompt", "x", "--kv", "int2"))
+
+
+def test_missing_default_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(checkpoint, "DEFAULT_MODEL", tmp_path / "nope")
+    assert "default model" in _error_line(_rq("--prompt", "x"))
+
+
+def test_hub_id_offline_not_cached(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    line = _error_line(_rq("no-such-owner/no-such-model", "--prompt", "x"))
+    assert "HF_HUB_OFFLINE" in line and "no-such-owner/no-such-model" in line

@@ -1,0 +1,133 @@
+"""`rq soak`: statistics, report schema and atomic writes, a short real soak, leak detection, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rq_cli.main import app
+from rq_core import soak as soak_mod
+from rq_core.soak import (LEAK_ENV, MB, Thresholds, coefficient_of_variation, linear_fit, summarize, theil_sen,
+                          validate_report, write_json_atomic)
+
+GOLDEN = Path(__file__).parent / "golden" / "qwen3_moe" / "model"
+needs_golden = pytest.mark.skipif(not (GOLDEN / "config.json").is_file(), reason="golden tiny model missing")
+
+
+def test_fits_and_cv() -> None:
+    xs = [0.0, 1.0, 2.0, 3.0, 4.0]
+    slope, icpt, r2 = linear_fit(xs, [2 * x + 1 for x in xs])
+    assert slope == pytest.approx(2) and icpt == pytest.approx(1) and r2 == pytest.approx(1)
+    # One wild point tilts least squares but not Theil-Sen.
+    ys = [10.0, 10.0, 10.0, 10.0, 1.0]
+    assert linear_fit(xs, ys)[0] < -1
+    assert theil_sen(xs, ys)[0] == pytest.approx(0)
+    assert coefficient_of_variation([1.0, 1.0, 1.0]) == 0
+    assert coefficient_of_variation([1.0, 3.0]) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        linear_fit([1.0, 1.0], [1.0, 2.0])
+
+
+def _samples(n: int, *, active_growth: float = 0.0, tok_end: float = 100.0) -> list[dict]:
+    out = []
+    for i in range(n):
+        out.append({"t_s": float(i * 10), "rss_bytes": 500 * MB, "active_bytes": int(100 * MB + i * active_growth),
+                    "cache_bytes": 0, "peak_memory_bytes": 120 * MB, "tokens_total": 100 * i,
+                    "generations_total": i, "decode_tok_per_s": 100.0 + (tok_end - 100.0) * i / (n - 1),
+                    "gates": {"finite_logits": {"passed": True}}})
+    return out
+
+
+def test_summary_judges_growth_drift_and_gates() -> None:
+    th = Thresholds(max_growth_mb=64, max_growth_frac=0.05, max_throughput_drop=0.3)
+    flat = summarize(_samples(10), th)
+    assert flat["passed"] and flat["failures"] == []
+    assert flat["memory_growth"]["growth_bytes"] == pytest.approx(0)
+    leak = summarize(_samples(10, active_growth=20 * MB), th)  # 160 MB over the fitted samples
+    assert not leak["passed"] and "grew" in leak["failures"][0]
+    assert leak["memory_growth_bytes_per_hour"] == pytest.approx(20 * MB / 10 * 3600)
+    slow = summarize(_samples(10, tok_end=50.0), th)
+    assert not slow["passed"] and slow["throughput_drift"] == pytest.approx(50 / (100 - 50 / 9) - 1, rel=1e-6)
+    bad = _samples(10)
+    bad[5]["gates"]["finite_logits"] = {"passed": False, "detail": "NaN"}
+    s = summarize(bad, th)
+    assert not s["passed"] and s["gates"]["finite_logits"]["failures"] == 1
+
+
+def test_atomic_write_and_validation(tmp_path: Path) -> None:
+    p = tmp_path / "sub" / "r.json"
+    write_json_atomic(p, {"a": 1})
+    write_json_atomic(p, {"a": 2})
+    assert json.loads(p.read_text()) == {"a": 2}
+    assert [f.name for f in p.parent.iterdir()] == ["r.json"]  # no temp files left behind
+    assert validate_report({"schema": "nope"})  # many problems
+    assert validate_report([]) == ["the report is not a JSON object"]
+
+
+def _run(tmp_path: Path, *extra: str, env: dict | None = None):
+    rep = tmp_path / "soak.json"
+    args = ["soak", str(GOLDEN), "--seconds", "7", "--interval", "1", "--max-tokens", "12",
+            "--max-throughput-drop", "0.95", "--report", str(rep), "--json", *extra]
+    result = CliRunner().invoke(app, args, env=env or {})
+    return result, rep
+
+
+@needs_golden
+def test_short_soak_passes_and_report_validates(tmp_path: Path) -> None:
+    result, rep = _run(tmp_path)
+    assert result.exit_code == 0, result.output
+    report = json.loads(rep.read_text())
+    assert validate_report(report) == []
+    assert report["status"] == "completed" and report["passed"] is True
+    assert report["summary"]["samples"] >= 4 and report["summary"]["tokens_generated"] > 0
+    assert report["kv_mode"] == "isoquant3"
+    last = report["samples"][-1]
+    assert last["decode_tok_per_s"] > 0 and last["rss_bytes"] > 0 and last["active_bytes"] > 0
+    assert set(last["gates"]) >= {"finite_logits", "deterministic_probe", "kv_compressed"}
+    assert json.loads(result.stdout)["passed"] is True
+
+
+@needs_golden
+def test_injected_leak_fails_on_growth(tmp_path: Path) -> None:
+    result, rep = _run(tmp_path, env={LEAK_ENV: "40"})
+    assert result.exit_code == 1, result.output
+    report = json.loads(rep.read_text())
+    assert validate_report(report) == []
+    assert report["passed"] is False
+    assert report["summary"]["memory_growth"]["passed"] is False
+    assert any("grew" in f for f in report["summary"]["failures"])
+
+
+@needs_golden
+def test_ctrl_c_leaves_a_valid_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    orig = soak_mod.Soak._one_generation
+
+    def interrupted(self, i, acc):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return orig(self, i, acc)
+
+    monkeypatch.setattr(soak_mod.Soak, "_one_generation", interrupted)
+    rep = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["soak", str(GOLDEN), "--minutes", "10", "--interval", "0.2",
+                                      "--max-tokens", "8", "--report", str(rep)])
+    report = json.loads(rep.read_text())
+    assert validate_report(report) == []
+    assert report["status"] == "interrupted"
+    assert result.exit_code == (0 if report["passed"] else 1)
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    r = CliRunner().invoke(app, ["soak", str(GOLDEN), "--report", str(tmp_path / "r.json")])
+    assert r.exit_code == 2 and "exactly one of --hours or --minutes" in r.output
+    r = CliRunner().invoke(app, ["soak", str(GOLDEN), "--hours", "1", "--minutes", "2", "--report", "x.json"])
+    assert r.exit_code == 2
+    r = CliRunner().invoke(app, ["soak", str(GOLDEN), "--minutes", "1", "--kv", "int9", "--report", "x.json"])
+    assert r.exit_code == 2 and "unknown KV mode" in r.output
+    assert "Traceback" not in r.output

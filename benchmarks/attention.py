@@ -126,8 +126,8 @@ def build(T: int, nl: int, rng: np.random.Generator) -> dict:
         for b in (8, 4):
             L[f"kq{b}"].append(mx.quantize(k, group_size=64, bits=b))
             L[f"vq{b}"].append(mx.quantize(v, group_size=64, bits=b))
-        L["kc"].append(mx.random.bits((1, HKV, T, W)))
-        L["vc"].append(mx.random.bits((1, HKV, T, W)))
+        L["kc"].append(mx.random.randint(-2**31, 2**31 - 1, (1, HKV, T, W)).astype(mx.uint32))
+        L["vc"].append(mx.random.randint(-2**31, 2**31 - 1, (1, HKV, T, W)).astype(mx.uint32))
         L["kn"].append(mx.random.uniform(0.5, 2.0, (1, HKV, T)).astype(mx.float16))
         L["vn"].append(mx.random.uniform(0.5, 2.0, (1, HKV, T)).astype(mx.float16))
         g = rng.standard_normal((HKV, D // 4, 2, 4))

@@ -28,26 +28,28 @@ def parse_contexts(text: str) -> list[int]:
 
 
 def _table(report: dict) -> None:
-    t = Table(title=f"decode step ({report['kv_mode']} KV, {report['backend']}"
+    t = Table(title=f"decode step, ms ({report['kv_mode']} KV, {report['backend']}"
                     f"{', reference path' if report['reference_path'] else ''})")
-    for col in ("context", "step ms", "tok/s", "kv attn ms", "experts ms", "ssm ms", "sliding ms", "rest ms",
-                "KV share", "verdict"):
+    parts = [k for k in ("kv_attention", "sliding_attention", "experts", "ssm", "rest")
+             if k in ("kv_attention", "rest") or any(r["attribution"][k] > 0 for r in report["results"])]
+    names = {"kv_attention": "KV attn", "sliding_attention": "sliding", "experts": "experts", "ssm": "SSM",
+             "rest": "rest"}
+    for col in ["context", "step", "tok/s"] + [names[p] for p in parts] + ["KV share", "verdict"]:
         t.add_column(col, justify="right")
     for r in report["results"]:
         a = r["attribution"]
-        t.add_row(str(r["context"]), f"{r['decode_step_ms']:.3f}", f"{r['decode_tok_per_s']:.1f}",
-                  f"{a['kv_attention']:.3f}", f"{a['experts']:.3f}", f"{a['ssm']:.3f}",
-                  f"{a['sliding_attention']:.3f}", f"{a['rest']:.3f}", f"{r['kv_attention_share']:.1%}",
+        t.add_row(str(r["context"]), f"{r['decode_step_ms']:.2f}", f"{r['decode_tok_per_s']:.1f}",
+                  *[f"{a[p]:.2f}" for p in parts], f"{r['kv_attention_share']:.1%}",
                   "[green]go[/]" if r["verdict"] == "go" else "[yellow]no-go[/]")
     console.print(t)
     staged = [r for r in report["results"] if r["kernels"]]
     if staged:
-        k = Table(title="attention kernels (ms per decode step, all full-attention layers)")
+        k = Table(title="attention stages, ms per decode step (all full-attention layers)")
         k.add_column("context", justify="right")
-        for name in staged[0]["kernels"]:
+        for name in ("rot q", "A qk", "B smax", "C v", "D rot⁻¹"):
             k.add_column(name, justify="right")
-        k.add_column("sum / attention", justify="right")
-        k.add_column("C strategy")
+        k.add_column("sum/attn", justify="right")
+        k.add_column("C")
         for r in staged:
             ratio = r.get("kernels_to_attention")
             k.add_row(str(r["context"]), *[f"{v:.3f}" for v in r["kernels"].values()],
@@ -74,6 +76,9 @@ def profile(
                                   "(random tokens through the model)."),
     repeats: int = typer.Option(7, "--repeats", help="Timed repeats per measurement (median reported)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed warm-up runs per measurement."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
+                                                help="Page routed experts from disk to fit this budget (e.g. 16GB)."),
+    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru or mmap."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Time one decode step per context: the five attention kernels, and KV attention vs experts, SSM, rest."""
@@ -91,6 +96,13 @@ def profile(
         console.print(f"[yellow]note:[/] context {max(contexts)} is beyond the model's {limit} positions "
                       "(timing is still meaningful, outputs are not)")
 
+    pager_obj = None
+    if memory_budget is not None:
+        from rq_cli.run_pager import attach_pager
+
+        pager_obj = attach_pager(ckpt, memory_budget, pager, False, json_out, context=max(contexts) + 64,
+                                 prefill_chunk=512, kv_mode=kv)
+
     def progress(r: dict) -> None:
         if not json_out:
             console.print(f"  context {r['context']}: step {r['decode_step_ms']:.3f} ms, "
@@ -101,6 +113,8 @@ def profile(
                            warmup=warmup, repeats=repeats, threshold=threshold, on_context=progress)
     report["model"] = str(ckpt.path)
     report["model_type"] = ckpt.model_type
+    # Expert time ("experts") includes the pager's reads; its counters over the whole profile:
+    report["pager"] = pager_obj.report().as_dict() if pager_obj is not None else None
     if json_out:
         print_json(report)
     else:

@@ -30,7 +30,11 @@ def quantize(
     if plan:
         from rq_core.planner import plan as make_plan, render
 
-        cfg = load_config(resolve_model_path(model))
+        import json
+        from pathlib import Path
+
+        mp = Path(model)  # a config.json file alone is enough for a plan
+        cfg = json.loads(mp.read_text()) if mp.is_file() and mp.suffix == ".json" else load_config(resolve_model_path(model))
         p = make_plan(cfg, rec, budget=rq_recipe.parse_size(budget, "--memory-budget") if budget else None)
         if json_out:
             print_json({"plan": p.as_dict()})

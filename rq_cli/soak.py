@@ -58,11 +58,16 @@ def soak(
     interval: Optional[float] = typer.Option(None, "--interval",
                                              help="Seconds between samples (default: ~20 samples, 1-60 s)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per generation."),
+    max_prompt: int = typer.Option(256, "--max-prompt",
+                                   help="Longest prompt in tokens (prompts vary from 8 up to this)."),
     temp: float = typer.Option(0.8, "--temp", help="Sampling temperature of the generations."),
     seed: int = typer.Option(0, "--seed"),
     max_growth_mb: float = typer.Option(64.0, "--max-growth-mb", help="Memory growth allowed over the run (MB)."),
     max_throughput_drop: float = typer.Option(0.30, "--max-throughput-drop",
                                               help="Allowed fall of decode tok/s, start to end (fraction)."),
+    memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
+                                                help="Page routed experts from disk to fit this budget (e.g. 16GB)."),
+    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru or mmap."),
     json_out: bool = typer.Option(False, "--json", help="Print the final report as one JSON object."),
 ) -> None:
     """Generate continuously from varied prompts; exit 1 when memory grows, speed drifts or a check fails."""
@@ -78,21 +83,27 @@ def soak(
         raise RQError("the duration must be positive")
     if kv not in KV_MODES:
         raise RQError(f"unknown KV mode {kv!r} (choose from: {', '.join(KV_MODES)})")
-    if max_tokens < 1:
-        raise RQError("--max-tokens must be at least 1")
+    if max_tokens < 1 or max_prompt < 8:
+        raise RQError("--max-tokens must be at least 1 and --max-prompt at least 8")
     ckpt = load(model)
     settings = SoakSettings(duration_s=duration, interval_s=interval or default_interval(duration), kv_mode=kv,
-                            max_tokens=max_tokens, temp=temp, seed=seed,
+                            max_tokens=max_tokens, max_prompt=max_prompt, temp=temp, seed=seed,
                             thresholds=Thresholds(max_growth_mb=max_growth_mb,
                                                   max_throughput_drop=max_throughput_drop))
     kvs = KVSettings(mode=kv, rotation=rotation, seed=seed)
+    pager_obj = None
+    if memory_budget is not None:
+        from rq_cli.run_pager import attach_pager
+
+        pager_obj = attach_pager(ckpt, memory_budget, pager, False, json_out, context=settings.max_prompt + max_tokens,
+                                 prefill_chunk=512, kv_mode=kv)
     live = Live(console=console, auto_refresh=False, transient=False) if console.is_terminal else None
 
     def on_sample(rep: dict) -> None:
         if live is not None:
             live.update(render(rep), refresh=True)
 
-    runner = Soak(ckpt, settings, report, kv=kvs, on_sample=on_sample)
+    runner = Soak(ckpt, settings, report, kv=kvs, pager=pager_obj, on_sample=on_sample)
     if live is not None:
         with live:
             final = runner.run()

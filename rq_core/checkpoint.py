@@ -171,7 +171,14 @@ def _quant_predicate(qcfg: dict, weights: dict) -> Any:
 def build_model(config: dict, weights: Optional[dict[str, mx.array]] = None) -> nn.Module:
     """Instantiate the family's Model for `config`; with `weights`, sanitize, quantize as stored and load them."""
     module = get_model_module(config.get("model_type"))
-    model = module.Model(module.ModelArgs.from_dict(config))
+    try:
+        model = module.Model(module.ModelArgs.from_dict(config))
+    except RQError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, AssertionError) as e:
+        # A config.json the family cannot be built from (missing/contradictory fields) is bad input.
+        raise RQError(f"config.json cannot be used for {config.get('model_type')}: "
+                      f"{type(e).__name__}: {_first_line(e)[:200]}")
     if weights is None:
         return model
     weights = model.sanitize(dict(weights))

@@ -27,7 +27,7 @@ class KVSettings:
     rotation: str = "wht_so4"  # wht_so4 | wht | so4 | so3 | dense
     codebook: str = "sphere"  # sphere | gaussian | path to a codebook TOML
     fp16_window: int = 0  # newest tokens kept in fp16 (0 = off)
-    norm_correction: bool = True
+    norm_correction: bool = False  # store n / ||c||; measured no better (benchmarks/README.md)
     seed: int = 0
 
 
@@ -119,7 +119,7 @@ class FP16Cache:
 # IsoQuant / TurboQuant: norm + rotation + Lloyd-Max codebook + packing (docs/FORMAT.md)
 
 
-def quantize_kv(x: mx.array, rotation, levels: mx.array, bits: int, *, norm_correction: bool = True
+def quantize_kv(x: mx.array, rotation, levels: mx.array, bits: int, *, norm_correction: bool = False
                 ) -> tuple[mx.array, mx.array]:
     """Quantize vectors x [B, H, T, d] → (codes uint32 [B, H, T, W], stored norms float16 [B, H, T])."""
     from rq_core.packing import pack
@@ -163,7 +163,7 @@ class IsoQuantCache:
 
     def __init__(self, *, head_dim: int, n_kv_heads: int, layer: int = 0, bits: int = 3,
                  rotation: str = "wht_so4", codebook: str = "sphere", fp16_window: int = 0,
-                 norm_correction: bool = True, seed: int = 0) -> None:
+                 norm_correction: bool = False, seed: int = 0) -> None:
         from rq_core.codebook import check_bits, get_codebook
         from rq_core.rotation import Rotation, check_dim
 

@@ -7,7 +7,8 @@ which a pager cannot avoid (it must know which experts to fetch). Slot writes ar
 evaluated with the rest of the step.
 
 `policy="mmap"` keeps no slots: each call copies the experts it needs out of a memory map of the
-page file, leaving caching to the OS page cache (for comparison).
+page file, leaving caching to the OS page cache (for comparison). Its `resident_bytes` is the most
+expert bytes held at once; its hit rate is the OS's and is not measured (None).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class _Layer:
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
         self.free = list(range(self.slots))
         self.map: Optional[mmap.mmap] = None
+        self.temp_bytes = 0
         if pager.policy == "mmap":
             self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
         else:  # the banks: [slots, ...] per tensor, zero until first written (lazy: no memory yet)
@@ -125,6 +127,9 @@ class _Layer:
         for t in self.meta["tensors"]:
             proj, part = t["name"].split(".")
             self.module[proj][part] = _mx_from_np(np.stack([p[t["name"]] for p in pages]), t["dtype"])
+        self.temp_bytes = len(needed) * sum(t["nbytes"] for t in self.meta["tensors"])
+        pg = self.pager
+        pg._mmap_peak = max(pg._mmap_peak, sum(l.temp_bytes for l in pg.layers.values()))
 
     def close(self) -> None:
         if self.map is not None:
@@ -148,20 +153,19 @@ class ExpertPager:
         missing = [p for p in banks if p not in index["layers"]]
         if missing:
             raise RQError(f"{self.dir}: no pages for {missing[0]} (re-run `rq pack`)")
-        top_k = None
         for path, mod in banks.items():
             layer = _Layer(self, path, mod, index["layers"][path], slots)
             self.layers[path] = layer
             _patch(mod, layer)
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
-        del top_k
+        self._mmap_peak = 0
 
     def report(self) -> PagerStats:
         s = self.stats
         s.hit_rate = s.hits / (s.hits + s.misses) if (self.policy == "lru" and s.hits + s.misses) else None
-        if self.policy == "mmap":
-            s.resident_bytes = 0
+        if self.policy == "mmap":  # the largest set of expert copies held at once (all layers of a step)
+            s.resident_bytes = self._mmap_peak
         return s
 
     def close(self) -> None:

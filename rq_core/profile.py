@@ -15,6 +15,7 @@ Every timing: warm-up runs, then the median of repeats, each ended by `mx.eval` 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -185,6 +186,22 @@ def find_components(model: nn.Module, caches: list) -> list[tuple[str, Any, str]
             seen_ssm.append(name)  # the outermost Mamba module (the mixer), not its parts
             targets.append(("ssm", m, "__call__"))
     return targets
+
+
+ATTN_PATH_ENV = "RQ_ATTN_PATH"  # rq_core.kernels: "fused" (default) or the four-kernel pipeline
+
+
+def _with_env(name: str, value: str, fn: Callable[[], Any]) -> Any:
+    """Call fn (which builds the graph) with an environment variable set, then restore it."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def _trim(caches: Iterable, n: int = 1) -> None:
@@ -375,7 +392,7 @@ def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int
     fns = [rotation, qk_dot, softmax, value_accum, rotate_inverse]
     for f in fns:  # run once so every stage has its input ready and evaluated
         sync(f())
-    return {"stages": dict(zip(STAGES, fns)), "strategy": "reference-chunked", "path": "reference"}
+    return {"stages": dict(zip(STAGES, fns)), "strategy": "chunked", "path": "reference"}
 
 
 # ------------------------------------------------------------------------------------------ profiling
@@ -459,6 +476,12 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
             # Appending the new token: quantize + pack its K and V (inside `attend`, outside the stages).
             measures["append"] = (lambda: [(c.obj.compress(c.args[1]), c.obj.compress(c.args[2]))
                                            for c in kv_calls], None)
+        if staged[0]["path"] == "kernels":
+            # The GPU default may be a fused single-pass kernel; the stages add up to the four-kernel path.
+            objs = [c.obj for c in kv_calls]
+            measures["kv_attention_four"] = (lambda: _with_env(ATTN_PATH_ENV, "four",
+                                                               lambda: [c.replay() for c in kv_calls]),
+                                             lambda objs=objs: _trim(objs))
 
     layer_calls = [c for c in rec.calls if c.kind == "layer"]
     if layer_calls:
@@ -512,6 +535,9 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         if "switch_tokens" in staged[0]:
             result["C_switch_tokens"] = staged[0]["switch_tokens"]
         kv = attribution["kv_attention"]
+        if "kv_attention_four" in t:
+            kv = t["kv_attention_four"].ms * layer_scale
+            result["kv_attention_four_kernel_ms"] = kv
         # Stages + append account for `attend`; this ratio is ~1 when the breakdown is complete.
         result["kernels_to_attention"] = (total + append) / kv if kv > 0 else None
     return result

@@ -205,11 +205,18 @@ class _ShardWriter:
 # ------------------------------------------------------------------------------------------ the job
 class _Job:
     def __init__(self, src: Path, config: dict, recipe: Recipe, progress: Optional[Progress]) -> None:
-        from rq_core.checkpoint import load_weights
+        from rq_core.checkpoint import load_weights, weight_files
 
         self.src, self.config, self.recipe = src, config, recipe
         self.progress = progress or (lambda *a: None)
-        self.raw = load_weights(src)  # lazy: nothing read yet
+        # name -> file. Arrays are re-opened lazily per group (an evaluated array would keep its data
+        # alive as long as anything references it).
+        load_weights(src)  # validates the files
+        self.files: dict[str, str] = {}
+        for f in weight_files(src):
+            for k in mx.load(str(f)):
+                self.files[k] = str(f)
+        self.raw = self.files
         self.model = model_skeleton(config)
         self.qmods = quantizable_modules(self.model)
         groups: dict[tuple[str, int], list[str]] = {}
@@ -226,7 +233,11 @@ class _Job:
         return [ids[id(l)] for l in self.model.layers]
 
     def sanitized(self, key: tuple[str, int]) -> dict[str, mx.array]:
-        part = {k: self.raw[k] for k in self.groups[key]}
+        part: dict[str, mx.array] = {}
+        for f in sorted({self.files[k] for k in self.groups[key]}):
+            loaded = mx.load(f)
+            part.update({k: loaded[k] for k in self.groups[key] if self.files[k] == f})
+            del loaded
         return self.model.sanitize(part)
 
     def validate(self) -> None:
@@ -281,8 +292,11 @@ class _Job:
 
 
 def _f32(a: mx.array) -> mx.array:
-    # the calibration forward runs in float32 (CPU gather_mm needs it; statistics are steadier)
-    return a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a
+    # On CPU the calibration forward runs in float32 (MLX's CPU gather_mm supports only float32);
+    # on a GPU the stored dtype is kept (half the memory for a layer's experts).
+    if mx.default_device() == mx.cpu and mx.issubdtype(a.dtype, mx.floating):
+        return a.astype(mx.float32)
+    return a
 
 
 class _StopForward(Exception):

@@ -160,7 +160,7 @@ class Rotation:
         if self.variant == "dense":
             raise RQError("the dense rotation has no 4×4 blocks; use dense_matrices()")
         if self._blocks is None:
-            return mx.broadcast_to(mx.eye(4), (self.n_heads, self.d // 4, 4, 4))
+            return mx.array(np.tile(np.eye(4, dtype=np.float32), (self.n_heads, self.d // 4, 1, 1)))
         return self._blocks[:, 0]
 
     def dense_matrices(self) -> mx.array:

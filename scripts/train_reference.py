@@ -145,6 +145,31 @@ def needle_batch_rows(rng: np.random.Generator, rows: np.ndarray, pieces: dict, 
         weights[b, a0 - 1 : a0 - 1 + pieces["n_digits"]] = answer_weight
 
 
+def needle_check(model, held_ids: np.ndarray, pieces: dict, T: int, rng: np.random.Generator,
+                 n: int = 32) -> float:
+    """Share of needles (random depth, haystack of held-out text, T tokens) whose digits the model
+    predicts exactly (argmax, teacher-forced: the same as greedy for an exact match)."""
+    import mlx.core as mx
+
+    rows = np.stack([held_ids[s : s + T] for s in rng.integers(0, held_ids.size - T, size=n)]).astype(np.int32)
+    nd = pieces["n_digits"]
+    qa_len = len(pieces["question"]) + nd
+    answers = []
+    for b in range(n):
+        digits = rng.integers(0, 10, size=nd)
+        needle = np.concatenate([pieces["needle_prefix"], pieces["digits"][digits], pieces["needle_suffix"]])
+        i = int(rng.integers(0, T - qa_len - len(needle)))
+        rows[b, i : i + len(needle)] = needle
+        rows[b, T - qa_len :] = np.concatenate([pieces["question"], pieces["digits"][digits]])
+        answers.append(pieces["digits"][digits])
+    ok = 0
+    for b in range(0, n, 8):
+        logits = model(mx.array(rows[b : b + 8]))
+        pred = np.array(mx.argmax(logits[:, T - nd - 1 : T - 1], axis=-1))
+        ok += sum(bool((pred[j] == answers[b + j]).all()) for j in range(pred.shape[0]))
+    return ok / n
+
+
 def to_hf_weights(params: dict, n_layers: int) -> dict:
     """mlx-lm parameter names → Hugging Face qwen2_moe names (experts unstacked)."""
     out = {}
@@ -245,9 +270,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         opt.update(model, grads)
         return lm, aux
 
-    step_c = mx.compile(step_fn, inputs=state, outputs=state)
+    step_c = step_fn if args.no_compile else mx.compile(step_fn, inputs=state, outputs=state)
 
     T, B = args.seq_len, args.batch
+    # The last tokens of the training plays pick the best checkpoint (the held-out plays never do).
+    val_ids = train_ids[-args.val_tokens:]
+    train_ids = train_ids[: -args.val_tokens]
     n_train = train_ids.size
 
     def batch():
@@ -260,12 +288,12 @@ def cmd_train(args: argparse.Namespace) -> None:
             needle_batch_rows(rng, sub, pieces, w[:n_needle], args.answer_weight)
         return mx.array(rows[:, :-1]), mx.array(rows[:, 1:]), mx.array(w)
 
-    def heldout_nll(max_windows: int) -> tuple[float, int]:
-        """Mean NLL over non-overlapping windows of length T of the held-out ids (fp16-free: fp32)."""
-        n_win = min((held_ids.size - 1) // T, max_windows)
+    def heldout_nll(ids: np.ndarray, max_windows: int = 10**9) -> tuple[float, int]:
+        """Mean NLL over non-overlapping windows of length T of `ids`, full precision."""
+        n_win = min((ids.size - 1) // T, max_windows)
         tot, cnt = 0.0, 0
         for i in range(0, n_win, B):
-            rows = np.stack([held_ids[s * T : s * T + T + 1] for s in range(i, min(i + B, n_win))])
+            rows = np.stack([ids[s * T : s * T + T + 1] for s in range(i, min(i + B, n_win))])
             x, y = mx.array(rows[:, :-1]), mx.array(rows[:, 1:])
             logits = model(x)
             ce = nn.losses.cross_entropy(logits.astype(mx.float32), y, reduction="sum")
@@ -314,9 +342,9 @@ def cmd_train(args: argparse.Namespace) -> None:
                           "lr": cosine(step), "t": round(time.time() - t_start, 1)})
         if step % args.eval_every == 0 or step == total_steps:
             mx.eval(state)
-            nll, _ = heldout_nll(args.eval_windows)
-            evals.append({"step": step, "heldout_nll": round(nll, 4), "heldout_ppl": round(math.exp(nll), 3)})
-            print(f"step {step}/{total_steps} loss {curve[-1]['loss']:.3f} held-out ppl {math.exp(nll):.2f} "
+            nll, _ = heldout_nll(val_ids)
+            evals.append({"step": step, "val_nll": round(nll, 4), "val_ppl": round(math.exp(nll), 3)})
+            print(f"step {step}/{total_steps} loss {curve[-1]['loss']:.3f} val ppl {math.exp(nll):.2f} "
                   f"({time.time() - t_start:.0f}s)", flush=True)
             if nll < best[0]:
                 best = (nll, step)
@@ -331,15 +359,17 @@ def cmd_train(args: argparse.Namespace) -> None:
         g.__class__ = nn.Linear
     if best_params is not None:
         model.load_weights(list(best_params.items()))
-    nll, n_tok = heldout_nll(10**9)
-    final = {"heldout_ppl": math.exp(nll), "heldout_tokens": n_tok, "best_step": best[1]}
+    nll, n_tok = heldout_nll(held_ids)
+    final = {"heldout_ppl": math.exp(nll), "heldout_tokens": n_tok, "best_step": best[1],
+             "val_ppl": math.exp(best[0]) if best[1] >= 0 else None,
+             "needle_accuracy_fp32": needle_check(model, held_ids, pieces, T, rng)}
     print(f"held-out ppl {final['heldout_ppl']:.3f} over {n_tok} tokens (unigram {tokinfo['unigram_heldout_ppl']:.1f})",
           flush=True)
 
     # Save: HF names, bf16.
     params = dict(tree_flatten(model.parameters()))
     hf = {k: v.astype(mx.bfloat16) for k, v in to_hf_weights(params, config["num_hidden_layers"]).items()}
-    mx.save_safetensors(str(out / "model.safetensors"), hf, metadata={"format": "pt"})
+    save_sharded(out, hf, args.shard_mb * 1e6)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
@@ -361,6 +391,30 @@ def cmd_train(args: argparse.Namespace) -> None:
     print(f"saved to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)", flush=True)
 
 
+def save_sharded(out: Path, weights: dict, shard_bytes: float) -> None:
+    """HF safetensors, split into shards of at most `shard_bytes` (plus the index) when larger."""
+    import mlx.core as mx
+
+    shards: list[dict] = [{}]
+    size = 0
+    for k in sorted(weights):
+        nb = weights[k].nbytes
+        if shards[-1] and size + nb > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = weights[k]
+        size += nb
+    if len(shards) == 1:
+        mx.save_safetensors(str(out / "model.safetensors"), shards[0], metadata={"format": "pt"})
+        return
+    index = {"metadata": {"total_size": sum(v.nbytes for v in weights.values())}, "weight_map": {}}
+    for i, sh in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(out / name), sh, metadata={"format": "pt"})
+        index["weight_map"].update({k: name for k in sh})
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def tokenizer_config() -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -380,10 +434,13 @@ def log_markdown(log: dict) -> str:
         f"- needle share {log['needle_share']}, lr {log['lr']}, weight decay {log['weight_decay']}, "
         f"router aux {log['aux_coef']}",
         f"- held-out perplexity {f['heldout_ppl']:.3f} over {f['heldout_tokens']:,} tokens "
-        f"(best step {f['best_step']}); unigram {log['unigram_heldout_ppl']:.1f}", "",
-        "| step | train loss | held-out ppl |", "| --- | --- | --- |",
+        f"(checkpoint of step {f['best_step']}, picked on validation tokens of the training plays); "
+        f"unigram {log['unigram_heldout_ppl']:.1f}",
+        f"- needle retrieval at {log['seq_len']} tokens (teacher-forced exact match, full precision): "
+        f"{f['needle_accuracy_fp32']}", "",
+        "| step | train loss | validation ppl |", "| --- | --- | --- |",
     ]
-    ev = {e["step"]: e["heldout_ppl"] for e in log["evals"]}
+    ev = {e["step"]: e["val_ppl"] for e in log["evals"]}
     for c in log["loss_curve"]:
         lines.append(f"| {c['step']} | {c['loss']:.3f} | {ev.get(c['step'], '')} |")
     return "\n".join(lines) + "\n"
@@ -407,14 +464,16 @@ def main() -> None:
     r.add_argument("--aux-coef", type=float, default=0.01)
     r.add_argument("--needle-share", type=float, default=0.25)
     r.add_argument("--answer-weight", type=float, default=5.0, help="loss weight of needle answer digits")
-    r.add_argument("--warmup", type=int, default=100)
+    r.add_argument("--warmup", type=int, default=50)
     r.add_argument("--probe-steps", type=int, default=12)
     r.add_argument("--steps", type=int, default=0, help="fixed step count (0 = fit --time-budget)")
     r.add_argument("--time-budget", type=float, default=300.0, help="seconds for the whole stage")
     r.add_argument("--reserve", type=float, default=25.0, help="seconds kept for final eval and saving")
     r.add_argument("--log-every", type=int, default=20)
     r.add_argument("--eval-every", type=int, default=200)
-    r.add_argument("--eval-windows", type=int, default=16)
+    r.add_argument("--no-compile", action="store_true")
+    r.add_argument("--shard-mb", type=float, default=15.0, help="largest safetensors shard (MB)")
+    r.add_argument("--val-tokens", type=int, default=65536)
     r.add_argument("--hidden-size", dest="hidden_size", type=int, default=0)
     r.add_argument("--layers", dest="num_hidden_layers", type=int, default=0)
     r.add_argument("--experts", dest="num_experts", type=int, default=0)

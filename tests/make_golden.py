@@ -97,7 +97,8 @@ def nemotron_h() -> Any:
         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=True,
         routed_scaling_factor=2.5, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
         moe_latent_size=16, max_position_embeddings=128, layer_norm_epsilon=1e-5,
-        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+        # 0.1 (not 0.2): at 0.2 this stack is chaotic enough that IsoQuant-3 agreement swings 0.5-0.8 by seed.
+        tie_word_embeddings=False, initializer_range=0.1, bos_token_id=None, eos_token_id=2, pad_token_id=0)
 
 
 def _tweak_nemotron_h(model: Any) -> None:
@@ -140,6 +141,25 @@ def gemma4() -> Any:
                         eos_token_id=2)
 
 
+def gemma4_text() -> Any:
+    from transformers import Gemma4TextConfig
+
+    # A text-only export (model_type gemma4_text) shaped like the small dense Gemma 4 models: 4 layers
+    # sliding/full/sliding/full where the last two reuse the K/V of the first two (num_kv_shared_layers)
+    # and have double-wide MLPs; separate K and V projections; per-layer embeddings; untied head.
+    return Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, global_head_dim=128, attention_k_eq_v=False,
+        sliding_window=8, num_kv_shared_layers=2, use_double_wide_mlp=True, enable_moe_block=False,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}},
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, final_logit_softcapping=30.0,
+        max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+        bos_token_id=None, eos_token_id=2, pad_token_id=0)
+
+
 def _tweak_gemma4(model: Any) -> None:
     import torch
 
@@ -162,12 +182,14 @@ BUILDERS: dict[str, Callable[[], Any]] = {
     "qwen2_moe": qwen2_moe,
     "nemotron_h": nemotron_h,
     "gemma4": gemma4,
+    "gemma4_text": gemma4_text,
 }
 
 # family → extra in-place randomisation of the built model (under no_grad), after the generic one.
 TWEAKS: dict[str, Callable[[Any], None]] = {
     "nemotron_h": _tweak_nemotron_h,
     "gemma4": _tweak_gemma4,
+    "gemma4_text": _tweak_gemma4,
 }
 
 

@@ -90,3 +90,40 @@ def test_segments_merge_to_full_attention():
     c = dense_attention(q, k[:, :, :5], v[:, :, :5], scale=0.25, offset=0, key_offset=100, causal=True)
     assert np.all(np.isneginf(np.array(c[1])))
     np.testing.assert_allclose(np.array(merge([a, b, c])), np.array(want), atol=1e-5)
+
+
+def _outlier_keys(rng, H, T, d):
+    """Gaussian keys with 4 outlier channels per head, 10-50× larger with a fixed sign (as real keys have)."""
+    k = rng.standard_normal((1, H, T, d))
+    for h in range(H):
+        ch = rng.choice(d, 4, replace=False)
+        s = rng.uniform(10.0, 50.0, 4)
+        k[0, h, :, ch] = s[:, None] * (np.sign(rng.standard_normal(4))[:, None] + 0.3 * k[0, h, :, ch])
+    return k.astype(np.float32)
+
+
+def test_wht_so4_ranks_best_on_outlier_keys():
+    """Output error vs fp32 attention (benchmarks/rotation_error.py is the full version): wht_so4 beats
+    wht, so4 and so3 and is on par with the dense (TurboQuant) rotation at 11.6× fewer FMAs."""
+    d, T, H, G, L = 128, 256, 4, 2, 8
+    levels = mx.array(sphere_codebook(3, d).levels.astype(np.float32))
+    err = {}
+    for variant in ["wht_so4", "wht", "so4", "so3", "dense"]:
+        e = []
+        for layer in range(4):
+            rng = np.random.default_rng([0, layer])
+            K = mx.array(_outlier_keys(rng, H, T, d))
+            V = mx.array(rng.standard_normal((1, H, T, d)).astype(np.float32))
+            Q = mx.array(rng.standard_normal((1, H * G, L, d)).astype(np.float32))
+            rot = Rotation(d, H, variant=variant, seed=0, layer=layer)
+            kc, kn = quantize_kv(K, rot, levels, 3)
+            vc, vn = quantize_kv(V, rot, levels, 3)
+            o, _ = packed_attention(rot.forward_queries(Q), kc, kn, vc, vn, levels, bits=3, scale=d**-0.5,
+                                    offset=T, causal=False, valid_len=T)
+            ref = np.array(reference_attention(Q, K, V, scale=d**-0.5))
+            out = np.array(rot.inverse_queries(o))
+            e.append(np.linalg.norm(out - ref, axis=-1) / np.linalg.norm(ref, axis=-1))
+        err[variant] = float(np.mean(e))
+    for other in ["wht", "so4", "so3"]:
+        assert err["wht_so4"] < err[other], err
+    assert err["wht_so4"] < 1.05 * err["dense"], err

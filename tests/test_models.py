@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from rq_core.checkpoint import build_model, load, load_weights
+from rq_core.checkpoint import build_model, context_length, load, load_weights
 from rq_core.errors import RQError
 from rq_core.generate import generate
 from rq_core.kv_cache import FP16Cache, KVSettings
@@ -24,13 +24,14 @@ from rq_core.models import MODEL_TYPES, base
 GOLDEN = Path(__file__).parent / "golden"
 FAMILIES = sorted(p.parent.name for p in GOLDEN.glob("*/golden.json"))
 
-# IsoQuant-3 vs fp16 top-1 agreement, teacher-forced over 40 positions (prefill 8 prompt tokens, then decode
-# the rest of the prompt and the 16 greedy tokens one at a time through the compressed cache). Measured on
-# these tiny random models (chaotic: small logit margins, 3-bit K and V in every full-attention layer):
-# qwen3_moe 0.750, qwen2_moe 0.675; TurboQuant-3 (dense rotation) 0.475 and 0.825. Bounds sit just below.
-ISO_AGREEMENT_MIN = {"qwen3_moe": 0.70, "qwen2_moe": 0.65}
-# Other families (added with their goldens) must at least agree on most positions.
+# IsoQuant-3 vs fp16 top-1 agreement, teacher-forced: prefill 8 prompt tokens (compressed at end_prefill), then
+# decode the rest of the prompt and 64 fp16-greedy tokens one at a time through the compressed cache (88 positions)
+# and compare each argmax with the fp16 model's. Measured on these tiny random models (chaotic: small logit margins,
+# 3-bit K and V in every full-attention layer), H1's cache as of 18:10 UTC: qwen3_moe 0.727, qwen2_moe 0.818
+# (TurboQuant-3: 0.307, 0.886). Bounds leave room for codebook/rotation tweaks; other families: a majority.
+ISO_AGREEMENT_MIN = {"qwen3_moe": 0.65, "qwen2_moe": 0.7}
 ISO_AGREEMENT_DEFAULT = 0.5
+CONTINUATION = 64
 
 
 def _golden(family: str) -> tuple[dict, np.ndarray]:
@@ -102,16 +103,23 @@ def _compressed_layers(model, kv: KVSettings) -> list[int]:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_isoquant_agreement_and_bytes(family: str) -> None:
-    g, ref = _golden(family)
-    model = _ckpt(family).model
+    g, _ = _golden(family)
+    ckpt = _ckpt(family)
+    model = ckpt.model
     kv = KVSettings(mode="isoquant3")
-    ids = g["prompt_ids"] + g["greedy"]
-    target = [int(t) for t in ref.argmax(-1)] + g["greedy"][1:]  # fp16 top-1 at every position
-    assert _teacher_forced_agreement(model, ids, target, KVSettings(mode="fp16")) == 1.0
-    agree = _teacher_forced_agreement(model, ids, target, kv)
-    print(f"{family}: isoquant3 teacher-forced top-1 agreement with fp16 = {agree:.3f}")
-    assert agree >= ISO_AGREEMENT_MIN[family] if family in ISO_AGREEMENT_MIN else agree > ISO_AGREEMENT_DEFAULT
-    assert agree < 1.0 or family not in ISO_AGREEMENT_MIN  # a cache that compresses nothing would score 1.0
+    ctx = context_length(ckpt.config) or 10**9
+    n_cont = max(len(g["greedy"]), min(CONTINUATION, ctx - len(g["prompt_ids"]) - 1))
+    cont = generate(model, g["prompt_ids"], max_tokens=n_cont, kv=KVSettings()).tokens
+    assert cont[:len(g["greedy"])] == g["greedy"]  # the fp16 reference is transformers' (test above)
+    ids = g["prompt_ids"] + cont
+    target = [int(t) for t in np.array(model(mx.array([ids]))[0]).argmax(-1)]
+    assert _teacher_forced_agreement(model, ids, target[:-1], KVSettings(mode="fp16")) == 1.0
+    agree = _teacher_forced_agreement(model, ids, target[:-1], kv)
+    print(f"{family}: isoquant3 teacher-forced top-1 agreement with fp16 = {agree:.3f} over {len(ids) - 8} positions")
+    if family in ISO_AGREEMENT_MIN:
+        assert ISO_AGREEMENT_MIN[family] <= agree < 1.0  # < 1: a cache that compressed nothing would score 1.0
+    else:
+        assert agree > ISO_AGREEMENT_DEFAULT
 
     # Bytes: every compressed layer holds >= 5x fewer bytes than fp16 would for the same tokens.
     layers = _compressed_layers(model, kv)
@@ -254,6 +262,34 @@ def test_switch_glu_matches_per_expert_loop() -> None:
         assert np.allclose(y[b, t, j], np.array(sg.down_proj.weight[e] @ h), atol=1e-5)
     y_small = np.array(sg(x[:, :3], inds[:, :3]))  # unsorted path
     assert np.allclose(y_small, y[:, :3], atol=1e-5)
+
+
+def test_switch_glu_half_precision_on_any_device() -> None:
+    # MLX's CPU gather_mm is float32-only at these sizes; bf16 checkpoints must still run (CI is CPU).
+    mx.random.seed(2)
+    sg = base.SwitchGLU(1024, 64, 8)
+    x = mx.random.normal((1, 3, 1024))
+    for inds in (mx.array([[[0, 5], [7, 7], [2, 3]]]), mx.random.randint(0, 8, (1, 3, 4))):
+        want = np.array(sg(x, inds))
+        half = base.SwitchGLU(1024, 64, 8)
+        half.update(sg.parameters())
+        half.set_dtype(mx.bfloat16)
+        got = half(x.astype(mx.bfloat16), inds)
+        assert got.dtype == mx.bfloat16
+        assert np.abs(np.array(got.astype(mx.float32)) - want).max() < 0.05 * np.abs(want).max()
+
+
+def test_sample_greedy_top_p_and_seed() -> None:
+    from rq_core.generate import sample
+
+    logits = mx.array([[0.0, 3.0, 2.9, -1.0]])
+    assert int(sample(logits, 0.0)[0]) == 1
+    assert all(int(sample(logits, 1.0, top_p=1e-6)[0]) == 1 for _ in range(20))  # nucleus of one token
+    mx.random.seed(7)
+    a = [int(sample(logits, 1.0, top_p=0.9)[0]) for _ in range(50)]
+    mx.random.seed(7)
+    b = [int(sample(logits, 1.0, top_p=0.9)[0]) for _ in range(50)]
+    assert a == b and set(a) <= {1, 2} and len(set(a)) == 2  # token 0 and 3 fall outside the 0.9 nucleus
 
 
 def test_routing_helpers() -> None:

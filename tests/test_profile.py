@@ -130,3 +130,18 @@ def test_cli_json() -> None:
 def test_cli_bad_input(args: list[str], msg: str) -> None:
     res = CliRunner().invoke(app, ["profile", str(GOLDEN), *args])
     assert res.exit_code == 2 and msg in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("family, kind", [("nemotron_h", "ssm"), ("gemma4", "sliding_attention")])
+def test_other_families_attribute_their_layers(family: str, kind: str) -> None:
+    from rq_core.checkpoint import load
+
+    path = GOLDEN.parent.parent / family / "model"
+    if not (path / "config.json").is_file():
+        pytest.skip("golden tiny model missing")
+    model = load(path, tokenizer=False).model
+    rep = profile_model(model, [40], kv=KVSettings(mode="isoquant3"), warmup=1, repeats=2)
+    r = rep["results"][0]
+    assert r["layers"][kind] >= 1 and r["attribution"][kind] > 0
+    assert r["layers"]["kv_attention"] >= 1 and r["kernels"] is not None
+    assert sum(r["attribution"].values()) == pytest.approx(r["decode_step_ms"])

@@ -102,8 +102,8 @@ def test_pack_codes_matches_mx_quantize_layout(bits):
 def test_gptq_has_lower_output_error_than_rtn():
     rng = np.random.default_rng(0)
     W = mx.array(rng.standard_normal((64, 128)).astype(np.float32))
-    X = rng.standard_normal((512, 128)).astype(np.float32) * np.exp(rng.standard_normal(128))  # uneven channels
-    X = X + 0.5 * X[:, :1]  # correlated inputs
+    mix = rng.standard_normal((128, 128)).astype(np.float32) * (0.9 ** np.arange(128))[:, None]
+    X = rng.standard_normal((1024, 128)).astype(np.float32) @ mix  # correlated inputs, decaying spectrum
     H = X.T @ X
     q, s, b = gptq_quantize(W, H, bits=4, group_size=32)
     wg = np.array(mx.dequantize(q, s, b, group_size=32, bits=4))
@@ -111,7 +111,7 @@ def test_gptq_has_lower_output_error_than_rtn():
     ref = X @ np.array(W).T
     err_g = np.linalg.norm(X @ wg.T - ref)
     err_r = np.linalg.norm(X @ wr.T - ref)
-    assert err_g < 0.8 * err_r
+    assert err_g < 0.5 * err_r
 
 
 def test_streaming_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
@@ -160,5 +160,7 @@ def test_cli_quantize_json_plan_and_errors(tiny, tmp_path):
     assert r.exit_code == 2 and "is for nemotron_h models" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, ["quantize", str(tiny["qwen3_moe"]), "--recipe", str(RECIPE), "-o", str(out)])
     assert r.exit_code == 2 and "exists and is not empty" in r.output
-    r = runner.invoke(app, ["quantize", str(tiny["qwen3_moe"]), "--recipe", "qwen3-16gb", "-o", str(tmp_path / "y")])
-    assert r.exit_code == 2 and "group_size = 64 does not divide" in r.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text('version = 1\nname = "bad"\n[roles.attention]\nbits = 4\ngroup_size = 128\n')
+    r = runner.invoke(app, ["quantize", str(tiny["qwen3_moe"]), "--recipe", str(bad), "-o", str(tmp_path / "y")])
+    assert r.exit_code == 2 and "group_size = 128 does not divide" in r.output

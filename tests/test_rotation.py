@@ -13,12 +13,13 @@ DIMS = [16, 32, 64, 128, 256, 512, 1024]
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("d", DIMS)
 def test_orthogonal_every_variant_and_dim(variant, d):
-    rot = Rotation(d, 2, variant=variant, seed=3, layer=1)
+    H = 1 if variant == "dense" and d > 256 else 2  # a Haar QR per head is slow at d=1024
+    rot = Rotation(d, H, variant=variant, seed=3, layer=1)
     R = np.array(rot.dense_matrices())
-    assert R.shape == (2, d, d)
-    for h in range(2):
+    assert R.shape == (H, d, d)
+    for h in range(H):
         assert np.abs(R[h] @ R[h].T - np.eye(d)).max() < 1e-5
-    x = mx.random.normal((2, 2, 3, d), key=mx.random.key(d))
+    x = mx.random.normal((2, H, 3, d), key=mx.random.key(d))
     assert np.abs(np.array(rot.inverse(rot.forward(x)) - x)).max() < 1e-5
 
 

@@ -67,6 +67,9 @@ def test_streams_text_and_stats_line() -> None:
     again = _rq(str(QWEN2), "--prompt", "Hello world", "--max-tokens", "5", "--temp", "0.8", "--top-p", "0.9",
                 "--seed", "3")
     assert again.stdout == r.stdout  # same seed, same text
+    js = json.loads(_rq(str(QWEN2), "--prompt", "Hello world", "--max-tokens", "5", "--temp", "0.8", "--top-p",
+                        "0.9", "--seed", "3", "--json").stdout.splitlines()[-1])
+    assert r.stdout == js["text"] + "\n"  # the streamed pieces add up to the decoded text
 
 
 def test_chat_template_is_applied() -> None:
@@ -133,3 +136,13 @@ def test_hub_id_offline_not_cached(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     line = _error_line(_rq("no-such-owner/no-such-model", "--prompt", "x"))
     assert "HF_HUB_OFFLINE" in line and "no-such-owner/no-such-model" in line
+
+
+def test_weights_not_matching_config(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    shutil.copytree(QWEN2, model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "hidden_size": 64}))
+    assert "does not match" in _error_line(_rq(str(model), "--prompt", "x"))
+    (model / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 4}))
+    assert "layer_types" in _error_line(_rq(str(model), "--prompt", "x"))

@@ -131,3 +131,22 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["soak", str(GOLDEN), "--minutes", "1", "--kv", "int9", "--report", "x.json"])
     assert r.exit_code == 2 and "unknown KV mode" in r.output
     assert "Traceback" not in r.output
+
+
+GOLDEN_Q2 = Path(__file__).parent / "golden" / "qwen2_moe" / "model"
+
+
+@pytest.mark.skipif(not (GOLDEN_Q2 / "config.json").is_file(), reason="golden tiny model missing")
+def test_soak_with_pager_reports_its_stats(tmp_path: Path) -> None:
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(GOLDEN_Q2, ck)
+    assert CliRunner().invoke(app, ["pack", str(ck)]).exit_code == 0
+    rep = tmp_path / "r.json"
+    r = CliRunner().invoke(app, ["soak", str(ck), "--seconds", "3", "--interval", "1", "--max-tokens", "8",
+                                 "--max-throughput-drop", "0.95", "--memory-budget", "1MB", "--report", str(rep)])
+    report = json.loads(rep.read_text())
+    assert validate_report(report) == [], r.output
+    p = report["samples"][-1]["pager"]
+    assert report["pager"] == "lru" and p["hits"] + p["misses"] > 0 and p["bytes_read"] > 0

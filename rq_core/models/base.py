@@ -164,6 +164,19 @@ class RMSNorm(nn.Module):
 
 
 # ------------------------------------------------------------------------------------ routed experts
+def _cpu_half_gather_mm(x: mx.array, w: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+    """MLX's CPU gather_mm is float32-only: compute in float32, upcasting only the experts in use
+    when few are (decode), else the bank for this call (prefill). Metal/CUDA never come here."""
+    if indices.size < w.shape[0]:
+        wsel = w[indices.flatten()].astype(mx.float32)  # [n, out, in]
+        idx = mx.arange(indices.size, dtype=mx.uint32).reshape(indices.shape)
+        y = mx.gather_mm(x.astype(mx.float32), wsel.swapaxes(-1, -2), rhs_indices=idx)
+    else:
+        y = mx.gather_mm(x.astype(mx.float32), w.astype(mx.float32).swapaxes(-1, -2), rhs_indices=indices,
+                         sorted_indices=sorted_indices)
+    return y.astype(x.dtype)
+
+
 class SwitchLinear(nn.Module):
     """A bank of E linear maps, weight [E, out, in]; x @ W[idx]^T by one mx.gather_mm."""
 
@@ -179,7 +192,11 @@ class SwitchLinear(nn.Module):
         return self.weight.shape[0]
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        x = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+        w = self["weight"]
+        if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            x = _cpu_half_gather_mm(x, w, indices, sorted_indices)
+        else:
+            x = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
         if "bias" in self:
             x = x + mx.expand_dims(self["bias"][indices], -2)
         return x
@@ -420,3 +437,86 @@ def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int,
             w = weights.pop(f"{prefix}.experts.{n}{suf}", None)
             if w is not None:
                 weights[f"{prefix}.{dst}.{n}.weight"] = w
+
+
+class RotatingWindowCache:
+    """Ring-buffer fp16 cache for sliding-window layers (H3): `window` slots, token at position p in slot p % window.
+
+    Same semantics as `SlidingWindowCache` (a query at i sees keys j with i - window < j <= i) but decode
+    writes one slot in place and attends over the buffer as is (order does not matter to softmax), so a
+    token costs no copy of the window. Prefill chunks are laid out in time order, masked, then the newest
+    `window` tokens are rolled into place.
+    """
+
+    def __init__(self, window: int) -> None:
+        self.window = int(window)
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = 0
+        self.valid = 0  # newest tokens present (≤ window; fewer after trim)
+
+    def _in_time_order(self) -> tuple[mx.array, mx.array]:
+        W, n, s = self.window, self.valid, self.offset % self.window
+        idx = (mx.arange(s - n, s) % W).astype(mx.int32)  # slots of positions offset-n .. offset-1
+        return mx.take(self.keys, idx, axis=2), mx.take(self.values, idx, axis=2)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+               mask: Mask = None) -> mx.array:
+        W, L = self.window, keys.shape[2]
+        if L == 1 and self.keys is not None:
+            slot = self.offset % W
+            self.keys[..., slot:slot + 1, :] = keys
+            self.values[..., slot:slot + 1, :] = values
+            self.offset += 1
+            self.valid = min(self.valid + 1, W)
+            m = None
+            if self.valid < W:  # only slots holding the newest `valid` positions are live
+                age = (slot - mx.arange(W)) % W
+                m = age < self.valid
+            return mx.fast.scaled_dot_product_attention(queries, self.keys, self.values, scale=scale, mask=m)
+        if self.valid:
+            pk, pv = self._in_time_order()
+            k, v = mx.concatenate([pk, keys], axis=2), mx.concatenate([pv, values], axis=2)
+        else:
+            k, v = keys, values
+        T = k.shape[2]
+        start = self.offset + L - T  # position of k[..., 0, :]
+        q_pos = mx.arange(self.offset, self.offset + L)[:, None]
+        k_pos = mx.arange(start, start + T)[None]
+        allowed = (k_pos <= q_pos) & (k_pos > q_pos - W)
+        out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=allowed)
+        n = min(T, W)
+        tail_k, tail_v = k[..., T - n:, :], v[..., T - n:, :]
+        end = self.offset + L  # one past the newest position
+        if n < W:  # pad to the full ring; tail positions end-n .. end-1 land in their slots after the roll
+            pad = [(0, 0)] * 2 + [(0, W - n), (0, 0)]
+            tail_k, tail_v = mx.pad(tail_k, pad), mx.pad(tail_v, pad)
+        shift = (end - n) % W
+        self.keys, self.values = mx.roll(tail_k, shift, axis=2), mx.roll(tail_v, shift, axis=2)
+        self.offset, self.valid = end, n
+        return out
+
+    def end_prefill(self) -> None:
+        pass
+
+    def trim(self, n: int) -> int:
+        """Drop up to n newest tokens, only as many as keep the next query's window complete (evicted
+        tokens cannot come back): all of them while nothing was evicted, else valid - (window - 1)."""
+        allowed = self.valid if self.offset == self.valid else max(0, self.valid - (self.window - 1))
+        n = max(0, min(n, allowed))
+        self.offset -= n
+        self.valid -= n
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return (self.keys[..., :1, :].nbytes + self.values[..., :1, :].nbytes) * self.valid
+
+    @property
+    def fp16_nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        B, H, _, D = self.keys.shape
+        return 2 * B * H * self.valid * (D + self.values.shape[3])

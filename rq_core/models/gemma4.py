@@ -5,7 +5,8 @@ sliding or full attention (full layers may have their own head dim and kv-head c
 sharing via `attention_k_eq_v`, proportional partial RoPE), q/k RMSNorm and a scale-free v norm,
 attention scale 1; a GeGLU MLP, plus (with `enable_moe_block`) routed GeGLU experts in parallel;
 sandwich norms, per-layer embeddings (PLE) when `hidden_size_per_layer_input` > 0, a learned
-layer scalar, final logit soft-capping. Vision/audio towers are skipped.
+layer scalar, final logit soft-capping; KV sharing (`num_kv_shared_layers`: the last layers reuse an
+earlier layer's K/V; each keeps its own cache of them) with double-wide MLPs. Vision/audio towers are skipped.
 Parameter names follow mlx-lm (`gemma4`: `language_model.model.…`; `gemma4_text`: `model.…`).
 """
 
@@ -22,7 +23,7 @@ from rq_core.errors import RQError
 from rq_core.kv_cache import KVSettings, make_kv_cache
 from rq_core.models.base import (
     BaseModelArgs,
-    SlidingWindowCache,
+    RotatingWindowCache,
     SwitchGLU,
     attend,
     combine_experts,
@@ -74,6 +75,7 @@ class ModelArgs(BaseModelArgs):
     multimodal: bool = False  # set by from_dict for a `gemma4` config with a nested text_config
     layer_head_dim: list = field(default_factory=list)
     layer_kv_heads: list = field(default_factory=list)
+    kv_source: list = field(default_factory=list)  # per layer: None, or the layer whose K/V it reuses
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
@@ -90,9 +92,6 @@ class ModelArgs(BaseModelArgs):
     def __post_init__(self):
         if self.use_bidirectional_attention == "all":
             raise RQError("gemma4: use_bidirectional_attention='all' (a non-causal model) is not supported")
-        if self.num_kv_shared_layers:
-            raise RQError(f"gemma4: num_kv_shared_layers={self.num_kv_shared_layers} (KV sharing across layers, "
-                          "used by the small dense Gemma 4 models) is not supported")
         if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_approx"):
             raise RQError(f"gemma4: hidden_activation={self.hidden_activation!r} is not supported")
         if self.layer_types is None:  # transformers' default: every 6th layer full
@@ -120,6 +119,17 @@ class ModelArgs(BaseModelArgs):
                                for i in range(self.num_hidden_layers)]
         self.layer_kv_heads = [overrides.get(i, {}).get("num_key_value_heads", self.num_key_value_heads)
                                for i in range(self.num_hidden_layers)]
+        # KV sharing: the last num_kv_shared_layers layers reuse the K/V of the last earlier layer of their type.
+        first_shared = self.num_hidden_layers - self.num_kv_shared_layers
+        last_of_type = {t: i for i, t in enumerate(self.layer_types[:first_shared])}
+        self.kv_source = []
+        for i, t in enumerate(self.layer_types):
+            if i < first_shared:
+                self.kv_source.append(None)
+            elif t not in last_of_type:
+                raise RQError(f"gemma4: layer {i} ({t}) shares K/V but no earlier layer of that type computes them")
+            else:
+                self.kv_source.append(last_of_type[t])
 
 
 def geglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -139,32 +149,39 @@ class Attention(nn.Module):
         self.head_dim = hd = args.layer_head_dim[i]
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.layer_kv_heads[i]
         self.k_eq_v = args.attention_k_eq_v and not self.is_sliding
+        self.shared = args.kv_source[i] is not None  # K/V come from an earlier layer: no k/v weights
         self.eps = args.rms_norm_eps
         d, b = args.hidden_size, args.attention_bias
         self.q_proj = nn.Linear(d, self.n_heads * hd, bias=b)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=b)
-        if not self.k_eq_v:
-            self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=b)
+        if not self.shared:
+            self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=b)
+            if not self.k_eq_v:
+                self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=b)
+            self.k_norm = nn.RMSNorm(hd, eps=self.eps)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=b)
         self.q_norm = nn.RMSNorm(hd, eps=self.eps)
-        self.k_norm = nn.RMSNorm(hd, eps=self.eps)
         rp = args.rope_parameters.get(self.layer_type) or {}
         kind = rp.get("rope_type", "default")
         # transformers' "default" Gemma 4 RoPE rotates the whole head whatever partial_rotary_factor says.
         self.rope = make_rope(hd, float(rp.get("rope_theta", 10_000.0)), None if kind == "default" else rp)
 
-    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+    def __call__(self, x: mx.array, cache: Any = None,
+                 shared_kv: Optional[tuple[mx.array, mx.array]] = None) -> tuple[mx.array, tuple[mx.array, mx.array]]:
+        """→ (output, (k, v) of the new tokens). A KV-sharing layer takes (k, v) from its source layer and
+        appends them to its own cache (the same K/V, so the same attention as transformers' reuse)."""
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k_raw = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        v = k_raw if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
-        k = self.k_norm(k_raw).transpose(0, 2, 1, 3)
-        v = _rms(v, self.eps).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=offset)
-        k = self.rope(k, offset=offset)
+        if self.shared:
+            k, v = shared_kv
+        else:
+            k_raw = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+            v = k_raw if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+            k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset=offset)
+            v = _rms(v, self.eps).transpose(0, 2, 1, 3)
         o = attend(cache, q, k, v, scale=1.0, window=self.window)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1)), (k, v)
 
 
 class MLP(nn.Module):
@@ -211,7 +228,8 @@ class DecoderLayer(nn.Module):
         d, eps = args.hidden_size, args.rms_norm_eps
         self.layer_type = args.layer_types[i]
         self.self_attn = Attention(args, i)
-        self.mlp = MLP(d, args.intermediate_size)
+        wide = args.use_double_wide_mlp and self.self_attn.shared  # transformers widens only KV-sharing layers
+        self.mlp = MLP(d, args.intermediate_size * (2 if wide else 1))
         self.input_layernorm = nn.RMSNorm(d, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
         self.pre_feedforward_layernorm = nn.RMSNorm(d, eps=eps)
@@ -230,8 +248,10 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = nn.RMSNorm(d, eps=eps)
         self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x: mx.array, cache: Any = None, per_layer_input: Optional[mx.array] = None) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+    def __call__(self, x: mx.array, cache: Any = None, per_layer_input: Optional[mx.array] = None,
+                 shared_kv: Optional[tuple] = None) -> tuple[mx.array, tuple[mx.array, mx.array]]:
+        a, kv = self.self_attn(self.input_layernorm(x), cache, shared_kv)
+        h = x + self.post_attention_layernorm(a)
         y = self.mlp(self.pre_feedforward_layernorm(h))
         if self.enable_moe:  # experts in parallel with the dense MLP, both fed the residual stream
             inds, w = self.router(h)
@@ -241,7 +261,7 @@ class DecoderLayer(nn.Module):
         if self.ple:
             g = nn.gelu_approx(self.per_layer_input_gate(h)) * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return h * self.layer_scalar.astype(h.dtype)
+        return h * self.layer_scalar.astype(h.dtype), kv
 
 
 class TextModel(nn.Module):
@@ -271,8 +291,11 @@ class TextModel(nn.Module):
         h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)  # scale rounded to the weights' dtype
         ple = self._per_layer_inputs(inputs, h) if self.ple_dim else None
         cache = cache if cache is not None else [None] * len(self.layers)
+        kvs: dict[int, tuple] = {}
         for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            h = layer(h, c, ple[:, :, i] if ple is not None else None)
+            src = self.args.kv_source[i]
+            h, kv = layer(h, c, ple[:, :, i] if ple is not None else None, kvs.get(src))
+            kvs[i] = kv
         return self.norm(h)
 
 
@@ -316,13 +339,13 @@ class Model(nn.Module):
         return self._lm.model.layers
 
     def make_cache(self, kv: Optional[KVSettings] = None) -> list:
-        """Sliding layers: a fp16 window cache; full layers: the chosen KV mode."""
+        """Sliding layers: a ring-buffer fp16 window cache; full layers: the chosen KV mode."""
         kv = kv or KVSettings()
         caches: list = []
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             if a.is_sliding:
-                caches.append(SlidingWindowCache(self.args.sliding_window))
+                caches.append(RotatingWindowCache(self.args.sliding_window))
             else:
                 caches.append(make_kv_cache(kv, layer=i, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim))
         return caches
@@ -332,10 +355,14 @@ class Model(nn.Module):
         expert `gate_up_proj` into the SwitchGLU banks, maps `model.language_model.*` (multimodal) or
         `model.*` (text-only) onto this module's layout."""
         lm_prefix = "language_model.model." if self.args.multimodal else "model."
+        shared = {f"layers.{i}.self_attn.{n}." for i, s in enumerate(self.args.kv_source) if s is not None
+                  for n in ("k_proj", "v_proj", "k_norm", "v_norm")}
         out = {}
         for k, v in weights.items():
             if "rotary_emb" in k or k.endswith(("input_max", "input_min", "output_max", "output_min")):
                 continue
+            if shared and any(s in k for s in shared):
+                continue  # KV-sharing layers' own k/v weights are unused (transformers ignores them too)
             key = k[len("model."):] if k.startswith("model.") else k
             if key.startswith(_SKIP_PREFIXES):
                 continue

@@ -134,6 +134,8 @@ class Mamba2Mixer(nn.Module):
         Bm = mx.repeat(Bm.reshape(b, L, G, N).astype(f32), rep, axis=2).transpose(0, 2, 1, 3)  # [b, H, L, N]
         Cm = mx.repeat(Cm.reshape(b, L, G, N).astype(f32), rep, axis=2).transpose(0, 2, 1, 3)
         dt = nn.softplus(dt.astype(f32) + self.dt_bias.astype(f32))
+        # transformers' Nemotron-H clamps dt to [time_step_min, inf) in its chunked scan (prefill) but not in
+        # its one-token update; we clamp in both so the function does not depend on how the prompt is split.
         dt = mx.clip(dt, self.dt_min, self.dt_max).transpose(0, 2, 1)  # [b, H, L]
         A = -mx.exp(self.A_log.astype(f32))
         state = cache.ssm_state if cache is not None and cache.ssm_state is not None else mx.zeros((b, H, P, N), f32)

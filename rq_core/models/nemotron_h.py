@@ -210,7 +210,7 @@ class Block(nn.Module):
         if kind == "M":
             self.mixer = Mamba2Mixer(args.hidden_size, args.mamba_num_heads, args.mamba_head_dim, args.ssm_state_size,
                                      args.n_groups, args.conv_kernel, chunk_size=args.chunk_size,
-                                     eps=args.layer_norm_epsilon, proj_bias=args.mamba_proj_bias,
+                                     eps=args.layer_norm_epsilon, proj_bias=args.use_bias,
                                      conv_bias=args.use_conv_bias, dt_min=args.time_step_min)
         elif kind == "*":
             self.mixer = Attention(args)
@@ -288,7 +288,8 @@ class Model(nn.Module):
                 continue  # multi-token-prediction head: not used for generation
             if k.startswith("model."):
                 k = "backbone." + k[len("model."):]
-            k = k.replace(".switch_mlp.fc1.", ".switch_mlp.up_proj.").replace(".switch_mlp.fc2.", ".switch_mlp.down_proj.")
+            k = k.replace(".switch_mlp.fc1.", ".switch_mlp.up_proj.")  # mlx-lm's bank names
+            k = k.replace(".switch_mlp.fc2.", ".switch_mlp.down_proj.")
             if k.endswith("conv1d.weight") and v.ndim == 3 and v.shape[-1] != 1:
                 v = v.swapaxes(1, 2)  # torch [C, 1, K] → mlx [C, K, 1]
             out[k] = v

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from rq_core.errors import RQError
 from rq_core.kv_cache import KVSettings, make_kv_cache
 from rq_core.models.base import (BaseModelArgs, SlidingWindowCache, SwitchGLU, attend, combine_experts,
                                  make_rope, rope_params, route_softmax_topk, stack_experts)
@@ -54,6 +55,9 @@ class ModelArgs(BaseModelArgs):
             self.layer_types = ["sliding_attention"] * self.num_hidden_layers
         if not self.use_sliding_window or not self.sliding_window:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise RQError(f"config.json: layer_types has {len(self.layer_types)} entries for "
+                          f"{self.num_hidden_layers} layers")
 
 
 class Attention(nn.Module):

@@ -1,0 +1,113 @@
+"""Streaming quantization: peak memory of `rq quantize` on a synthetic checkpoint several times larger
+than that peak. Runs the quantizer in a fresh process and reports its peak RSS (ru_maxrss) and MLX's
+peak allocation next to the checkpoint size. Writes the `quantize-stream` section of benchmarks/README.md.
+
+    python benchmarks/quantize_stream.py [--layers 16] [--hidden 1024] [--experts 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CHILD = r"""
+import json, resource, sys
+import mlx.core as mx
+from rq_core import recipe
+from rq_core.quantize import quantize
+rec = recipe.load("qwen3-16gb")
+for r in rec.roles.values():
+    r.method = "rtn"
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+res = quantize(sys.argv[1], rec, sys.argv[2], shard_bytes=64 * 10**6)
+print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss_before": base,
+                  "peak_mlx": res.peak_memory_bytes, "bytes_in": res.bytes_in, "bytes_out": res.bytes_out,
+                  "shards": res.shards}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--no-readme", action="store_true")
+    a = ap.parse_args()
+    import mlx.core as mx
+
+    tmp = Path(tempfile.mkdtemp(prefix="rq-qstream-"))
+    try:
+        cfg = {"model_type": "qwen3_moe", "hidden_size": a.hidden, "intermediate_size": 2 * a.hidden,
+               "moe_intermediate_size": a.hidden // 2, "num_attention_heads": a.hidden // 128,
+               "num_key_value_heads": 2, "head_dim": 128, "num_hidden_layers": a.layers, "num_experts": a.experts,
+               "num_experts_per_tok": 2, "vocab_size": 8192, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+               "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+        src = tmp / "src"
+        src.mkdir()
+        (src / "config.json").write_text(json.dumps(cfg))
+        # Write layer by layer (hub layout: one tensor per expert), so building the input stays small too.
+        from mlx.utils import tree_flatten
+
+        from rq_core.checkpoint import build_model
+
+        model = build_model(cfg)
+        names = [(k, v.shape) for k, v in tree_flatten(model.parameters())]
+        del model
+        groups: dict[str, dict] = {}
+        for k, shp in names:
+            key = k.split(".mlp.")[0] if ".layers." in k else "head"
+            if ".switch_mlp." in k:
+                pre, rest = k.split(".switch_mlp.")
+                for e in range(shp[0]):
+                    groups.setdefault(key, {})[f"{pre}.experts.{e}.{rest}"] = shp[1:]
+            else:
+                groups.setdefault(key, {})[k] = shp
+        index = {}
+        for i, (key, tensors) in enumerate(groups.items()):
+            w = {k: (mx.random.normal(s) * 0.02).astype(mx.bfloat16) for k, s in tensors.items()}
+            f = f"model-{i:05d}.safetensors"
+            mx.save_safetensors(str(src / f), w)
+            index.update({k: f for k in w})
+            del w
+        (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+        size = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+        out = subprocess.run([sys.executable, "-c", CHILD, str(src), str(tmp / "q")], capture_output=True,
+                             text=True, cwd=ROOT, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    r.update({"checkpoint_bytes": size, "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__} (cpu)", "config": cfg})
+    (ROOT / "benchmarks" / "results" / f"quantize-stream-{dt.date.today().isoformat()}.json").write_text(
+        json.dumps(r, indent=1))
+    body = "\n".join([
+        "## Streaming quantization (`python benchmarks/quantize_stream.py`)",
+        "",
+        f"{r['date']}, {r['machine']}. Synthetic bf16 Qwen3-MoE-shaped checkpoint ({a.layers} layers, hidden "
+        f"{a.hidden}, {a.experts} experts, hub layout with one tensor per expert), quantized with qwen3-16gb (RTN) "
+        "in a fresh process.",
+        "",
+        "| checkpoint | output | peak MLX allocation | peak RSS (whole process) | RSS before quantizing | checkpoint / peak MLX |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| {size / 1e6:.0f} MB | {r['bytes_out'] / 1e6:.0f} MB in {r['shards']} shards | {r['peak_mlx'] / 1e6:.0f} MB | "
+        f"{r['peak_rss'] / 1e6:.0f} MB | {r['rss_before'] / 1e6:.0f} MB | {size / r['peak_mlx']:.1f}x |",
+    ])
+    print(body)
+    if not a.no_readme:
+        from _readme import write_section
+
+        write_section("quantize-stream", body)
+
+
+if __name__ == "__main__":
+    main()

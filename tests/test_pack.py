@@ -1,0 +1,65 @@
+"""`rq pack`: each expert's tensors contiguous and 16 KiB aligned, with checksums; atomic."""
+
+import json
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from _tiny_models import make_tiny
+from rq_core import recipe
+from rq_core.errors import RQError
+from rq_core.pack import ALIGN, decode_page, load_index, pack
+from rq_core.quantize import quantize
+
+RECIPE = Path(__file__).parent / "data" / "tiny-rtn.toml"
+
+
+@pytest.fixture(scope="module")
+def qckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pack")
+    src = make_tiny("qwen3_moe", root / "src")
+    quantize(src, recipe.load(RECIPE), root / "q")
+    return root / "q"
+
+
+def test_pages_hold_each_expert_exactly(qckpt):
+    res = pack(qckpt)
+    idx = load_index(qckpt)
+    assert res.layers == 2 and res.experts == 16
+    weights = mx.load(str(qckpt / "model.safetensors"))
+    for path, meta in idx["layers"].items():
+        assert meta["page_bytes"] % ALIGN == 0 and meta["page_bytes"] >= meta["used_bytes"]
+        data = (qckpt / "experts" / meta["file"]).read_bytes()
+        assert len(data) == meta["page_bytes"] * meta["num_experts"]
+        for e in range(meta["num_experts"]):
+            page = data[e * meta["page_bytes"]: e * meta["page_bytes"] + meta["used_bytes"]]
+            assert zlib.crc32(page) == meta["crc32"][e]
+            got = decode_page(page, meta["tensors"])
+            for name, arr in got.items():
+                ref = weights[f"{path}.{name}"][e]
+                if ref.dtype == mx.bfloat16:
+                    ref = ref.view(mx.uint16)
+                assert np.array_equal(np.array(ref), arr), (path, e, name)
+
+
+def test_repack_replaces_atomically_and_cli_json(qckpt):
+    from rq_cli.main import app
+
+    r = CliRunner().invoke(app, ["pack", str(qckpt), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)["pack"]
+    assert d["experts"] == 16 and d["page_bytes"] % ALIGN == 0
+    assert not [p for p in qckpt.iterdir() if p.name.startswith(".experts")]
+
+
+def test_pack_errors_are_one_line(tmp_path):
+    from rq_cli.main import app
+
+    r = CliRunner().invoke(app, ["pack", str(tmp_path)])
+    assert r.exit_code == 2 and "no config.json" in r.output
+    with pytest.raises(RQError, match="rq pack"):
+        load_index(tmp_path)

@@ -1,0 +1,112 @@
+"""The expert pager: exact tokens with a quarter of the experts resident, peak memory under the budget,
+hit rate reported; mmap mode; prefill with more distinct experts than slots."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from typer.testing import CliRunner
+
+from _tiny_models import TINY, available, make_tiny
+from rq_core import recipe
+from rq_core.checkpoint import load
+from rq_core.errors import RQError
+from rq_core.generate import generate
+from rq_core.pack import pack
+from rq_core.pager import ExpertPager, slots_for_budget
+from rq_core.quantize import quantize
+
+RECIPE = Path(__file__).parent / "data" / "tiny-rtn.toml"
+PROMPT = list(range(3, 43))  # 40 tokens: prefill routes to every expert
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pager")
+    out = {}
+    for fam in TINY:
+        if available(fam):
+            quantize(make_tiny(fam, root / f"{fam}-src"), recipe.load(RECIPE), root / fam)
+            pack(root / fam)
+            out[fam] = root / fam
+    return out
+
+
+@pytest.mark.parametrize("family", list(TINY))
+@pytest.mark.parametrize("policy", ["lru", "mmap"])
+def test_quarter_of_experts_gives_identical_tokens(packed, family, policy):
+    if family not in packed:
+        pytest.skip(f"model family {family} not in this build yet")
+    ck = packed[family]
+    ref = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
+    model = load(ck, tokenizer=False).model
+    pager = ExpertPager(model, ck, slots=2, policy=policy, verify=True)  # 2 of 8 experts per layer
+    got = generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
+    st = pager.report()
+    assert got.tokens == ref.tokens
+    assert st.misses > 0 and st.bytes_read > 0
+    if policy == "lru":
+        assert st.slots == 2 and st.hits > 0 and 0 < st.hit_rate < 1 and st.evictions > 0
+        assert st.resident_bytes > 0
+    else:
+        assert st.hit_rate is None and st.resident_bytes > 0
+    pager.close()
+
+
+def test_peak_memory_stays_under_the_budget(packed):
+    ck = packed["qwen3_moe"]
+    cfg = json.loads((ck / "config.json").read_text())
+    model = load(ck, tokenizer=False).model
+    ctx = len(PROMPT) + 24
+    probe = slots_for_budget(model, cfg, 1 << 40, context=ctx, prefill_chunk=16)
+    # a budget that holds exactly a quarter of the experts
+    budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
+              + probe["moe_layers"] * 2 * probe["bytes_per_expert"])
+    p = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=16)
+    assert p["slots_per_layer"] == 2 and p["fits"]
+    pager = ExpertPager(model, ck, slots=p["slots_per_layer"])
+    res = generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
+    assert res.peak_memory_bytes <= budget, (res.peak_memory_bytes, budget)
+    full = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
+    assert full.tokens == res.tokens
+    assert pager.report().hit_rate is not None
+
+
+def test_run_cli_memory_budget_json_and_plan(packed):
+    from rq_cli.main import app
+
+    ck = packed["qwen3_moe"]
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        assert (ck / f).is_file()
+    runner = CliRunner()
+    base = ["run", str(ck), "-p", "to be or not to be", "-n", "8", "--temp", "0", "--seed", "0", "--json"]
+    full = json.loads(runner.invoke(app, base).stdout)
+    r = runner.invoke(app, base + ["--memory-budget", "260KB"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["tokens"] == full["tokens"]
+    assert set(d["pager"]) == {"hits", "misses", "hit_rate", "bytes_read", "evictions", "resident_bytes",
+                               "slots", "policy"}
+    assert d["pager"]["slots"] < 8 and d["peak_memory_bytes"] <= 260_000
+    r = runner.invoke(app, base + ["--memory-budget", "260KB", "--plan"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["plan"]["slots_per_layer"] == d["pager"]["slots"]
+    r = runner.invoke(app, base[:-1] + ["--memory-budget", "10KB"])
+    assert r.exit_code == 2 and "too small" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, base[:-1] + ["--memory-budget", "1GB", "--pager", "fifo"])
+    assert r.exit_code == 2 and "fifo" in r.output
+
+
+def test_corrupt_page_is_detected(packed, tmp_path):
+    import shutil
+
+    ck = tmp_path / "c"
+    shutil.copytree(packed["qwen2_moe"], ck)
+    f = next((ck / "experts").glob("*.bin"))
+    data = bytearray(f.read_bytes())
+    data[5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    model = load(ck, tokenizer=False).model
+    ExpertPager(model, ck, slots=8, verify=True)
+    with pytest.raises(RQError, match="checksum mismatch"):
+        generate(model, PROMPT, max_tokens=2)

@@ -102,21 +102,28 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
 
     t1 = time.perf_counter()
     steps = 0
+
+    def step(prev: mx.array) -> mx.array:
+        logits = model(prev.reshape(1, 1).astype(mx.int32), cache=cache)[:, -1, :]
+        nxt = sample(logits, temp, top_p)
+        mx.async_eval(nxt)  # queue step t+1 while the host handles token t
+        return nxt
+
     while max_tokens > 0:
         tok = int(y.item())
         if tok in eos:
             res.stop_reason = "eos"
             break
         res.tokens.append(tok)
+        done = len(res.tokens) >= max_tokens
+        nxt = None if done else step(y)
         if on_token is not None:
             on_token(tok)
-        if len(res.tokens) >= max_tokens:
+        if done:
             res.stop_reason = "context" if context_length and len(prompt) + len(res.tokens) >= context_length \
                 else "length"
             break
-        logits = model(y.reshape(1, 1).astype(mx.int32), cache=cache)[:, -1, :]
-        y = sample(logits, temp, top_p)
-        mx.eval(y)
+        y = nxt
         steps += 1
     res.decode_s = time.perf_counter() - t1 if steps else 0.0
 

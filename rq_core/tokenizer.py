@@ -109,12 +109,15 @@ def load_tokenizer(path: str | Path) -> Optional[Tokenizer]:
 
 
 class StreamDecoder:
-    """Turn a growing list of token ids into text pieces, holding back incomplete UTF-8 sequences."""
+    """Turn a growing list of token ids into text pieces, holding back incomplete UTF-8 sequences.
+
+    Only the ids since the last completed line are re-decoded, so streaming stays O(1) per token
+    on long outputs (decoding a whole segment keeps BPE merges and spaces right)."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = 0  # characters of the full decode already handed out
+        self.ids: list[int] = []  # the current segment
+        self.emitted = 0  # characters of the segment's decode already handed out
 
     def add(self, token: int) -> str:
         self.ids.append(token)
@@ -123,10 +126,12 @@ class StreamDecoder:
             return ""
         piece = text[self.emitted:]
         self.emitted = len(text)
+        if text.endswith("\n") and len(self.ids) > 1:  # a line is complete: start a new segment
+            self.ids, self.emitted = [], 0
         return piece
 
     def flush(self) -> str:
         text = self.tokenizer.decode(self.ids)
         piece = text[self.emitted:]
-        self.emitted = len(text)
+        self.ids, self.emitted = [], 0
         return piece

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import weakref
 import zlib
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -52,7 +53,9 @@ def _mx_from_np(a: np.ndarray, dtype: str) -> mx.array:
 
 class _Layer:
     def __init__(self, pager: "ExpertPager", path: str, module: Any, meta: dict, slots: int) -> None:
-        self.pager, self.path, self.module, self.meta = pager, path, module, meta
+        # weak: the patched class's closure holds this layer, so a strong reference would keep the model
+        # alive in a reference cycle after the caller drops it
+        self.pager, self.path, self.module, self.meta = pager, path, weakref.proxy(module), meta
         self.E = meta["num_experts"]
         self.slots = min(slots, self.E)
         self.fd = os.open(pager.dir / meta["file"], os.O_RDONLY)

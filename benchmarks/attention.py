@@ -174,10 +174,10 @@ def iso_four(L, i, strategy="auto"):
                             bits=BITS, scale=SCALE, valid_len=T, strategy=strategy)
 
 
-def iso_fused(L, i):
+def iso_fused(L, i, mma=None):
     T = L["kc"][i].shape[2]
     return K.attention_split(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-                             bits=BITS, scale=SCALE, valid_len=T)[0]
+                             bits=BITS, scale=SCALE, valid_len=T, mma=mma)[0]
 
 
 def bytes_read(method: str, T: int) -> int:
@@ -219,6 +219,7 @@ def main() -> None:
             "qmm 4-bit": lambda i: qmm(L, i, 4),
             "TurboQuant-3 (dense)": lambda i: turbo3(L, i),
             "IsoQuant-3 four-kernel": lambda i: iso_four(L, i),
+            "IsoQuant-3 fused fp32": lambda i: iso_fused(L, i, mma=False),
             "IsoQuant-3 fused": lambda i: iso_fused(L, i),
         }
         res = {}

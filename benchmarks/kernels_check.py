@@ -132,7 +132,7 @@ def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5):
     return dict(q=q, mats=mats, levels=levels, kidx=kidx, vidx=vidx, knorm=knorm, vnorm=vnorm, Tcap=Tcap)
 
 
-def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot):
+def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=False, qdtype="f32"):
     q, mats = c["q"], c["mats"]
     args = dict(bits=bits, scale=1.0 / math.sqrt(q.shape[-1]), valid_len=T, offset=offset, causal=causal, rot=rot)
     kc = mx.array(pack64(c["kidx"], bits))
@@ -141,8 +141,11 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot):
     lv = mx.array(c["levels"])
     m = mx.array(mats.astype(np.float32)) if rot & 2 else None
     qq = mx.array(q)
+    if qdtype == "f16":
+        qq = qq.astype(mx.float16)
+        q = np.array(qq, dtype=np.float64)
     if path == "fused":
-        out, lse = K.attention_split(qq, m, kc, kn, vc, vn, lv, **args)
+        out, lse = K.attention_split(qq, m, kc, kn, vc, vn, lv, mma=mma, **args)
         mx.eval(out, lse)
     else:
         out = K.attention_four(qq, m, kc, kn, vc, vn, lv, strategy=strategy, **args)
@@ -158,7 +161,9 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="only the main shape")
-    ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--tol", type=float, default=1e-4, help="fp32 paths")
+    ap.add_argument("--tol-mma", type=float, default=2e-3, help="matrix-unit path (codebook levels in half)")
+    ap.add_argument("--only", default="", help="comma-separated paths to run: fused, four, mma")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import mlx.core as mx
@@ -172,6 +177,17 @@ def main() -> int:
     print(f"kernels_check: backend {K.backend()}, MLX {mx.__version__}")
     rng = np.random.default_rng(int(time.time()))
     cases = []
+    # the matrix-unit fused kernel: main shape at every context, then the other shapes it covers
+    for T in (1, 7, 511, 512, 513, 4096, 32768, 131072):
+        cases.append(dict(G=8, d=128, T=T, L=1, path="mma", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=8, d=128, T=4099, L=1, path="mma", strategy=None, causal=False, rot=3, bits=3, qdtype="f16"))
+    for G in (1, 4):
+        cases.append(dict(G=G, d=128, T=513, L=1, path="mma", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=8, d=256, T=4097, L=1, path="mma", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=4, d=256, T=513, L=1, path="mma", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=8, d=64, T=2000, L=1, path="mma", strategy=None, causal=False, rot=3, bits=4))
+    cases.append(dict(G=4, d=128, T=700, L=2, path="mma", strategy=None, causal=True, rot=3, bits=3))
+    cases.append(dict(G=8, d=128, T=3000, L=1, path="mma", strategy=None, causal=False, rot=0, bits=3))
     # main shape (Qwen3-30B-A3B: G = 8, d = 128), every context, every path
     for T in (1, 7, 511, 512, 513, 4096, 32768):
         for path, strat in (("fused", None), ("four", "word"), ("four", "dim")):
@@ -193,14 +209,19 @@ def main() -> int:
         cases.append(dict(G=8, d=128, T=3000, L=1, path="fused", strategy=None, causal=False, rot=1, bits=3))
     results, fails = [], 0
     t_all = time.time()
+    if a.only:
+        keep = set(a.only.split(","))
+        cases = [cs for cs in cases if cs["path"] in keep]
     for cs in cases:
         c = make_case(rng, B=1, Hkv=2, G=cs["G"], L=cs["L"], d=cs["d"], T=cs["T"], bits=cs["bits"])
         offset = cs["T"] - cs["L"]
         t0 = time.time()
         try:
-            err, nan = run_case(K, mx, c, T=cs["T"], bits=cs["bits"], path=cs["path"], strategy=cs["strategy"],
-                                causal=cs["causal"], offset=offset, rot=cs["rot"])
-            ok = nan == 0 and err < a.tol
+            mma = cs["path"] == "mma"
+            err, nan = run_case(K, mx, c, T=cs["T"], bits=cs["bits"], path="fused" if mma else cs["path"],
+                                strategy=cs["strategy"], causal=cs["causal"], offset=offset, rot=cs["rot"], mma=mma,
+                                qdtype=cs.get("qdtype", "f32"))
+            ok = nan == 0 and err < (a.tol_mma if mma else a.tol)
             msg = ""
         except Exception as e:  # a compile or launch error is a failure, reported, not a crash
             err, nan, ok, msg = float("nan"), -1, False, f"{type(e).__name__}: {str(e)[:300]}"
@@ -208,6 +229,7 @@ def main() -> int:
         r = dict(cs, err=err, nan=nan, ok=ok, secs=round(time.time() - t0, 2), error=msg)
         results.append(r)
         name = f"{cs['path']}{'/' + cs['strategy'] if cs['strategy'] else ''}"
+        name += "/f16q" if cs.get("qdtype") == "f16" else ""
         print(f"{'ok  ' if ok else 'FAIL'} {name:9s} G={cs['G']} d={cs['d']:3d} T={cs['T']:6d} L={cs['L']} "
               f"bits={cs['bits']} rot={cs['rot']} causal={int(cs['causal'])}  rel.err {err:.2e}  nan {nan}  "
               f"{r['secs']:.1f}s {msg}", flush=True)

@@ -69,13 +69,16 @@ def table(reports: list[dict], layers: int) -> str:
     for rep in reports:
         lines.append(f"\n**KV {rep['kv_mode']}** ({rep['attention_path']} attention path"
                      f"{'' if layers == 48 else f', {layers} layers timed, scaled ×{48 / layers:g}'})\n")
-        lines.append("| context | decode step (ms) | tok/s | KV attention (ms) | experts (ms) | rest (ms) "
-                     "| KV share | paper | verdict |")
-        lines.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        four = any(r.get("kv_attention_four_kernel_ms") for r in rep["results"])
+        lines.append("| context | decode step (ms) | tok/s | KV attention (ms) "
+                     + ("| same, four-kernel path (ms) " if four else "")
+                     + "| experts (ms) | rest (ms) | KV share | paper | verdict |")
+        lines.append("| --- " * (10 if four else 9) + "|")
         for r in rep["results"]:
             a = r["attribution"]
+            f4 = f"| {r['kv_attention_four_kernel_ms']:.2f} " if four else ""
             lines.append(f"| {r['context']} | {r['decode_step_ms']:.2f} | {r['decode_tok_per_s']:.1f} "
-                         f"| {a['kv_attention']:.2f} | {a['experts']:.2f} | {a['rest']:.2f} "
+                         f"| {a['kv_attention']:.2f} {f4}| {a['experts']:.2f} | {a['rest']:.2f} "
                          f"| {r['kv_attention_share']:.1%} | {PAPER_SHARE:.0%} | {r['verdict']} |")
         staged = [r for r in rep["results"] if r["kernels"]]
         if staged:

@@ -28,8 +28,46 @@ INLINE uint4 load_u4(DEV const uint* p) { return *reinterpret_cast<const uint4*>
 INLINE float4 load_f4(TG const float* p) { return *reinterpret_cast<const float4*>(p); }
 INLINE float log2_f(float x) { return log2f(x); }
 #define NEG_INF_F __int_as_float(0xff800000)
+// ---- matrix fragments: mma.sync m16n8k16, f16 inputs, f32 accumulators (PTX ISA fragment layouts) ----
+#define MMA_M 16
+#define MMA_N 8
+#define MMA_K 16
+#define FRAG_A_ROWS 2   // A rows (m) a thread holds
+#define FRAG_A_PAIRS 2  // pairs of adjacent k per A row a thread holds
+#define FRAG_B_PAIRS 2  // B registers, each two elements
+#define FRAG_C_N 4
+typedef __half2 h2;
+struct FragA { uint x[4]; };
+struct FragB { uint x[2]; };
+struct FragC { float x[4]; };
+INLINE h2 make_h2(float a, float b) { return __floats2half2_rn(a, b); }
+INLINE float round_half(float x) { return __half2float(__float2half_rn(x)); }
+INLINE int frag_a_row(int lane, int i) { return (lane >> 2) + 8 * i; }
+INLINE int frag_a_k0(int lane, int q) { return 2 * (lane & 3) + 8 * q; }
+INLINE int frag_klane(int lane) { return lane & 3; }
+INLINE int frag_mlane(int lane) { return lane >> 2; }
+INLINE int k_lane_of(int kk) { return (kk & 7) >> 1; }
+INLINE int k_j_of(int kk) { return (kk & 1) + 2 * (kk >> 3); }
+INLINE int m_lane_of(int m) { return m & 7; }
+INLINE int m_i_of(int m) { return m >> 3; }
+INLINE int frag_b_k(int lane, int e) { return 2 * (lane & 3) + (e & 1) + 8 * (e >> 1); }
+INLINE int frag_b_n(int lane, int e) { return lane >> 2; }
+INLINE int frag_c_m(int lane, int e) { return (lane >> 2) + 8 * (e >> 1); }
+INLINE int frag_c_n(int lane, int e) { return 2 * (lane & 3) + (e & 1); }
+INLINE void frag_a_set(THR FragA& a, int i, int q, h2 v) { a.x[i + 2 * q] = *reinterpret_cast<THR uint*>(&v); }
+INLINE void frag_b_set(THR FragB& b, int r, h2 v) { b.x[r] = *reinterpret_cast<THR uint*>(&v); }
+INLINE void frag_c_zero(THR FragC& c) { c.x[0] = 0.0f; c.x[1] = 0.0f; c.x[2] = 0.0f; c.x[3] = 0.0f; }
+INLINE float frag_c_get(THR FragC& c, int e) { return c.x[e]; }
+INLINE void frag_c_scale(THR FragC& c, int e, float f) { c.x[e] *= f; }
+INLINE void mma_f16(THR FragC& c, THR const FragA& a, THR const FragB& b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
+               : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
+}
+INLINE float to_float(float x) { return x; }
 //--- body ---
 const uint TID = threadIdx.x;
 const uint NT = blockDim.x;
 const uint BX = blockIdx.x;
 const uint BY = blockIdx.y;
+const uint NBY = gridDim.y;

@@ -20,8 +20,45 @@ INLINE uint4 load_u4(DEV const uint* p) { return *((DEV const uint4*)p); }
 INLINE float4 load_f4(TG const float* p) { return *((TG const float4*)p); }
 INLINE float log2_f(float x) { return log2(x); }
 #define NEG_INF_F (-INFINITY)
+// ---- matrix fragments: simdgroup_matrix 8x8x8, half inputs, float accumulators ----
+// (thread -> element layout as in MLX's steel MMA fragments: two adjacent columns of one row)
+#define MMA_M 8
+#define MMA_N 8
+#define MMA_K 8
+#define FRAG_A_ROWS 1
+#define FRAG_A_PAIRS 1
+#define FRAG_B_PAIRS 1
+#define FRAG_C_N 2
+typedef half2 h2;
+typedef simdgroup_matrix<half, 8, 8> FragA;
+typedef simdgroup_matrix<half, 8, 8> FragB;
+typedef simdgroup_matrix<float, 8, 8> FragC;
+INLINE h2 make_h2(float a, float b) { return h2(half(a), half(b)); }
+INLINE float round_half(float x) { return float(half(x)); }
+INLINE int frag_fm(int lane) { return ((lane >> 2) & 4) + ((lane >> 1) & 3); }
+INLINE int frag_fn(int lane) { return ((lane >> 2) & 2) * 2 + (lane & 1) * 2; }
+INLINE int frag_a_row(int lane, int i) { return frag_fm(lane); }
+INLINE int frag_a_k0(int lane, int q) { return frag_fn(lane); }
+INLINE int frag_klane(int lane) { return frag_fn(lane) >> 1; }
+INLINE int frag_mlane(int lane) { return frag_fm(lane); }
+INLINE int k_lane_of(int kk) { return kk >> 1; }
+INLINE int k_j_of(int kk) { return kk & 1; }
+INLINE int m_lane_of(int m) { return m; }
+INLINE int m_i_of(int m) { return 0; }
+INLINE int frag_b_k(int lane, int e) { return frag_fm(lane); }
+INLINE int frag_b_n(int lane, int e) { return frag_fn(lane) + e; }
+INLINE int frag_c_m(int lane, int e) { return frag_fm(lane); }
+INLINE int frag_c_n(int lane, int e) { return frag_fn(lane) + e; }
+INLINE void frag_a_set(THR FragA& a, int i, int q, h2 v) { a.thread_elements()[0] = v.x; a.thread_elements()[1] = v.y; }
+INLINE void frag_b_set(THR FragB& b, int r, h2 v) { b.thread_elements()[0] = v.x; b.thread_elements()[1] = v.y; }
+INLINE void frag_c_zero(THR FragC& c) { c = make_filled_simdgroup_matrix<float, 8, 8>(0.0f); }
+INLINE float frag_c_get(THR FragC& c, int e) { return c.thread_elements()[e]; }
+INLINE void frag_c_scale(THR FragC& c, int e, float f) { c.thread_elements()[e] *= f; }
+INLINE void mma_f16(THR FragC& c, THR const FragA& a, THR const FragB& b) { simdgroup_multiply_accumulate(c, a, b, c); }
+INLINE float to_float(float x) { return x; }
 //--- body ---
 const uint TID = thread_position_in_threadgroup.x;
 const uint NT = threads_per_threadgroup.x;
 const uint BX = threadgroup_position_in_grid.x;
 const uint BY = threadgroup_position_in_grid.y;
+const uint NBY = threadgroups_per_grid.y;

@@ -50,13 +50,17 @@ class Spec:
     body: str
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    contiguous: bool = True  # False: the kernel reads views (shape/strides) as they are
 
 
 SPECS: dict[str, Spec] = {
     "attn_split": Spec("attn_split.body",
                        ("q", "mats", "levels", "k_codes", "k_norms", "v_codes", "v_norms", "prm", "fprm"),
                        ("o_part", "ml_part")),
-    "attn_combine": Spec("attn_combine.body", ("o_part", "ml_part", "mats", "prm"), ("out", "lse")),
+    "attn_mma": Spec("attn_mma.body",
+                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms"), ("o_part", "ml_part"),
+                     contiguous=False),
+    "attn_combine": Spec("attn_combine.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "rotate_query": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
     "rotate_inverse": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
     "qk_dot": Spec("qk_dot.body", ("q_rot", "levels", "k_codes", "k_norms", "prm", "fprm"), ("scores",)),
@@ -130,7 +134,7 @@ def _kernel(name: str, be: str):
     spec = SPECS[name]
     make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
     return make(name=f"rq_{name}", input_names=list(spec.inputs), output_names=list(spec.outputs),
-                source=source, header=header)
+                source=source, header=header, ensure_row_contiguous=spec.contiguous)
 
 
 def _run(name: str, inputs: list, template: list, grid: tuple, threads: int, out_shapes: list,
@@ -177,6 +181,31 @@ def split_plan(T: int, n_groups: int, tile: int) -> tuple[int, int]:
     per = -(-tiles // ns)
     ch = per * tile
     return -(-T // ch), ch
+
+
+MMA_TILE = 128  # tokens per tile of attn_mma
+MMA_N = 8  # query rows per kv head an mma tile holds
+
+
+def mma_ok(D: int, bits: int, R: int) -> bool:
+    """Shapes the matrix-unit kernel covers: R ≤ 8 rows, and each thread's D/4 key codes whole words."""
+    return R <= MMA_N and (D // 4) * bits % 32 == 0 and D in (64, 128, 256)
+
+
+_CONSTS: dict = {}
+
+
+def _consts(levels: mx.array, scale: float) -> mx.array:
+    """[levels..., scale] on the device, built once per (codebook array, scale): no per-call host data."""
+    key = (id(levels), float(scale))
+    hit = _CONSTS.get(key)
+    if hit is None or hit[0] is not levels:
+        arr = mx.concatenate([levels.astype(mx.float32).reshape(-1), mx.array([scale], dtype=mx.float32)])
+        mx.eval(arr)
+        if len(_CONSTS) > 64:
+            _CONSTS.clear()
+        hit = _CONSTS[key] = (levels, arr)
+    return hit[1]
 
 
 def _mats(mats: mx.array | None) -> mx.array:
@@ -277,31 +306,57 @@ def value_accum(probs: mx.array, v_codes: mx.array, v_norms: mx.array, levels: m
 def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array,
                     v_codes: mx.array, v_norms: mx.array, levels: mx.array, *, bits: int, scale: float,
                     valid_len: int, offset: int = 0, causal: bool = False,
-                    rot: int = ROT_WHT | ROT_SO4) -> tuple[mx.array, mx.array]:
+                    rot: int = ROT_WHT | ROT_SO4, mma: bool | None = None) -> tuple[mx.array, mx.array]:
     """Fused path: (rotation) + A + online softmax + C per context split, then merge + D.
 
     q [B, Hq, L, D] un-rotated (rot selects which rotation the kernels apply; rot=0: q is already in
-    the rotated space and the output stays there). Returns (out [B, Hq, L, D] float32, lse [B, Hq, L]).
+    the rotated space and the output stays there). k_codes/v_codes [B, Hkv, T_cap, W] and
+    k_norms/v_norms [B, Hkv, T_cap] are whole cache buffers; only the first valid_len rows count.
+    mma: use the matrix-unit kernel where the shapes allow (default; RQ_ATTN_MMA=0 turns it off).
+    Returns (out [B, Hq, L, D] float32, lse [B, Hq, L]).
     """
     B, Hq, L, D = q.shape
-    Hkv, Tcap = k_codes.shape[1], k_codes.shape[2]
+    Hkv = k_codes.shape[1]
     R = (Hq // Hkv) * L
     _check(D, bits, R)
     be = backend() or "cuda"
-    tpt = _tpt(D, bits, R, be)
     T = valid_len
+    m = _mats(mats)
+    if mma is None:
+        mma = os.environ.get("RQ_ATTN_MMA", "1") != "0"
+    if mma and mma_ok(D, bits, R) and (not causal or offset == T - L):
+        ns, _ = split_plan(T, B * Hkv, MMA_TILE)
+        qd = q if q.dtype in (mx.float16, mx.float32) else q.astype(mx.float32)
+        o_part, ml_part = _run(
+            "attn_mma",
+            [mx.contiguous(qd), m, _consts(levels, scale), mx.contiguous(k_codes), k_norms[:, :, :T],
+             mx.contiguous(v_codes), v_norms[:, :, :T]],
+            [("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
+             ("ROT", rot), ("NTH", NTH), ("TILE", MMA_TILE)],
+            (B * Hkv, ns), NTH, [(B * Hkv, ns, R, D), (B * Hkv, ns, R, 2)], [mx.float32, mx.float32])
+    else:
+        o_part, ml_part = _split_fp32(q, m, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
+                                      T=T, offset=offset, causal=causal, rot=rot, be=be)
+    out, lse = _run("attn_combine", [o_part, ml_part, m], [("D", D), ("R", R), ("ROT", rot), ("HKV", Hkv)],
+                    (B * Hq * L, 1), D, [(B, Hq, L, D), (B, Hq, L)], [mx.float32, mx.float32])
+    return out, lse
+
+
+def _split_fp32(q, m, k_codes, k_norms, v_codes, v_norms, levels, *, bits, scale, T, offset, causal, rot, be):
+    """The fp32 CUDA-core split kernel (any R, head_dim 64-256): partials for attn_combine."""
+    B, Hq, L, D = q.shape
+    Hkv, Tcap = k_codes.shape[1], k_codes.shape[2]
+    R = (Hq // Hkv) * L
+    tpt = _tpt(D, bits, R, be)
     ns, ch = split_plan(T, B * Hkv, NTH * tpt)
     prm = _prm(T, Tcap, causal, ns, ch, Hkv, offset)
-    m = _mats(mats)
     o_part, ml_part = _run(
         "attn_split",
         [q.astype(mx.float32), m, levels.astype(mx.float32), k_codes, k_norms, v_codes, v_norms, prm,
          mx.array([scale], dtype=mx.float32)],
         [("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("TPT", tpt), ("NTH", NTH), ("ROT", rot)],
         (B * Hkv, ns), NTH, [(B * Hkv, ns, R, D), (B * Hkv, ns, R, 2)], [mx.float32, mx.float32])
-    out, lse = _run("attn_combine", [o_part, ml_part, m, prm], [("D", D), ("R", R), ("ROT", rot)],
-                    (B * Hq * L, 1), D, [(B, Hq, L, D), (B, Hq, L)], [mx.float32, mx.float32])
-    return out, lse
+    return o_part, ml_part
 
 
 def attention_four(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array,
@@ -361,27 +416,53 @@ _TYPE_NAMES = {"metal": {"f32": "float", "u32": "uint32_t", "f16": "float16_t", 
                "cuda": {"f32": "float", "u32": "uint32_t", "f16": "__half", "i32": "int32_t"}}
 # Metal attributes MLX adds to the signature when the body names them (the prelude uses these three)
 _METAL_ATTRS = (("thread_position_in_threadgroup", "uint3"), ("threadgroup_position_in_grid", "uint3"),
+                ("threadgroups_per_grid", "uint3"),
                 ("threads_per_threadgroup", "uint3"))
 
 
-def full_source(name: str, be: str, template: list[tuple[str, int]]) -> str:
-    """The complete kernel source MLX would compile for `name` (MLX's own includes left to the caller)."""
+def full_source(name: str, be: str, template: list[tuple[str, object]],
+                input_types: dict[str, str] | None = None) -> str:
+    """The complete kernel source MLX would compile for `name` (MLX's own includes left to the caller).
+
+    template: (name, int) pairs, or (name, "f16" | "f32") for a dtype; input_types overrides an
+    input's dtype code (e.g. {"q": "f16"}). Shape/strides parameters are added where the body uses them.
+    """
     header, source = render(name, be)
     spec = SPECS[name]
     types = _TYPE_NAMES[be]
+    itypes = dict(INPUT_TYPES, **(input_types or {}))
     kname = f"custom_kernel_rq_{name}"
+    args = []
+    slot = 0
+    for n in spec.inputs:
+        t = types[itypes.get(n, "f32")]
+        if be == "cuda":
+            args.append(f"    const {t}* {n}")
+            if f"{n}_shape" in source:
+                args.append(f"    const __grid_constant__ Shape {n}_shape")
+            if f"{n}_strides" in source:
+                args.append(f"    const __grid_constant__ Strides {n}_strides")
+        else:
+            args.append(f"  const device {t}* {n} [[buffer({slot})]]")
+            slot += 1
+            if f"{n}_shape" in source:
+                args.append(f"  const constant int* {n}_shape [[buffer({slot})]]")
+                slot += 1
+            if f"{n}_strides" in source:
+                args.append(f"  const constant int64_t* {n}_strides [[buffer({slot})]]")
+                slot += 1
     if be == "cuda":
-        args = [f"    const {types[INPUT_TYPES.get(n, 'f32')]}* {n}" for n in spec.inputs]
         args += [f"    float* {n}" for n in spec.outputs]
-        consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+        consts = "".join(f"  using {k} = {types[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
+                         for k, v in template)
         return (header + "namespace mlx::core::cu {\n\n__global__ void " + kname + "(\n" + ",\n".join(args)
                 + ") {\n" + consts + source + "\n}\n\n} // namespace mlx::core::cu\n")
-    args = [f"  const device {types[INPUT_TYPES.get(n, 'f32')]}* {n} [[buffer({i})]]"
-            for i, n in enumerate(spec.inputs)]
-    args += [f"  device float* {n} [[buffer({len(spec.inputs) + i})]]" for i, n in enumerate(spec.outputs)]
+    for n in spec.outputs:
+        args.append(f"  device float* {n} [[buffer({slot})]]")
+        slot += 1
     args += [f"  {t} {a} [[{a}]]" for a, t in _METAL_ATTRS if a in source]
-    tparams = ", ".join(f"int {k}" for k, _ in template)
-    targs = ", ".join(str(v) for _, v in template)
+    tparams = ", ".join(f"typename {k}" if isinstance(v, str) else f"int {k}" for k, v in template)
+    targs = ", ".join(types[v] if isinstance(v, str) else str(v) for k, v in template)
     sig = ",\n".join(args)
     return (header + f"template <{tparams}>\n[[kernel]] void {kname}(\n{sig}) {{\n{source}\n}}\n\n"
             + f"template [[kernel]] void {kname}<{targs}>(\n"

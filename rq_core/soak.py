@@ -298,7 +298,8 @@ class PromptSource:
 
     def next(self) -> list[int]:
         n = int(self.rng.integers(min(8, self.max_prompt), self.max_prompt + 1))
-        start = int(self.rng.integers(0, max(1, len(self.text) - 8 * n))) if self.text else int(self.rng.integers(1 << 30))
+        span = max(1, len(self.text) - 8 * n) if self.text else 1 << 30
+        start = int(self.rng.integers(0, span))
         return self._from(start, n)
 
     def _from(self, start: int, n: int) -> list[int]:
@@ -399,8 +400,8 @@ class Soak:
         if self._probe_ref is None:
             self._probe_ref = toks
         same = toks == self._probe_ref
-        gates["deterministic_probe"] = {"passed": same,
-                                        "detail": None if same else f"greedy probe gave {toks}, at start {self._probe_ref}"}
+        detail = None if same else f"greedy probe gave {toks}, at start {self._probe_ref}"
+        gates["deterministic_probe"] = {"passed": same, "detail": detail}
         # no degenerate repetition in what was sampled this interval.
         fracs = [f for t in interval_tokens if (f := _distinct_ngram_frac(t)) is not None and len(t) >= 16]
         if fracs:

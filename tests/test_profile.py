@@ -74,9 +74,9 @@ def _check_report(r: dict) -> None:
 
 
 def test_profile_compressed_kernels_add_up(tiny) -> None:
-    # Timing on a shared CI machine is noisy: the sum must match within 40%, best of two tries.
-    for attempt in range(2):
-        rep = profile_model(tiny, [1024], kv=KVSettings(mode="isoquant3"), warmup=1, repeats=5)
+    # Timing on a shared CI machine is noisy: the sum must match within 40%, in one of three tries.
+    for attempt in range(3):
+        rep = profile_model(tiny, [1024], kv=KVSettings(mode="isoquant3"), warmup=1, repeats=7)
         r = rep["results"][0]
         _check_report(r)
         assert list(r["kernels"]) == list(STAGES) and all(v > 0 for v in r["kernels"].values())

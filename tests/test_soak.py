@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -145,7 +144,8 @@ def test_soak_with_pager_reports_its_stats(tmp_path: Path) -> None:
     assert CliRunner().invoke(app, ["pack", str(ck)]).exit_code == 0
     rep = tmp_path / "r.json"
     r = CliRunner().invoke(app, ["soak", str(ck), "--seconds", "3", "--interval", "1", "--max-tokens", "8",
-                                 "--max-throughput-drop", "0.95", "--memory-budget", "1MB", "--report", str(rep)])
+                                 "--max-throughput-drop", "0.95", "--memory-budget", "4MB", "--report", str(rep)])
+    assert r.exit_code in (0, 1), r.output
     report = json.loads(rep.read_text())
     assert validate_report(report) == [], r.output
     p = report["samples"][-1]["pager"]

@@ -174,10 +174,10 @@ def iso_four(L, i, strategy="auto"):
                             bits=BITS, scale=SCALE, valid_len=T, strategy=strategy)
 
 
-def iso_fused(L, i, mma=None):
+def iso_fused(L, i, variant=None):
     T = L["kc"][i].shape[2]
     return K.attention_split(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-                             bits=BITS, scale=SCALE, valid_len=T, mma=mma)[0]
+                             bits=BITS, scale=SCALE, valid_len=T, variant=variant)[0]
 
 
 def bytes_read(method: str, T: int) -> int:
@@ -196,6 +196,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-threshold", action="store_true")
+    ap.add_argument("--skip-stages", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -219,7 +220,8 @@ def main() -> None:
             "qmm 4-bit": lambda i: qmm(L, i, 4),
             "TurboQuant-3 (dense)": lambda i: turbo3(L, i),
             "IsoQuant-3 four-kernel": lambda i: iso_four(L, i),
-            "IsoQuant-3 fused fp32": lambda i: iso_fused(L, i, mma=False),
+            "IsoQuant-3 fused fp32": lambda i: iso_fused(L, i, variant="fp32"),
+            "IsoQuant-3 fused mma": lambda i: iso_fused(L, i, variant="mma"),
             "IsoQuant-3 fused": lambda i: iso_fused(L, i),
         }
         res = {}
@@ -239,6 +241,10 @@ def main() -> None:
                   f"x{base / us:5.2f} vs fp16  {nb / us / 1e6:5.2f} TB/s  {100 * nb / us / 1e6 / copy:5.1f}% copy  "
                   f"extra {extra / 2**20:7.2f} MiB", flush=True)
         # four-kernel pipeline stage by stage (what `rq profile` times)
+        if a.skip_stages:
+            del L
+            mx.clear_cache()
+            continue
         qr = [K.rotate_queries(L["q"][j], L["mats"][j], HKV) for j in range(nl)]
         sc = [K.qk_dot(qr[j], L["kc"][j], L["kn"][j], L["levels"], bits=BITS, scale=SCALE, valid_len=T)
               for j in range(nl)]

@@ -132,7 +132,7 @@ def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5):
     return dict(q=q, mats=mats, levels=levels, kidx=kidx, vidx=vidx, knorm=knorm, vnorm=vnorm, Tcap=Tcap)
 
 
-def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=False, qdtype="f32"):
+def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=False, qdtype="f32", variant=None):
     q, mats = c["q"], c["mats"]
     args = dict(bits=bits, scale=1.0 / math.sqrt(q.shape[-1]), valid_len=T, offset=offset, causal=causal, rot=rot)
     kc = mx.array(pack64(c["kidx"], bits))
@@ -145,7 +145,7 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=Fals
         qq = qq.astype(mx.float16)
         q = np.array(qq, dtype=np.float64)
     if path == "fused":
-        out, lse = K.attention_split(qq, m, kc, kn, vc, vn, lv, mma=mma, **args)
+        out, lse = K.attention_split(qq, m, kc, kn, vc, vn, lv, mma=mma, variant=variant, **args)
         mx.eval(out, lse)
     else:
         out = K.attention_four(qq, m, kc, kn, vc, vn, lv, strategy=strategy, **args)
@@ -177,6 +177,14 @@ def main() -> int:
     print(f"kernels_check: backend {K.backend()}, MLX {mx.__version__}")
     rng = np.random.default_rng(int(time.time()))
     cases = []
+    # the matrix-unit fused kernel with double-buffered rows (the default)
+    for T in (1, 7, 513, 4096, 131072):
+        cases.append(dict(G=8, d=128, T=T, L=1, path="mma2", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=8, d=128, T=4099, L=1, path="mma2", strategy=None, causal=False, rot=3, bits=3, qdtype="f16"))
+    cases.append(dict(G=1, d=128, T=513, L=1, path="mma2", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=8, d=256, T=4097, L=1, path="mma2", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=4, d=128, T=700, L=2, path="mma2", strategy=None, causal=True, rot=3, bits=3))
+    cases.append(dict(G=8, d=128, T=3000, L=1, path="mma2", strategy=None, causal=False, rot=0, bits=3))
     # the matrix-unit fused kernel: main shape at every context, then the other shapes it covers
     for T in (1, 7, 511, 512, 513, 4096, 32768, 131072):
         cases.append(dict(G=8, d=128, T=T, L=1, path="mma", strategy=None, causal=False, rot=3, bits=3))
@@ -217,10 +225,10 @@ def main() -> int:
         offset = cs["T"] - cs["L"]
         t0 = time.time()
         try:
-            mma = cs["path"] == "mma"
+            mma = cs["path"] in ("mma", "mma2")
             err, nan = run_case(K, mx, c, T=cs["T"], bits=cs["bits"], path="fused" if mma else cs["path"],
                                 strategy=cs["strategy"], causal=cs["causal"], offset=offset, rot=cs["rot"], mma=mma,
-                                qdtype=cs.get("qdtype", "f32"))
+                                qdtype=cs.get("qdtype", "f32"), variant=cs["path"] if mma else None)
             ok = nan == 0 and err < (a.tol_mma if mma else a.tol)
             msg = ""
         except Exception as e:  # a compile or launch error is a failure, reported, not a crash

@@ -25,6 +25,7 @@ INLINE float shfl_xor_f(float x, int m) { return __shfl_xor_sync(0xffffffffu, x,
 // bits [sh, sh + 32) of the 64-bit value hi:lo (sh < 32)
 INLINE uint funnel_r(uint lo, uint hi, uint sh) { return __funnelshift_r(lo, hi, sh); }
 INLINE uint4 load_u4(DEV const uint* p) { return *reinterpret_cast<const uint4*>(p); }
+INLINE uint4 zero_u4() { return make_uint4(0u, 0u, 0u, 0u); }
 INLINE float4 load_f4(TG const float* p) { return *reinterpret_cast<const float4*>(p); }
 INLINE float log2_f(float x) { return log2f(x); }
 #define NEG_INF_F __int_as_float(0xff800000)

@@ -1,15 +1,145 @@
-"""`rq eval ...`: quality measurements."""
+"""`rq eval ppl | niah | gates`: quality of a KV mode on a model (default: the bundled one)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
-from rq_cli.common import fail
+from rq_cli.common import console, handle_errors, print_json
+from rq_core.errors import RQError
 
 app = typer.Typer(no_args_is_help=True)
 
+MODEL_ARG = typer.Argument(None, help="Checkpoint directory or Hugging Face hub id (default: the bundled model).")
+
+
+def _ids(em, text: Optional[str]):
+    from rq_core.eval import encode_ids, load_heldout_text
+
+    return encode_ids(em.tokenizer, load_heldout_text(text))
+
+
+def _positive(name: str, v: Optional[int]) -> None:
+    if v is not None and v < 1:
+        raise RQError(f"{name} must be >= 1 (got {v})")
+
 
 @app.command("ppl")
-def ppl() -> None:
-    """Perplexity over held-out text (not implemented yet)."""
-    fail("'rq eval ppl' is not implemented yet in this version", code=3)
+@handle_errors
+def ppl(
+    model: Optional[str] = MODEL_ARG,
+    kv: str = typer.Option("fp16", "--kv", help="KV cache: fp16, isoquant3 or turbo3."),
+    rotation: Optional[str] = typer.Option(None, "--rotation",
+                                           help="IsoQuant rotation: wht_so4 (default), wht, so4, so3."),
+    context: Optional[int] = typer.Option(None, "--context", help="Window length (default: the model's context)."),
+    windows: Optional[int] = typer.Option(None, "--windows", help="Score at most this many windows."),
+    step: int = typer.Option(32, "--step", help="Decode tokens per step while scoring (1 = token by token)."),
+    text: Optional[str] = typer.Option(None, "--text", help="Text file to score (default: the bundled held-out plays)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Perplexity over held-out text: each window's first half is prefilled, the second half is scored
+    as decode reads the (compressed) cache."""
+    from rq_core.eval import check_context, kv_settings, load_eval_model, perplexity
+
+    _positive("--windows", windows)
+    _positive("--step", step)
+    if rotation is not None and kv != "isoquant3":
+        raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
+    settings = kv_settings(kv, rotation)
+    em = load_eval_model(model)
+    ctx = check_context(context or em.context, em.context)
+    res = perplexity(em.model, _ids(em, text), settings, context=ctx, step=step, max_windows=windows)
+    if json_out:
+        print_json(res.as_dict())
+        return
+    rot = f" ({res.rotation})" if res.rotation else ""
+    console.print(f"ppl [bold]{res.ppl:.3f}[/] over {res.tokens} decode-scored tokens, {res.windows} window(s) of "
+                  f"{res.context}, KV {res.kv_mode}{rot}", highlight=False)
+
+
+def _parse_list(s: str, cast, name: str) -> list:
+    try:
+        vals = [cast(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise RQError(f"{name} must be a comma-separated list (got {s!r})")
+    if not vals:
+        raise RQError(f"{name} is empty")
+    return vals
+
+
+@app.command("niah")
+@handle_errors
+def niah_cmd(
+    model: Optional[str] = MODEL_ARG,
+    kv: str = typer.Option("isoquant3,turbo3", "--kv", help="KV modes to test (comma-separated); fp16 always runs."),
+    rotation: Optional[str] = typer.Option(None, "--rotation", help="IsoQuant rotation (default wht_so4)."),
+    lengths: str = typer.Option("512,1024,2048", "--lengths", help="Prompt lengths in tokens (comma-separated)."),
+    depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="Needle depths in [0, 1] (comma-separated)."),
+    trials: int = typer.Option(4, "--trials", help="Needles per cell."),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end."""
+    from rq_core.eval import kv_settings, load_eval_model, needle_token_pieces, niah
+
+    _positive("--trials", trials)
+    Ls = _parse_list(lengths, int, "--lengths")
+    Ds = _parse_list(depths, float, "--depths")
+    if any(not 0 <= d <= 1 for d in Ds):
+        raise RQError("--depths must lie in [0, 1]")
+    modes = ["fp16"] + [m for m in _parse_list(kv, str, "--kv") if m != "fp16"]
+    settings = [kv_settings(m, rotation if m == "isoquant3" else None) for m in modes]
+    em = load_eval_model(model)
+    too_long = [L for L in Ls if L > em.context]
+    if too_long:
+        raise RQError(f"--lengths {too_long} exceed the model's trained context of {em.context}")
+    res = niah(em.model, _ids(em, None), needle_token_pieces(em.tokenizer), settings, lengths=Ls, depths=Ds,
+               trials=trials, seed=seed)
+    if json_out:
+        print_json(res)
+        return
+    from rich.table import Table
+
+    t = Table(title=f"needle retrieval ({trials} needle(s) per cell)")
+    t.add_column("KV")
+    for L in Ls:
+        for d in Ds:
+            t.add_column(f"{L}@{d:g}", justify="right")
+    t.add_column("mean", justify="right")
+    for name, r in res["modes"].items():
+        t.add_row(name, *[f"{c['accuracy']:.2f}" for c in r["cells"]], f"{r['accuracy']:.2f}")
+    console.print(t)
+
+
+@app.command("gates")
+@handle_errors
+def gates_cmd(
+    model: Optional[str] = MODEL_ARG,
+    kv: str = typer.Option("isoquant3", "--kv", help="KV mode to gate against fp16."),
+    rotation: Optional[str] = typer.Option(None, "--rotation", help="IsoQuant rotation (default wht_so4)."),
+    gates_file: Optional[str] = typer.Option(None, "--gates", help="Thresholds TOML (default: the bundled gates.toml)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Twelve quality gates of a KV mode against fp16; exits 1 if any gate fails."""
+    from rq_core.eval import GateRunner, kv_settings, load_eval_model, load_gates
+
+    if rotation is not None and kv != "isoquant3":
+        raise RQError("--rotation applies to --kv isoquant3 only")
+    cfg = load_gates(gates_file)
+    settings = kv_settings(kv, rotation)
+    em = load_eval_model(model)
+    rep = GateRunner(em, cfg, _ids(em, None)).run(settings)
+    if json_out:
+        print_json(rep.as_dict())
+    else:
+        from rich.table import Table
+
+        t = Table(title=f"quality gates: {rep.label} vs fp16 — {rep.passed}/{len(rep.gates)} passed")
+        for col in ("gate", "value", "threshold", "result"):
+            t.add_column(col)
+        for g in rep.gates:
+            t.add_row(g["name"], f"{g['value']:.4g}", g["threshold"], "[green]pass[/]" if g["passed"] else "[red]FAIL[/]")
+        console.print(t)
+    if rep.passed < len(rep.gates):
+        raise typer.Exit(1)

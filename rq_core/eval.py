@@ -102,6 +102,11 @@ def kv_settings(mode: str, rotation: Optional[str] = None, **kw: Any) -> KVSetti
     return s
 
 
+def rotation_of(kv: KVSettings) -> Optional[str]:
+    """The rotation a mode actually uses: None for fp16, dense for turbo3."""
+    return None if kv.mode == "fp16" else "dense" if kv.mode == "turbo3" else kv.rotation
+
+
 def label(kv: KVSettings) -> str:
     """A short name: fp16, turbo3, or isoquant3/<rotation>."""
     return f"isoquant3/{kv.rotation}" if kv.mode == "isoquant3" else kv.mode
@@ -186,8 +191,7 @@ def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, pre
         total += float(nll.item())
         count += int(tgt.size)
     nll = total / count
-    return PPLResult(ppl=math.exp(nll), tokens=count, kv_mode=kv.mode,
-                     rotation=kv.rotation if kv.mode != "fp16" else None, context=context,
+    return PPLResult(ppl=math.exp(nll), tokens=count, kv_mode=kv.mode, rotation=rotation_of(kv), context=context,
                      windows=len(wins), prefill=prefill, nll=nll)
 
 
@@ -372,13 +376,15 @@ def _forced_agreement(model: Any, prompt: np.ndarray, cont: list[int], kv: KVSet
 class GateReport:
     label: str
     gates: list[dict] = field(default_factory=list)
+    details: dict = field(default_factory=dict)  # ppl, ppl_ref, tokens, needle accuracies
 
     @property
     def passed(self) -> int:
         return sum(g["passed"] for g in self.gates)
 
     def as_dict(self) -> dict:
-        return {"kv": self.label, "passed": self.passed, "total": len(self.gates), "gates": self.gates}
+        return {"kv": self.label, "passed": self.passed, "total": len(self.gates), "gates": self.gates,
+                "details": self.details}
 
 
 class GateRunner:
@@ -457,6 +463,11 @@ class GateRunner:
         gate("greedy_agreement", ga, ga >= th["greedy_agreement"], f">= {th['greedy_agreement']}")
 
         acc = self._niah(kv)
+        rep.details.update({
+            "context": self.context, "tokens": c.tokens, "ppl": c.ppl, "ppl_fp16": c.ppl_ref,
+            "full_context": self.full_context, "full_tokens": cf.tokens, "ppl_full": cf.ppl,
+            "ppl_full_fp16": cf.ppl_ref, "needle_accuracy": acc, "needle_accuracy_fp16": ref["niah"],
+            "needle_trials": len(self.niah_lengths) * len(self.niah_depths) * self.niah_trials})
         gate("needle_retention", acc - ref["niah"], acc >= ref["niah"] - th["needle_retention"],
              f"accuracy >= fp16's ({ref['niah']:.2f}) - {th['needle_retention']}")
         gate("finite", float(c.finite and cf.finite), c.finite and cf.finite, "no NaN/Inf")

@@ -60,7 +60,11 @@ SPECS: dict[str, Spec] = {
     "attn_mma": Spec("attn_mma.body",
                      ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms"), ("o_part", "ml_part"),
                      contiguous=False),
+    "attn_mma2": Spec("attn_mma2.body",
+                      ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms"), ("o_part", "ml_part"),
+                      contiguous=False),
     "attn_combine": Spec("attn_combine.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
+    "attn_merge": Spec("attn_merge.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "rotate_query": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
     "rotate_inverse": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
     "qk_dot": Spec("qk_dot.body", ("q_rot", "levels", "k_codes", "k_norms", "prm", "fprm"), ("scores",)),
@@ -306,13 +310,16 @@ def value_accum(probs: mx.array, v_codes: mx.array, v_norms: mx.array, levels: m
 def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array,
                     v_codes: mx.array, v_norms: mx.array, levels: mx.array, *, bits: int, scale: float,
                     valid_len: int, offset: int = 0, causal: bool = False,
-                    rot: int = ROT_WHT | ROT_SO4, mma: bool | None = None) -> tuple[mx.array, mx.array]:
+                    rot: int = ROT_WHT | ROT_SO4, mma: bool | None = None,
+                    variant: str | None = None) -> tuple[mx.array, mx.array]:
     """Fused path: (rotation) + A + online softmax + C per context split, then merge + D.
 
     q [B, Hq, L, D] un-rotated (rot selects which rotation the kernels apply; rot=0: q is already in
     the rotated space and the output stays there). k_codes/v_codes [B, Hkv, T_cap, W] and
     k_norms/v_norms [B, Hkv, T_cap] are whole cache buffers; only the first valid_len rows count.
     mma: use the matrix-unit kernel where the shapes allow (default; RQ_ATTN_MMA=0 turns it off).
+    variant: "mma2" (matrix units, rows double-buffered through registers; the default), "mma"
+    (matrix units, direct loads), "fp32" (CUDA-core fp32, any shape); env RQ_ATTN_VARIANT.
     Returns (out [B, Hq, L, D] float32, lse [B, Hq, L]).
     """
     B, Hq, L, D = q.shape
@@ -324,11 +331,14 @@ def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
     m = _mats(mats)
     if mma is None:
         mma = os.environ.get("RQ_ATTN_MMA", "1") != "0"
-    if mma and mma_ok(D, bits, R) and (not causal or offset == T - L):
+    variant = variant or os.environ.get("RQ_ATTN_VARIANT", "mma2")
+    if not mma:
+        variant = "fp32"
+    if variant != "fp32" and mma_ok(D, bits, R) and (not causal or offset == T - L):
         ns, _ = split_plan(T, B * Hkv, MMA_TILE)
         qd = q if q.dtype in (mx.float16, mx.float32) else q.astype(mx.float32)
         o_part, ml_part = _run(
-            "attn_mma",
+            "attn_mma2" if variant == "mma2" else "attn_mma",
             [mx.contiguous(qd), m, _consts(levels, scale), mx.contiguous(k_codes), k_norms[:, :, :T],
              mx.contiguous(v_codes), v_norms[:, :, :T]],
             [("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
@@ -337,8 +347,14 @@ def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
     else:
         o_part, ml_part = _split_fp32(q, m, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
                                       T=T, offset=offset, causal=causal, rot=rot, be=be)
-    out, lse = _run("attn_combine", [o_part, ml_part, m], [("D", D), ("R", R), ("ROT", rot), ("HKV", Hkv)],
+    if os.environ.get("RQ_MERGE", "v2") == "v1":
+        return _run("attn_combine", [o_part, ml_part, m], [("D", D), ("R", R), ("ROT", rot), ("HKV", Hkv)],
                     (B * Hq * L, 1), D, [(B, Hq, L, D), (B, Hq, L)], [mx.float32, mx.float32])
+    ntc = max(D, 256)
+    maxs = max(64, 1 << (o_part.shape[1] - 1).bit_length())
+    out, lse = _run("attn_merge", [o_part, ml_part, m],
+                    [("D", D), ("R", R), ("ROT", rot), ("HKV", Hkv), ("NTC", ntc), ("MAXS", maxs)],
+                    (B * Hq * L, 1), ntc, [(B, Hq, L, D), (B, Hq, L)], [mx.float32, mx.float32])
     return out, lse
 
 

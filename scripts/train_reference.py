@@ -124,25 +124,32 @@ def cmd_tokenize(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------------------- train
 def needle_batch_rows(rng: np.random.Generator, rows: np.ndarray, pieces: dict, weights: np.ndarray,
-                      answer_weight: float) -> None:
-    """Overwrite part of each row (in place) with needle + filler + question + answer.
+                      answer_weight: float, max_pairs: int = 4) -> None:
+    """Overwrite parts of each row (in place) with needle ... question + answer pairs.
 
-    The needle lands at a random depth and the question at a random later point, so every
-    distance up to the row length is trained; the answer digits get a larger loss weight.
+    A row is cut into k (1..max_pairs) segments, each holding one needle at a random point and its
+    question at a random later point, so distances up to the row length are trained and each question
+    refers to the nearest needle before it. Answer digits get a larger loss weight.
     """
     B, T = rows.shape
+    nd = pieces["n_digits"]
     for b in range(B):
-        digits = rng.integers(0, 10, size=pieces["n_digits"])
-        needle = np.concatenate([pieces["needle_prefix"], pieces["digits"][digits], pieces["needle_suffix"]])
-        qa = np.concatenate([pieces["question"], pieces["digits"][digits]])
-        room = T - len(needle) - len(qa)
-        i = int(rng.integers(0, room))
-        j = int(rng.integers(i + len(needle), room + len(needle) + 1))
-        rows[b, i : i + len(needle)] = needle
-        rows[b, j : j + len(qa)] = qa
-        a0 = j + len(pieces["question"])
-        # weights index targets: target t is predicted at position t-1
-        weights[b, a0 - 1 : a0 - 1 + pieces["n_digits"]] = answer_weight
+        k = int(rng.integers(1, max_pairs + 1))
+        seg = T // k
+        for s in range(k):
+            digits = rng.integers(0, 10, size=nd)
+            needle = np.concatenate([pieces["needle_prefix"], pieces["digits"][digits], pieces["needle_suffix"]])
+            qa = np.concatenate([pieces["question"], pieces["digits"][digits]])
+            room = seg - len(needle) - len(qa)
+            if room <= 0:
+                continue
+            i = s * seg + int(rng.integers(0, room))
+            j = int(rng.integers(i + len(needle), s * seg + room + len(needle) + 1))
+            rows[b, i : i + len(needle)] = needle
+            rows[b, j : j + len(qa)] = qa
+            a0 = j + len(pieces["question"])
+            # weights index targets: target t is predicted at position t - 1
+            weights[b, a0 - 1 : a0 - 1 + nd] = answer_weight
 
 
 def needle_check(model, held_ids: np.ndarray, pieces: dict, T: int, rng: np.random.Generator,
@@ -312,6 +319,9 @@ def cmd_train(args: argparse.Namespace) -> None:
         opt.learning_rate = args.lr * min(1.0, (s + 1) / warm)
         lm, aux = step_c(x, y, w)
         mx.eval(state, lm, aux)
+        if s == 0:
+            first_step = time.time() - t0
+            print(f"first step (compile) {first_step:.1f} s", flush=True)
         if s == 1:
             t1 = time.time()  # after compile
     sec_per_step = (time.time() - t1) / max(probe - 2, 1)
@@ -381,6 +391,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         "config": config, "seq_len": T, "batch": B, "needle_share": args.needle_share,
         "lr": args.lr, "weight_decay": args.weight_decay, "aux_coef": args.aux_coef,
         "steps": step, "planned_steps": total_steps, "sec_per_step": sec_per_step,
+        "first_step_seconds": round(first_step, 1),
         "train_seconds": round(train_time, 1), "tokens_seen": step * B * T,
         "train_tokens": int(n_train), "epochs": round(step * B * T / n_train, 2),
         "unigram_heldout_ppl": tokinfo["unigram_heldout_ppl"], "final": final,

@@ -37,7 +37,7 @@ def _samples(n: int, *, active_growth: float = 0.0, tok_end: float = 100.0) -> l
         out.append({"t_s": float(i * 10), "rss_bytes": 500 * MB, "active_bytes": int(100 * MB + i * active_growth),
                     "cache_bytes": 0, "peak_memory_bytes": 120 * MB, "tokens_total": 100 * i,
                     "generations_total": i, "decode_tok_per_s": 100.0 + (tok_end - 100.0) * i / (n - 1),
-                    "gates": {"finite_logits": {"passed": True}}})
+                    "gates": {"finite": {"passed": True}}})
     return out
 
 
@@ -52,9 +52,9 @@ def test_summary_judges_growth_drift_and_gates() -> None:
     slow = summarize(_samples(10, tok_end=50.0), th)
     assert not slow["passed"] and slow["throughput_drift"] == pytest.approx(50 / (100 - 50 / 9) - 1, rel=1e-6)
     bad = _samples(10)
-    bad[5]["gates"]["finite_logits"] = {"passed": False, "detail": "NaN"}
+    bad[5]["gates"]["finite"] = {"passed": False, "detail": "NaN"}
     s = summarize(bad, th)
-    assert not s["passed"] and s["gates"]["finite_logits"]["failures"] == 1
+    assert not s["passed"] and s["gates"]["finite"]["failures"] == 1
 
 
 def test_atomic_write_and_validation(tmp_path: Path) -> None:
@@ -86,7 +86,8 @@ def test_short_soak_passes_and_report_validates(tmp_path: Path) -> None:
     assert report["kv_mode"] == "isoquant3"
     last = report["samples"][-1]
     assert last["decode_tok_per_s"] > 0 and last["rss_bytes"] > 0 and last["active_bytes"] > 0
-    assert set(last["gates"]) >= {"finite_logits", "deterministic_probe", "kv_compressed"}
+    assert set(last["gates"]) == {"finite", "greedy_agreement", "kv_bytes_ratio", "deterministic",
+                                  "no_degenerate_repetition"}
     assert json.loads(result.stdout)["passed"] is True
 
 

@@ -1,0 +1,159 @@
+"""rq eval: perplexity through the decode path, needle retrieval, gates (tiny models, short contexts)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_map
+from typer.testing import CliRunner
+
+from rq_cli.main import app
+from rq_core import eval as ev
+from rq_core.errors import RQError
+from rq_core.kv_cache import KVSettings
+from rq_core.models import qwen2_moe
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    mx.random.seed(0)
+    args = qwen2_moe.ModelArgs(hidden_size=32, num_hidden_layers=2, intermediate_size=64, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, shared_expert_intermediate_size=64, vocab_size=64,
+                               max_position_embeddings=256, rope_theta=10000.0)
+    m = qwen2_moe.Model(args)
+    # Larger weights than the default init so attention is peaked and compression error shows.
+    m.update(tree_map(lambda p: p * 4 if p.ndim >= 2 else p, m.parameters()))
+    mx.eval(m.parameters())
+    ids = np.random.default_rng(0).integers(1, 64, size=600).astype(np.int32)
+    return m, ids
+
+
+def test_windows_split_and_errors():
+    ids = np.arange(101)
+    w = ev.windows(ids, 25)
+    assert len(w) == 4 and all(len(x) == 26 for x in w)
+    assert w[1][0] == 25 and w[1][-1] == 50
+    assert len(ev.windows(ids, 25, max_windows=2)) == 2
+    with pytest.raises(RQError):
+        ev.windows(np.arange(10), 25)
+
+
+def test_decode_steps_match_token_by_token(tiny):
+    m, ids = tiny
+    w = ids[:97]
+    kv = KVSettings(mode="isoquant3")
+    a = ev.window_logprobs(m, w, kv, prefill=48, step=1)
+    b = ev.window_logprobs(m, w, kv, prefill=48, step=7)
+    assert a.shape == (48, 64)
+    assert mx.allclose(a, b, atol=1e-4).item()
+
+
+def test_fp16_path_equals_one_full_forward(tiny):
+    m, ids = tiny
+    w = ids[:65]
+    lp = ev.window_logprobs(m, w, KVSettings(mode="fp16"), prefill=32, step=8)
+    full = m(mx.array(w[None, :-1]))[0].astype(mx.float32)
+    full = full - mx.logsumexp(full, axis=-1, keepdims=True)
+    assert mx.allclose(lp, full[32:], atol=1e-4).item()
+
+
+def test_compressed_path_is_measured(tiny):
+    m, ids = tiny
+    r16 = ev.perplexity(m, ids, KVSettings(mode="fp16"), context=128, max_windows=2)
+    r3 = ev.perplexity(m, ids, KVSettings(mode="isoquant3"), context=128, max_windows=2)
+    assert r16.tokens == r3.tokens == 2 * 64  # context - prefill targets per window
+    assert r3.kv_mode == "isoquant3" and r3.rotation == "wht_so4" and r16.rotation is None
+    assert r3.nll != r16.nll  # the compressed cache changes what decode steps read
+    assert math.isclose(r16.ppl, math.exp(r16.nll))
+
+
+def test_compare_against_itself_and_turbo(tiny):
+    m, ids = tiny
+    same, ref = ev.compare(m, ids, KVSettings(mode="fp16"), context=64, max_windows=2)
+    assert same.mean_kl == pytest.approx(0.0, abs=1e-6) and same.top1_agreement == 1.0
+    assert same.rel_delta_ppl == pytest.approx(0.0, abs=1e-6) and same.finite
+    t, _ = ev.compare(m, ids, ev.kv_settings("turbo3"), context=64, max_windows=2, ref=ref)
+    assert t.mean_kl > 0 and t.nll_ref == pytest.approx(same.nll_ref)
+
+
+def test_needle_trials_place_needle_at_depth():
+    class Tok:  # digits are single tokens 10..19; other text: one token per character
+        def encode(self, s, add_special_tokens=False):
+            return [10 + int(c) if c.isdigit() else 100 + ord(c) % 50 for c in s]
+
+    pieces = ev.needle_token_pieces(Tok())
+    ids = np.full(5000, 7, np.int32)
+    for depth in (0.0, 0.5, 1.0):
+        (t,) = ev.needle_trials(ids, pieces, length=400, depth=depth, trials=1, seed=1)
+        assert len(t.prompt) == 400 and t.question_len == len(pieces["question"])
+        hay = t.prompt[: -t.question_len]
+        n = len(pieces["needle_prefix"]) + 5 + len(pieces["needle_suffix"])
+        pos = int(round(depth * (len(hay) - n)))
+        assert np.array_equal(hay[pos + len(pieces["needle_prefix"]) : pos + len(pieces["needle_prefix"]) + 5], t.answer)
+        assert set(t.answer) <= set(range(10, 20))
+
+
+def test_niah_structure(tiny):
+    m, ids = tiny
+
+    class Tok:
+        def encode(self, s, add_special_tokens=False):
+            return [1 + int(c) if c.isdigit() else 20 + ord(c) % 40 for c in s]
+
+    res = ev.niah(m, ids, ev.needle_token_pieces(Tok()), [KVSettings(mode="fp16"), ev.kv_settings("isoquant3", "so3")],
+                  lengths=[100], depths=[0.2, 0.8], trials=1)
+    assert set(res["modes"]) == {"fp16", "isoquant3/so3"}
+    for r in res["modes"].values():
+        assert len(r["cells"]) == 2 and all(0 <= c["accuracy"] <= 1 for c in r["cells"])
+
+
+def test_gates_file_validation(tmp_path):
+    cfg = ev.load_gates()
+    assert set(ev.GATES) <= set(cfg["gates"]) and len(ev.GATES) == 12
+    bad = tmp_path / "g.toml"
+    bad.write_text("[gates]\nppl_rel_delta = 0.01\n")
+    with pytest.raises(RQError, match="missing"):
+        ev.load_gates(bad)
+
+
+def test_cli_ppl_json_on_bundled_model():
+    r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--rotation", "so4", "--context", "64",
+                            "--windows", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert {"ppl", "tokens", "kv_mode", "rotation", "context"} <= set(d)
+    assert d["kv_mode"] == "isoquant3" and d["rotation"] == "so4" and d["context"] == 64 and d["tokens"] == 32
+    assert 1 < d["ppl"] < 4096
+
+
+@pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--kv", "turbo3", "--rotation", "so3"],
+                                  ["eval", "ppl", "--context", "100000"], ["eval", "niah", "--depths", "1.5"],
+                                  ["eval", "gates", "--rotation", "bogus"]])
+def test_cli_bad_input_is_one_line(argv):
+    r = runner.invoke(app, argv)
+    assert r.exit_code == 2
+    assert "Traceback" not in r.output and "error:" in r.output
+
+
+def test_cli_gates_tiny_settings(tmp_path):
+    text = ev.GATES_PATH.read_text()
+    settings = ("[settings]\ncontext = 64\nfull_context = 96\nwindows = 1\nfull_windows = 1\nstep = 16\nprompts = 1\n"
+                "prompt_len = 32\ngen_tokens = 8\nniah_lengths = [64]\nniah_depths = [0.5]\nniah_trials = 1\nseed = 0\n")
+    g = tmp_path / "gates.toml"
+    g.write_text(settings + text[text.index("[gates]"):])
+    r = runner.invoke(app, ["eval", "gates", "--kv", "isoquant3", "--rotation", "so4", "--gates", str(g), "--json"])
+    d = json.loads(r.stdout)
+    assert [x["name"] for x in d["gates"]] == list(ev.GATES)
+    assert d["passed"] == sum(x["passed"] for x in d["gates"])
+    assert r.exit_code == (0 if d["passed"] == 12 else 1)
+    kv = next(x for x in d["gates"] if x["name"] == "kv_bytes_ratio")
+    assert kv["passed"] and kv["value"] < 0.25
+    assert next(x for x in d["gates"] if x["name"] == "deterministic")["passed"]
+    assert next(x for x in d["gates"] if x["name"] == "eos_honoured")["passed"]

@@ -20,6 +20,11 @@ import math
 import platform
 import sys
 import time
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -66,6 +71,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     ap.add_argument("--gates", default=None, help="gates TOML (default: the bundled one)")
     ap.add_argument("--ppl-windows", type=int, default=8, help="windows for the held-out vs unigram line")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a [settings] value of the gates file (sample sizes, not thresholds), "
+                         "e.g. --set windows=2 --set 'niah_depths=[0.5]'")
     ap.add_argument("--readme", action="store_true", help="write the section of benchmarks/README.md")
     args = ap.parse_args()
 
@@ -73,6 +81,11 @@ def main() -> None:
     em = ev.load_eval_model(args.model)
     ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
     cfg = ev.load_gates(args.gates)
+    for kv_pair in args.set:
+        key, _, value = kv_pair.partition("=")
+        if key not in cfg.get("settings", {}) or key == "":
+            raise SystemExit(f"--set: unknown setting {key!r} (known: {', '.join(cfg.get('settings', {}))})")
+        cfg["settings"][key] = tomllib.loads(f"v = {value}")["v"]
     base = heldout_vs_unigram(em, ids, args.ppl_windows)
     print(f"held-out ppl {base['ppl']:.2f} vs unigram {base['unigram_ppl']:.2f} ({base['tokens']} tokens)", flush=True)
 

@@ -96,6 +96,11 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
     Returns (õ [B, Hq, L, d] float32 in the rotated space — apply Rᵀ — , logsumexp [B, Hq, L] float32)
     so the result can be merged with attention over another segment (see `merge`).
     """
+    from rq_core import kernels  # GPU kernels (Metal/CUDA) when MLX has a GPU; this path otherwise
+
+    if kernels.can_dispatch(q_rot, k_codes, bits, mask, offset=offset, causal=causal, valid_len=valid_len):
+        return kernels.packed_attention(q_rot, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
+                                        offset=offset, causal=causal, valid_len=valid_len)
     d = q_rot.shape[-1]
     inv_sqrt_d = 1.0 / math.sqrt(d)
     levels = levels.astype(mx.float32)

@@ -33,8 +33,10 @@ BACKENDS = ("metal", "cuda")
 BODY_MARK = "//--- body ---"
 
 # Kernel C: below this many tokens the word-parallel strategy, at or above it dimension-parallel.
-# The paper used 512 on Apple GPUs; benchmarks/kernels_check.py measures it (docs/KERNEL_NOTES.md).
-C_SWITCH = int(os.environ.get("RQ_C_SWITCH", "512"))
+# The paper used 512 on Apple GPUs. Measured on the H200 (docs/KERNEL_NOTES.md): word-parallel faster at
+# 128-1024 and 4096 tokens, dimension-parallel at 64 and 2048, a tie at 8192, dimension-parallel 2x faster
+# at 32K and 3.8x at 128K; single runs, launch costs dominate below 8K. Re-measure on other GPUs.
+C_SWITCH = int(os.environ.get("RQ_C_SWITCH", "8192"))
 # Fused path: aim for about this many (kv head, split) blocks so a big GPU is filled.
 TARGET_BLOCKS = int(os.environ.get("RQ_TARGET_BLOCKS", "528"))
 NTH = 128  # threads per block of the split/tile kernels
@@ -396,6 +398,10 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
     path = path or os.environ.get("RQ_ATTN_PATH", "fused")
     if valid_len < 1:
         raise KernelUnsupported("empty context")
+    if causal and offset + 1 >= valid_len:
+        causal = False  # every query sees every valid key
+    if causal and offset != valid_len - q_rot.shape[2]:
+        raise KernelUnsupported("causal offset other than valid_len - L")
     if path == "fused":
         return attention_split(q_rot, None, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
                                valid_len=valid_len, offset=offset, causal=causal, rot=0)
@@ -407,14 +413,17 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
     return o, lse
 
 
-def can_dispatch(q_rot: mx.array, k_codes: mx.array, bits: int, mask) -> bool:
-    """Whether packed_attention may take the GPU path for these arguments."""
-    if mask is not None or not available():
+def can_dispatch(q_rot: mx.array, k_codes: mx.array, bits: int, mask, *, offset: int = 0, causal: bool = False,
+                 valid_len: int = 1) -> bool:
+    """Whether rq_core.attention.packed_attention may hand these arguments to `packed_attention` here."""
+    if mask is not None or valid_len < 1 or not available():
         return False
     B, Hq, L, D = q_rot.shape
     Hkv = k_codes.shape[1]
     if Hq % Hkv or k_codes.shape[3] * 32 != D * bits:
         return False
+    if causal and offset + 1 < valid_len and offset != valid_len - L:
+        return False  # a causal window the kernels do not express (they take offset = valid_len - L)
     try:
         _check(D, bits, (Hq // Hkv) * L)
         _tpt(D, bits, (Hq // Hkv) * L, backend() or "cuda")

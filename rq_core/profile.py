@@ -10,7 +10,10 @@ The paper's rule: compressing KV pays only when KV attention takes more than ~20
 3. for compressed caches, times the attention pipeline's stages one by one (query rotation,
    A `fused_qk_dot`, B `softmax`, C `fused_value_accum`, D `rotate_inverse`) on the same caches.
 
-Every timing: warm-up runs, then the median of repeats, each ended by `mx.eval` + `mx.synchronize`.
+Every timing: warm-up runs, then the median of repeats, each ended by `mx.eval` + `mx.synchronize`;
+the measurements of one context are taken in turns (one of each per round), so a busy machine slows
+them alike. `kernels_to_attention` = (stages + appending the new token) / the `attend` time: ~1 when
+the breakdown accounts for the attention it attributes.
 """
 
 from __future__ import annotations

@@ -455,11 +455,15 @@ class Soak:
         peak = max(acc["peak"], int(mx.get_peak_memory()))
         gates = None
         now = time.perf_counter()
-        if checks and (self._last_check is None or now - self._last_check >= self._check_every):
+        due = self._last_check is None or (now - self._last_check >= self._check_every
+                                           and now + self._check_cost < self._deadline)
+        if checks and due:
             gates = self._checks()
             done = time.perf_counter()
-            # Checks take at most ~20% of the run: space them by 4× their own cost (and ≥ the interval).
-            self._check_every = max(self.s.interval_s, 4 * (done - now))
+            # Checks take at most ~25% of the run: on a slow machine they are spaced by 3× their own
+            # cost (on a fast one they run every interval), and none starts that would overrun the time.
+            self._check_cost = done - now
+            self._check_every = max(self.s.interval_s, 3 * self._check_cost)
             self._last_check = done
         s = {
             "t_s": round(t, 3),
@@ -506,6 +510,7 @@ class Soak:
             "status": status,
             "thresholds": asdict(self.s.thresholds),
             "gate_thresholds": self.gate_thresholds,  # of the checked subset of `rq eval gates`
+            "checks_every_s": round(self._check_every, 3),  # spacing of the checks (≥ interval_s)
             "test_leak_mb": self.leak_mb or None,
             "samples": self.samples,
             "summary": summary,
@@ -518,7 +523,7 @@ class Soak:
         """Generate until the time is up (or Ctrl-C), sampling every interval; returns the final report."""
         s = self.s
         self._tokens_total = self._gens_total = 0
-        self._last_check, self._check_every = None, s.interval_s
+        self._last_check, self._check_every, self._check_cost = None, s.interval_s, 0.0
         # Warm-up (not in the series): compile/allocate what a generation needs.
         self._generate(self.prompts.next(), temp=s.temp, max_tokens=min(8, self.max_tokens), seed=s.seed)
         self._t0_wall = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -543,7 +548,10 @@ class Soak:
                 self._sample(time.perf_counter() - self._t0, acc, checks=False)
         except KeyboardInterrupt:
             status = "interrupted"
-        return self._write(status, self._t0_wall, time.perf_counter() - self._t0)
+        report = self._write(status, self._t0_wall, time.perf_counter() - self._t0)
+        if self.on_sample:
+            self.on_sample(report)
+        return report
 
     def _emit(self, sample: dict, status: str) -> None:
         report = self._write(status, self._t0_wall, time.perf_counter() - self._t0)

@@ -1,18 +1,22 @@
 """Train the bundled reference model from scratch: a small qwen2_moe on Shakespeare, with MLX.
 
-Stages (each reads what the one before wrote under --data, default `.train/`):
+Stages (each reads what the one before wrote under --data, default `.train/`, git-ignored):
 
     python scripts/build_corpus.py                       # train.txt + rq_core/assets/heldout.txt
     python scripts/train_reference.py tokenize           # BPE tokenizer + token ids + unigram baseline
-    python scripts/train_reference.py train --out DIR    # the model (GPU: ~5 min on one H200)
+    python scripts/train_reference.py train --out DIR --time-budget 285 --reserve 30   # one H200
+    rq quantize DIR --recipe shakespeare-moe --out rq_core/assets/default_model
+
+(the shipped model: exactly these commands, seed 0, on one H200 with MLX 0.32.4's CUDA build;
+training fits the budget from the measured step time, so a different machine runs other step counts).
 
 `train` writes a Hugging Face-format checkpoint to DIR (config.json with model_type qwen2_moe,
-model.safetensors with HF names, tokenizer.json, tokenizer_config.json, generation_config.json)
-and train_log.json / train_log.md (seed, steps, loss curve, held-out perplexity next to the
-unigram baseline's). The step count is set from the measured speed so that training fits
---time-budget seconds. A share of the training sequences carry a synthetic needle (a secret
-number, asked for later in the same sequence: `rq_core.eval.needle_pieces`) so that the model
-learns to retrieve from its context, which `rq eval niah` then measures.
+safetensors with HF names, sharded below --shard-mb, tokenizer.json, tokenizer_config.json,
+generation_config.json) and train_log.json / train_log.md (seed, arguments, steps, loss curve,
+held-out perplexity next to the unigram baseline's, needle accuracy). A share of the training
+sequences carry a synthetic needle (a secret number, asked for later in the same sequence:
+`rq_core.eval.needle_token_pieces`) so that the model can learn to retrieve from its context,
+which `rq eval niah` measures.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def needle_batch_rows(rng: np.random.Generator, rows: np.ndarray, pieces: dict, 
     B, T = rows.shape
     nd = pieces["n_digits"]
     for b in range(B):
-        k = int(rng.integers(1, max_pairs + 1))
+        k = int(rng.integers(1, max_pairs + 1)) if max_pairs > 1 else 1
         seg = T // k
         for s in range(k):
             digits = rng.integers(0, 10, size=nd)
@@ -292,7 +296,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         n_needle = int(round(B * args.needle_share))
         if n_needle:
             sub = rows[:n_needle]
-            needle_batch_rows(rng, sub, pieces, w[:n_needle], args.answer_weight)
+            needle_batch_rows(rng, sub, pieces, w[:n_needle], args.answer_weight, args.needle_pairs)
         return mx.array(rows[:, :-1]), mx.array(rows[:, 1:]), mx.array(w)
 
     def heldout_nll(ids: np.ndarray, max_windows: int = 10**9) -> tuple[float, int]:
@@ -381,13 +385,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     hf = {k: v.astype(mx.bfloat16) for k, v in to_hf_weights(params, config["num_hidden_layers"]).items()}
     save_sharded(out, hf, args.shard_mb * 1e6)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "do_sample": True, "temperature": 0.8,
-         "top_p": 0.95}, indent=2) + "\n")
+    write_tokenizer_files(data, out)
     log = {
         "seed": args.seed, "device": str(mx.default_device()), "parameters": int(n_params),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "config": config, "seq_len": T, "batch": B, "needle_share": args.needle_share,
         "lr": args.lr, "weight_decay": args.weight_decay, "aux_coef": args.aux_coef,
         "steps": step, "planned_steps": total_steps, "sec_per_step": sec_per_step,
@@ -424,6 +425,15 @@ def save_sharded(out: Path, weights: dict, shard_bytes: float) -> None:
         mx.save_safetensors(str(out / name), sh, metadata={"format": "pt"})
         index["weight_map"].update({k: name for k in sh})
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_tokenizer_files(data: Path, out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json and generation_config.json of the checkpoint."""
+    (out / "tokenizer.json").write_bytes((data / "tokenizer.json").read_bytes())
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "do_sample": True, "temperature": 0.8,
+         "top_p": 0.95}, indent=2) + "\n")
 
 
 def tokenizer_config() -> dict:
@@ -463,6 +473,10 @@ def main() -> None:
     t = sub.add_parser("tokenize")
     t.add_argument("--data", type=Path, default=ROOT / ".train")
     t.add_argument("--vocab", type=int, default=4096)
+    k = sub.add_parser("package", help="(re)write the tokenizer/generation files into a checkpoint dir "
+                                       "(when only weights and config came back from the GPU machine)")
+    k.add_argument("--data", type=Path, default=ROOT / ".train")
+    k.add_argument("--ckpt", type=Path, required=True)
     r = sub.add_parser("train")
     r.add_argument("--data", type=Path, default=ROOT / ".train")
     r.add_argument("--out", type=Path, required=True)
@@ -474,6 +488,8 @@ def main() -> None:
     r.add_argument("--clip", type=float, default=1.0)
     r.add_argument("--aux-coef", type=float, default=0.01)
     r.add_argument("--needle-share", type=float, default=0.25)
+    r.add_argument("--needle-pairs", type=int, default=1,
+                   help="most needle/question pairs per needle row (1 = the shipped model's run)")
     r.add_argument("--answer-weight", type=float, default=5.0, help="loss weight of needle answer digits")
     r.add_argument("--warmup", type=int, default=50)
     r.add_argument("--probe-steps", type=int, default=12)
@@ -493,6 +509,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.cmd == "tokenize":
         cmd_tokenize(args)
+    elif args.cmd == "package":
+        write_tokenizer_files(args.data, args.ckpt)
     else:
         cmd_train(args)
 

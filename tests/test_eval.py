@@ -157,3 +157,24 @@ def test_cli_gates_tiny_settings(tmp_path):
     assert kv["passed"] and kv["value"] < 0.25
     assert next(x for x in d["gates"] if x["name"] == "deterministic")["passed"]
     assert next(x for x in d["gates"] if x["name"] == "eos_honoured")["passed"]
+
+
+def test_bundled_model_runs_offline(monkeypatch):
+    """`rq run --prompt "ROMEO:"` with no model argument and no network generates text."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = runner.invoke(app, ["run", "--prompt", "ROMEO:", "-n", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["generated_tokens"] >= 1 and d["model_type"] == "qwen2_moe"
+    assert d["model"].endswith("default_model")
+
+
+def test_bundled_model_size_and_heldout():
+    from rq_core.checkpoint import DEFAULT_MODEL
+
+    total = sum(f.stat().st_size for f in DEFAULT_MODEL.iterdir())
+    assert total <= 30e6
+    cfg = json.loads((DEFAULT_MODEL / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2_moe" and cfg["head_dim"] == 128 and cfg["max_position_embeddings"] >= 2048
+    text = ev.load_heldout_text()
+    assert 100_000 < len(text) < 1_000_000

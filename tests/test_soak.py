@@ -77,17 +77,20 @@ def _run(tmp_path: Path, *extra: str, env: dict | None = None):
 
 @needs_golden
 def test_short_soak_passes_and_report_validates(tmp_path: Path) -> None:
-    result, rep = _run(tmp_path)
+    # fp16 KV: a random-weight model's flat logits make compressed greedy agreement a coin toss
+    # (measured 0.62 on this one), which the gate rightly fails; the trained bundled model passes it.
+    result, rep = _run(tmp_path, "--kv", "fp16")
     assert result.exit_code == 0, result.output
     report = json.loads(rep.read_text())
     assert validate_report(report) == []
     assert report["status"] == "completed" and report["passed"] is True
     assert report["summary"]["samples"] >= 4 and report["summary"]["tokens_generated"] > 0
-    assert report["kv_mode"] == "isoquant3"
+    assert report["kv_mode"] == "fp16"
     last = report["samples"][-1]
     assert last["decode_tok_per_s"] > 0 and last["rss_bytes"] > 0 and last["active_bytes"] > 0
-    assert set(last["gates"]) == {"finite", "greedy_agreement", "kv_bytes_ratio", "deterministic",
-                                  "no_degenerate_repetition"}
+    assert set(report["summary"]["gates"]) == {"finite", "greedy_agreement", "deterministic",
+                                               "no_degenerate_repetition"}
+    assert report["elapsed_s"] < 7 + 3  # the time limit holds even mid-generation
     assert json.loads(result.stdout)["passed"] is True
 
 
@@ -100,6 +103,10 @@ def test_injected_leak_fails_on_growth(tmp_path: Path) -> None:
     assert report["passed"] is False
     assert report["summary"]["memory_growth"]["passed"] is False
     assert any("grew" in f for f in report["summary"]["failures"])
+    assert report["samples"][-1]["test_leak_bytes"] >= 3 * 40 * MB
+    # the compressed mode's checks all ran (kv_bytes_ratio only exists for compressed caches)
+    assert set(report["summary"]["gates"]) == {"finite", "greedy_agreement", "kv_bytes_ratio", "deterministic",
+                                               "no_degenerate_repetition"}
 
 
 @needs_golden

@@ -1,0 +1,27 @@
+// Stub of the CUDA spellings the kernels use, for a host C++ compiler's syntax check only.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __grid_constant__
+struct rq_dim3 { unsigned x, y, z; };
+extern rq_dim3 threadIdx, blockIdx, blockDim, gridDim;
+struct __half { unsigned short v; };
+struct __half2 { __half x, y; };
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+float __half2float(__half);
+__half __float2half_rn(float);
+__half2 __floats2half2_rn(float, float);
+unsigned __funnelshift_r(unsigned, unsigned, unsigned);
+float __shfl_xor_sync(unsigned, float, int);
+void __syncthreads();
+float __int_as_float(int);
+inline float exp2f(float x) { return std::exp2(x); }
+inline float fmaxf(float a, float b) { return std::fmax(a, b); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float log2f(float x) { return std::log2(x); }

@@ -1,0 +1,186 @@
+"""CPU-side checks of the GPU kernel sources (rq_core.kernels, metal/).
+
+The kernels themselves run only on a GPU (benchmarks/kernels_check.py checks them there against
+float64 math). Here: the renderer, that the Metal and CUDA renderings differ only by the prelude,
+and a compile-level syntax check of both renderings with a host C++ compiler against stub headers
+for Metal's and CUDA's built-ins (tests/kernel_stubs/); skipped when no compiler is installed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rq_core.kernels as K
+
+STUBS = Path(__file__).resolve().parent / "kernel_stubs"
+ROOT = Path(__file__).resolve().parent.parent
+
+# one representative shape class per kernel: (template, input dtype overrides)
+CASES = {
+    "attn_split": [("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("TPT", 2), ("NTH", 128), ("ROT", 3)],
+    "attn_mma": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 1),
+                 ("ROT", 3), ("NTH", 128), ("TILE", 128)],
+    "attn_mma2": [("TQ", "f32"), ("D", 256), ("BITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2), ("CAUSAL", 0),
+                  ("ROT", 1), ("NTH", 128), ("TILE", 128)],
+    "attn_combine": [("D", 128), ("R", 8), ("ROT", 3), ("HKV", 4)],
+    "attn_merge": [("D", 64), ("R", 8), ("ROT", 3), ("HKV", 4), ("NTC", 256), ("MAXS", 128)],
+    "rotate_query": [("D", 128), ("R", 8), ("ROT", 3), ("INV", 0)],
+    "rotate_inverse": [("D", 256), ("R", 1), ("ROT", 2), ("INV", 1)],
+    "qk_dot": [("D", 64), ("BITS", 4), ("R", 4), ("LQ", 1), ("TPT", 4), ("NTH", 128)],
+    "softmax": [("NTH", 256)],
+    "value_dim": [("D", 128), ("BITS", 3), ("R", 8), ("NTH", 128), ("TILE", 128)],
+    "value_reduce": [("D", 128), ("R", 8)],
+    "value_word": [("D", 128), ("BITS", 2), ("R", 8), ("NSL", 32)],
+}
+# identifiers (and two phrases) that belong to one backend: the shared sources must not name them
+BACKEND_IDS = {"__syncthreads", "__shfl_xor_sync", "threadgroup_barrier", "simd_sum", "simd_max", "simd_shuffle_xor",
+               "threadIdx", "blockIdx", "blockDim", "gridDim", "thread_position_in_threadgroup",
+               "threadgroup_position_in_grid", "threadgroups_per_grid", "__half", "__half2", "half", "half2",
+               "simdgroup_matrix", "__device__", "__shared__", "__forceinline__", "device", "threadgroup", "thread",
+               "mem_flags", "__funnelshift_r"}
+BACKEND_PHRASES = ("mma.sync", "asm(", "asm volatile")
+
+
+def test_every_kernel_has_a_case_and_a_body():
+    assert set(CASES) == set(K.SPECS)
+    for spec in K.SPECS.values():
+        assert (K.SRC_DIR / spec.body).is_file()
+
+
+@pytest.mark.parametrize("name", sorted(K.SPECS))
+def test_renderings_differ_only_by_prelude(name):
+    mh, ms = K.render(name, "metal")
+    ch, cs = K.render(name, "cuda")
+    m_head, m_start = K.prelude("metal")
+    c_head, c_start = K.prelude("cuda")
+    assert mh.startswith(m_head) and ch.startswith(c_head)
+    assert mh[len(m_head):] == ch[len(c_head):]  # the shared helpers (common.h)
+    assert ms.startswith(m_start) and cs.startswith(c_start)
+    assert ms[len(m_start):] == cs[len(c_start):]  # the kernel body, written once
+    assert ch.endswith("\n")  # cuda_kernel glues the next line onto a header without one
+
+
+def test_shared_sources_use_no_backend_spelling():
+    shared = [K.SRC_DIR / "common.h"] + sorted(K.SRC_DIR.glob("*.body"))
+    for path in shared:
+        code = "\n".join(line.split("//")[0] for line in path.read_text().splitlines())
+        used = set(re.findall(r"[A-Za-z_]\w*", code)) & BACKEND_IDS
+        assert not used, f"{path.name} uses {sorted(used)}: they belong in a prelude"
+        for phrase in BACKEND_PHRASES:
+            assert phrase not in code, f"{path.name} uses {phrase!r}: it belongs in a prelude"
+
+
+def test_prelude_body_part_names_ids_and_preludes_define_the_same_names():
+    defined = {}
+    for be in K.BACKENDS:
+        head, start = K.prelude(be)
+        for name in ("TID", "NT", "BX", "BY", "NBY"):
+            assert re.search(rf"const uint {name} =", start), (be, name)
+        names = set(re.findall(r"#define (\w+)", head)) | set(re.findall(r"INLINE \w+\s+(\w+)\(", head))
+        names |= set(re.findall(r"typedef [\w<>, ]+ (\w+);", head)) | set(re.findall(r"struct (\w+) \{", head))
+        defined[be] = names
+    shared = "\n".join(p.read_text() for p in [K.SRC_DIR / "common.h"] + sorted(K.SRC_DIR.glob("*.body")))
+    used = set(re.findall(r"[A-Za-z_]\w*", shared)) - {"uint"}  # uint: Metal's own, typedef'd for CUDA
+    one_sided = {n for n in used if (n in defined["metal"]) != (n in defined["cuda"])}
+    assert not one_sided, f"defined by one prelude only: {sorted(one_sided)}"
+    assert len(used & defined["cuda"]) > 30
+
+
+def test_full_source_signature_matches_spec():
+    src = K.full_source("attn_mma", "metal", CASES["attn_mma"], {"q": "f16"})
+    assert "const device float16_t* q [[buffer(0)]]" in src
+    assert "const constant int* k_norms_shape" in src and "k_norms_strides" in src
+    assert "uint3 threadgroups_per_grid [[threadgroups_per_grid]]" in src
+    src = K.full_source("attn_mma", "cuda", CASES["attn_mma"], {"q": "f16"})
+    assert "const __half* q," in src and "using TQ = __half;" in src and "constexpr int D = 128;" in src
+
+
+def _compiler():
+    for cc in ("g++", "clang++"):
+        if shutil.which(cc):
+            return cc
+    return None
+
+
+@pytest.mark.parametrize("be", ["metal", "cuda"])
+def test_syntax_check(be, tmp_path):
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C++ compiler")
+    if be == "metal":
+        prefix = '#include "metal_stub.h"\n'
+        inc = STUBS
+    else:  # MLX's default CUDA kernel header, with stubs behind its includes
+        prefix = ('#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
+                  "#define inf cuda::std::numeric_limits<float>::infinity()\n")
+        inc = STUBS / "cuda"
+    procs = []
+    for name, template in CASES.items():
+        types = {"q": dict(template).get("TQ", "f32")} if name.startswith("attn_mma") else None
+        f = tmp_path / f"{name}.cpp"
+        f.write_text(prefix + K.full_source(name, be, template, types))
+        cmd = [cc, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", f"-I{inc}",
+               "-I" + str(STUBS / "cuda"), str(f)]
+        procs.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    errors = []
+    for name, p in procs:
+        out, _ = p.communicate(timeout=120)
+        if p.returncode != 0:
+            errors.append(f"{name}:\n{out[:3000]}")
+    assert not errors, "\n".join(errors)
+
+
+def test_split_plan_covers_context():
+    for T in (1, 7, 511, 512, 513, 4096, 32768, 131072):
+        for groups in (1, 4, 32):
+            ns, ch = K.split_plan(T, groups, 256)
+            assert ch % 256 == 0 and ns * ch >= T and (ns - 1) * ch < T
+            assert groups * ns <= K.TARGET_BLOCKS + groups
+
+
+def test_mma_shapes():
+    assert K.mma_ok(128, 3, 8) and K.mma_ok(256, 3, 8) and K.mma_ok(64, 4, 8)
+    assert not K.mma_ok(64, 3, 8) and not K.mma_ok(128, 3, 16)
+
+
+def test_cpu_has_no_gpu_path():
+    import mlx.core as mx
+
+    if K.backend() is not None:
+        pytest.skip("a GPU backend is present")
+    assert not K.available()
+    q = mx.zeros((1, 8, 1, 128))
+    assert not K.can_dispatch(q, mx.zeros((1, 2, 4, 12), mx.uint32), 3, None)
+
+
+def test_reference_matches_project_oracle():
+    """benchmarks/kernels_check.py's float64 reference (written from FORMAT.md) agrees with
+    rq_core.attention's oracle, so the GPU checks compare against the same function."""
+    import mlx.core as mx
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernels_check as KC
+
+    from rq_core.attention import dequantized_attention
+
+    rng = np.random.default_rng(0)
+    c = KC.make_case(rng, B=1, Hkv=2, G=4, L=3, d=64, T=50, bits=3)
+    hk = np.arange(8) // 4
+    qt = KC.rotate64(c["q"].astype(np.float64), c["mats"], hk, 3, False)
+    args = dict(scale=1 / math.sqrt(64), offset=47, causal=True)
+    ours = KC.reference(qt, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], T=50, rot=0, **args)
+    theirs = dequantized_attention(mx.array(qt.astype(np.float32)), mx.array(KC.pack64(c["kidx"], 3)),
+                                   mx.array(c["knorm"]), mx.array(KC.pack64(c["vidx"], 3)), mx.array(c["vnorm"]),
+                                   mx.array(c["levels"]), bits=3, valid_len=50, **args)
+    assert np.linalg.norm(np.array(theirs) - ours) / np.linalg.norm(ours) < 1e-5
+    # forward then inverse rotation is the identity
+    back = KC.rotate64(KC.rotate64(c["q"], c["mats"], hk, 3, False), c["mats"], hk, 3, True)
+    assert np.abs(back - c["q"]).max() < 1e-5

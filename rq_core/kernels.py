@@ -21,7 +21,6 @@ then `attn_combine` (merge the splits + D). `packed_attention` follows the contr
 from __future__ import annotations
 
 import functools
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +197,15 @@ def mma_ok(D: int, bits: int, R: int) -> bool:
     return R <= MMA_N and (D // 4) * bits % 32 == 0 and D in (64, 128, 256)
 
 
+def _mma_smem(D: int, bits: int, R: int, staged: bool) -> int:
+    """Threadgroup bytes of attn_mma (staged=False) / attn_mma2 (staged=True)."""
+    W = D * bits // 32
+    n = 4 * (2 * R * D + R * MMA_TILE + MMA_TILE + 3 * R) + 4 * (1 << (2 * bits))
+    if staged:
+        n += 4 * (MMA_TILE + 2 * MMA_TILE * W + 1)
+    return n
+
+
 _CONSTS: dict = {}
 
 
@@ -336,6 +344,8 @@ def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
     variant = variant or os.environ.get("RQ_ATTN_VARIANT", "mma2")
     if not mma:
         variant = "fp32"
+    if variant == "mma2" and _mma_smem(D, bits, R, True) > SMEM_LIMIT[be]:
+        variant = "mma"  # Metal's 32 KB of threadgroup memory: no room to stage the tile's rows
     if variant != "fp32" and mma_ok(D, bits, R) and (not causal or offset == T - L):
         ns, _ = split_plan(T, B * Hkv, MMA_TILE)
         qd = q if q.dtype in (mx.float16, mx.float32) else q.astype(mx.float32)

@@ -65,8 +65,14 @@ def random_block_matrices(rng: np.random.Generator, hkv: int, d: int) -> np.ndar
 
 
 def rotate64(x: np.ndarray, mats: np.ndarray | None, hk: np.ndarray, rot: int, inverse: bool) -> np.ndarray:
-    """x [..., H, L, d] with head h using mats[hk[h]]: forward R_SO4(H_d(x)), inverse H_d(R_SO4ᵀ(x))."""
+    """x [..., H, L, d] with head h using mats[hk[h]]: forward R_SO4(H_d(x)), inverse H_d(R_SO4ᵀ(x)).
+
+    rot bit 4: a dense rotation, mats [Hkv, d, d] with y = P x (TurboQuant); inverse Pᵀ y.
+    """
     d = x.shape[-1]
+    if rot & 4:
+        P = mats[hk]  # [H, d, d]
+        return np.einsum("hba,...hlb->...hla" if inverse else "hab,...hlb->...hla", P, x)
     if not inverse and rot & 1:
         x = wht64(x)
     if rot & 2:
@@ -115,9 +121,115 @@ def reference(q, mats, kidx, knorm, vidx, vnorm, levels, *, scale, offset, causa
 
 
 # ---------------------------------------------------------------------------------------------
+# float64 emulation of attn_v4's algorithm, step by step as the kernel does it (metal/attn_v4.body):
+# split boundaries, tiles, online softmax in log2 units with the NEG_BIG sentinel, per-split partials,
+# the last block's log-sum-exp merge, the in-kernel rotation order. It checks the algorithm on CPU;
+# the kernel itself has not run on a GPU.
+
+NEG_BIG = -1.0e30
 
 
-def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5):
+def wht_butterflies(x: np.ndarray) -> np.ndarray:
+    """wht_rows: in-place butterflies (i, i + h) for h = 1, 2, ..., D/2, then 1/sqrt(D) (rows on axis 0)."""
+    x = np.array(x, dtype=np.float64)
+    D = x.shape[-1]
+    h = 1
+    while h < D:
+        for t in range(D // 2):
+            i = (t // h) * 2 * h + (t % h)
+            a, b = x[..., i].copy(), x[..., i + h].copy()
+            x[..., i], x[..., i + h] = a + b, a - b
+        h *= 2
+    return x / math.sqrt(D)
+
+
+def emulate_v4(q, mats, kidx, knorm, vidx, vnorm, levels, *, scale, T, rot, ns, causal=False, tile=128,
+               half_levels=False) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(out [B, Hq, L, d], lse [B, Hq, L], partials) as attn_v4 computes them, in float64.
+
+    ns: the split count (the grid's y, rq_core.kernels.v4_plan). half_levels: round the codebook levels
+    to float16 first, as the matrix units see them (the kernel splits queries and weights into hi + lo
+    halves, so those stay exact to ~2^-22; not modelled).
+    """
+    B, Hq, L, D = q.shape
+    Hkv = kidx.shape[1]
+    G = Hq // Hkv
+    R = G * L
+    lv = levels.astype(np.float16 if half_levels else np.float64).astype(np.float64)
+    qscale = scale * LOG2E / math.sqrt(D)
+    ntiles = -(-T // tile)
+    per = -(-ntiles // ns)
+    out = np.zeros((B, Hq, L, D))
+    lse = np.zeros((B, Hq, L))
+    parts = {"o": np.zeros((B * Hkv, ns, R, D)), "m": np.zeros((B * Hkv, ns, R)), "l": np.zeros((B * Hkv, ns, R))}
+    for b in range(B):
+        for hk in range(Hkv):
+            bh = b * Hkv + hk
+            qt = q[b, hk * G:(hk + 1) * G].reshape(R, D).astype(np.float64)  # row n = g * L + l
+            # prologue: WHT butterflies, then the SO(4) blocks (or P), then the score scale (log2 units)
+            if rot & 1:
+                qt = wht_butterflies(qt)
+            if rot & 4:
+                qt = qt @ mats[hk].T
+            elif rot & 2:
+                qt = np.einsum("jab,njb->nja", mats[hk], qt.reshape(R, D // 4, 4)).reshape(R, D)
+            qs = qt * qscale
+            lim = (T - L + np.arange(R) % L + 1) if causal else np.full(R, T)
+            for split in range(ns):
+                j0 = split * per * tile
+                j1 = min(j0 + per * tile, T)
+                m = np.full(R, NEG_BIG)
+                l_ = np.zeros(R)
+                acc = np.zeros((R, D))
+                for tb in range(j0, j1, tile):
+                    te = min(tb + tile, j1)
+                    j = np.arange(tb, te)
+                    K = lv[kidx[b, hk, tb:te]]
+                    s = (qs @ K.T) * knorm[b, hk, tb:te].astype(np.float64)[None]
+                    s = np.where(j[None, :] < lim[:, None], s, NEG_BIG)
+                    mnew = np.maximum(m, s.max(1))
+                    p = np.where(s > 0.5 * NEG_BIG, np.exp2(s - mnew[:, None]), 0.0)
+                    f = np.exp2(m - mnew)
+                    l_ = l_ * f + p.sum(1)
+                    wgt = p * vnorm[b, hk, tb:te].astype(np.float64)[None]
+                    acc = acc * f[:, None] + wgt @ lv[vidx[b, hk, tb:te]]
+                    m = mnew
+                parts["o"][bh, split], parts["m"][bh, split], parts["l"][bh, split] = acc, m, l_
+            # epilogue (the last block): merge the splits, then SO(4)^T (or P^T), then the WHT
+            pm, pl, po = parts["m"][bh], parts["l"][bh], parts["o"][bh]
+            M = pm.max(0)
+            w = np.where(pm > 0.5 * NEG_BIG, np.exp2(pm - M[None]), 0.0)  # [ns, R]
+            den = (w * pl).sum(0)
+            x = np.einsum("sr,srd->rd", w, po)
+            x = np.where(den[:, None] > 0, x / np.where(den > 0, den, 1.0)[:, None] / math.sqrt(D), 0.0)
+            ls = np.where(den > 0, (M + np.log2(np.where(den > 0, den, 1.0))) * math.log(2.0), -np.inf)
+            if rot & 4:
+                x = x @ mats[hk]
+            elif rot & 2:
+                x = np.einsum("jba,njb->nja", mats[hk], x.reshape(R, D // 4, 4)).reshape(R, D)
+            if rot & 1:
+                x = wht_butterflies(x)
+            out[b, hk * G:(hk + 1) * G] = x.reshape(G, L, D)
+            lse[b, hk * G:(hk + 1) * G] = ls.reshape(G, L)
+    return out, lse, parts
+
+
+LOG2E = 1.4426950408889634
+
+
+def random_dense(rng: np.random.Generator, hkv: int, d: int) -> np.ndarray:
+    """[Hkv, d, d] Haar orthogonal matrices (QR with signs fixed), as the `dense` rotation."""
+    out = []
+    for _ in range(hkv):
+        qm, r = np.linalg.qr(rng.standard_normal((d, d)))
+        out.append(qm * np.sign(np.diag(r)))
+    return np.stack(out)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False):
     Tcap = T + slack
     nl = 1 << bits
     levels = np.sort(rng.standard_normal(nl) * 1.2).astype(np.float32)
@@ -128,7 +240,7 @@ def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5):
     knorm[:, :, T:] = 1000.0  # rows past the valid length must not count
     vnorm[:, :, T:] = 1000.0
     q = rng.standard_normal((B, Hkv * G, L, d)).astype(np.float32) * 2.0
-    mats = random_block_matrices(rng, Hkv, d)
+    mats = random_dense(rng, Hkv, d) if dense else random_block_matrices(rng, Hkv, d)
     return dict(q=q, mats=mats, levels=levels, kidx=kidx, vidx=vidx, knorm=knorm, vnorm=vnorm, Tcap=Tcap)
 
 
@@ -139,12 +251,16 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=Fals
     vc = mx.array(pack64(c["vidx"], bits))
     kn, vn = mx.array(c["knorm"]), mx.array(c["vnorm"])
     lv = mx.array(c["levels"])
-    m = mx.array(mats.astype(np.float32)) if rot & 2 else None
+    m = mx.array(mats.astype(np.float32)) if rot & 6 else None
     qq = mx.array(q)
-    if qdtype == "f16":
-        qq = qq.astype(mx.float16)
-        q = np.array(qq, dtype=np.float64)
-    if path == "fused":
+    if qdtype in ("f16", "bf16"):
+        qq = qq.astype(mx.float16 if qdtype == "f16" else mx.bfloat16)
+        q = np.array(qq.astype(mx.float32), dtype=np.float64)
+    if path == "v4":  # one launch; out in q's dtype (compared in float64)
+        out, lse = K.attention_v4(qq, m, kc, kn, vc, vn, lv, **args)
+        mx.eval(out, lse)
+        out = out.astype(mx.float32)
+    elif path == "fused":
         out, lse = K.attention_split(qq, m, kc, kn, vc, vn, lv, mma=mma, variant=variant, **args)
         mx.eval(out, lse)
     else:
@@ -163,7 +279,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="only the main shape")
     ap.add_argument("--tol", type=float, default=1e-4, help="fp32 paths")
     ap.add_argument("--tol-mma", type=float, default=2e-3, help="matrix-unit path (codebook levels in half)")
-    ap.add_argument("--only", default="", help="comma-separated paths to run: fused, four, mma")
+    ap.add_argument("--only", default="", help="comma-separated paths to run: v4, mma2, mma, fused, four")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import mlx.core as mx
@@ -177,6 +293,21 @@ def main() -> int:
     print(f"kernels_check: backend {K.backend()}, MLX {mx.__version__}")
     rng = np.random.default_rng(int(time.time()))
     cases = []
+    # v4: the single-launch kernel (first: it has never run on a GPU). Every context of the issue, the
+    # other GQA groups / head dims it covers, query dtypes, causal, no rotation, the dense rotation, and
+    # two launches in a row (the counters must come back zeroed: a stale counter gives NaN or garbage)
+    for T in (1, 7, 511, 512, 513, 4096, 32768, 131072):
+        cases.append(dict(G=8, d=128, T=T, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3))
+    for G in (1, 4):
+        cases.append(dict(G=G, d=128, T=513, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=8, d=256, T=4097, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=8, d=64, T=2000, L=1, path="v4", strategy=None, causal=False, rot=3, bits=4))
+    cases.append(dict(G=8, d=128, T=4099, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3, qdtype="f16"))
+    cases.append(dict(G=8, d=128, T=4099, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3, qdtype="bf16"))
+    cases.append(dict(G=4, d=128, T=700, L=2, path="v4", strategy=None, causal=True, rot=3, bits=3))
+    cases.append(dict(G=8, d=128, T=3000, L=1, path="v4", strategy=None, causal=False, rot=0, bits=3))
+    cases.append(dict(G=8, d=128, T=3000, L=1, path="v4", strategy=None, causal=False, rot=4, bits=3))
+    cases.append(dict(G=8, d=128, T=40000, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3, repeat=3))
     # the matrix-unit fused kernel with double-buffered rows (the default)
     for T in (1, 7, 513, 4096, 131072):
         cases.append(dict(G=8, d=128, T=T, L=1, path="mma2", strategy=None, causal=False, rot=3, bits=3))
@@ -221,15 +352,23 @@ def main() -> int:
         keep = set(a.only.split(","))
         cases = [cs for cs in cases if cs["path"] in keep]
     for cs in cases:
-        c = make_case(rng, B=1, Hkv=2, G=cs["G"], L=cs["L"], d=cs["d"], T=cs["T"], bits=cs["bits"])
+        c = make_case(rng, B=1, Hkv=2, G=cs["G"], L=cs["L"], d=cs["d"], T=cs["T"], bits=cs["bits"],
+                      dense=bool(cs["rot"] & 4))
         offset = cs["T"] - cs["L"]
         t0 = time.time()
         try:
-            mma = cs["path"] in ("mma", "mma2")
-            err, nan = run_case(K, mx, c, T=cs["T"], bits=cs["bits"], path="fused" if mma else cs["path"],
-                                strategy=cs["strategy"], causal=cs["causal"], offset=offset, rot=cs["rot"], mma=mma,
-                                qdtype=cs.get("qdtype", "f32"), variant=cs["path"] if mma else None)
-            ok = nan == 0 and err < (a.tol_mma if mma else a.tol)
+            mma = cs["path"] in ("mma", "mma2", "v4")
+            err, nan = 0.0, 0
+            path = cs["path"] if cs["path"] in ("v4", "four") else "fused"
+            for _ in range(cs.get("repeat", 1)):  # v4: later launches reuse counter slots left zeroed
+                e1, n1 = run_case(K, mx, c, T=cs["T"], bits=cs["bits"], path=path, strategy=cs["strategy"],
+                                  causal=cs["causal"], offset=offset, rot=cs["rot"], mma=mma,
+                                  qdtype=cs.get("qdtype", "f32"), variant=cs["path"] if mma else None)
+                err, nan = max(err, e1), nan + n1
+            tol = a.tol_mma if mma else a.tol
+            if cs.get("qdtype") in ("f16", "bf16") and cs["path"] == "v4":
+                tol = 4e-3 if cs["qdtype"] == "f16" else 1.6e-2  # the output is rounded to the query dtype
+            ok = nan == 0 and err < tol
             msg = ""
         except Exception as e:  # a compile or launch error is a failure, reported, not a crash
             err, nan, ok, msg = float("nan"), -1, False, f"{type(e).__name__}: {str(e)[:300]}"
@@ -237,7 +376,7 @@ def main() -> int:
         r = dict(cs, err=err, nan=nan, ok=ok, secs=round(time.time() - t0, 2), error=msg)
         results.append(r)
         name = f"{cs['path']}{'/' + cs['strategy'] if cs['strategy'] else ''}"
-        name += "/f16q" if cs.get("qdtype") == "f16" else ""
+        name += f"/{cs['qdtype']}q" if cs.get("qdtype", "f32") != "f32" else ""
         print(f"{'ok  ' if ok else 'FAIL'} {name:9s} G={cs['G']} d={cs['d']:3d} T={cs['T']:6d} L={cs['L']} "
               f"bits={cs['bits']} rot={cs['rot']} causal={int(cs['causal'])}  rel.err {err:.2e}  nan {nan}  "
               f"{r['secs']:.1f}s {msg}", flush=True)

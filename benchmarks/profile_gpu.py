@@ -129,27 +129,42 @@ def main() -> None:
         readme_section(json.loads(Path(args.readme_from).read_text()))
         return
     t0 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     model, cfg = build(args.layers)
     print(f"built {args.layers} layers in {time.time() - t0:.1f} s; device {mx.default_device()}; "
           f"active {mx.get_active_memory() / 2**30:.2f} GiB", flush=True)
     contexts = [int(c) for c in args.contexts.split(",")]
-    reports = []
-    for mode in args.kv.split(","):
-        t1 = time.time()
-        rep = profile_model(model, contexts, kv=KVSettings(mode=mode), vocab_size=cfg["vocab_size"],
-                            warmup=args.warmup, repeats=args.repeats, layer_scale=48 / args.layers,
-                            on_context=lambda r: print(json.dumps({k: r[k] for k in (
-                                "context", "decode_step_ms", "kv_attention_share", "attribution", "kernels",
-                                "kernels_to_attention", "strategy") if k in r}), flush=True))
-        print(f"{mode}: {time.time() - t1:.1f} s", flush=True)
-        reports.append(rep)
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": platform.node(),
             "device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
             "layers_timed": args.layers, "config": "qwen3-30b-a3b", "paper_share": PAPER_SHARE,
-            "peak_memory_bytes": int(mx.get_peak_memory())}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "profile_gpu.json").write_text(json.dumps({"meta": meta, "reports": reports}, indent=1))
+            "repeats": args.repeats, "warmup": args.warmup}
+    reports: list[dict] = []
+
+    def save(partial: dict | None = None) -> None:
+        # Written after every context, so a run cut short still leaves what it measured.
+        meta["peak_memory_bytes"] = int(mx.get_peak_memory())
+        done = reports + ([partial] if partial else [])
+        (out / "profile_gpu.json").write_text(json.dumps({"meta": meta, "reports": done}, indent=1))
+
+    for mode in args.kv.split(","):
+        t1 = time.time()
+        partial = {"kv_mode": mode, "attention_path": None, "results": []}
+
+        def on_context(r: dict) -> None:
+            partial["results"].append(r)
+            partial["attention_path"] = r["attention_path"]
+            save(partial)
+            print(json.dumps({k: r[k] for k in ("context", "decode_step_ms", "kv_attention_share", "attribution",
+                                                "kernels", "kernels_to_attention", "strategy") if k in r}),
+                  f"({time.time() - t0:.0f} s)", flush=True)
+
+        rep = profile_model(model, contexts, kv=KVSettings(mode=mode), vocab_size=cfg["vocab_size"],
+                            warmup=args.warmup, repeats=args.repeats, layer_scale=48 / args.layers,
+                            on_context=on_context)
+        print(f"{mode}: {time.time() - t1:.1f} s", flush=True)
+        reports.append(rep)
+        save()
     md = table(reports, args.layers)
     (out / "profile_gpu.md").write_text(md + "\n")
     print(md)

@@ -27,6 +27,27 @@ INLINE void wht_rows(TG float* x, int nrows, uint tid, uint nt) {
   BARRIER();
 }
 
+// wht_rows with its loops kept rolled: for a kernel's tail (attn_v4's inverse rotation), where the
+// unrolled copy raised the whole kernel's register count from 128 to 168 (nvcc 13, sm_90).
+template <int D>
+INLINE void wht_rows_lean(TG float* x, int nrows, uint tid, uint nt) {
+  _Pragma("unroll 1") for (int h = 1; h < D; h <<= 1) {
+    _Pragma("unroll 1") for (int p = (int)tid; p < nrows * (D / 2); p += (int)nt) {
+      const int r = p / (D / 2);
+      const int t = p % (D / 2);
+      const int i = r * D + (t / h) * 2 * h + (t % h);
+      const float a = x[i];
+      const float b = x[i + h];
+      x[i] = a + b;
+      x[i + h] = a - b;
+    }
+    BARRIER();
+  }
+  const float s = rsqrt_f((float)D);
+  for (int e = (int)tid; e < nrows * D; e += (int)nt) x[e] *= s;
+  BARRIER();
+}
+
 // Element i of M_j·v (or M_jᵀ·v) for the 4-block j = i/4 of one row; mats: this kv head's [D/4][4][4].
 template <bool TRANSPOSE>
 INLINE float so4_elem(DEV const float* mats, TG const float* row, int i) {
@@ -36,6 +57,18 @@ INLINE float so4_elem(DEV const float* mats, TG const float* row, int i) {
   TG const float* v = row + 4 * j;
   if (TRANSPOSE) return M[a] * v[0] + M[4 + a] * v[1] + M[8 + a] * v[2] + M[12 + a] * v[3];
   return M[4 * a] * v[0] + M[4 * a + 1] * v[1] + M[4 * a + 2] * v[2] + M[4 * a + 3] * v[3];
+}
+
+// Element i of P·v (or Pᵀ·v) for a dense D×D rotation P (row-major, this kv head's [D][D]): TurboQuant.
+template <int D, bool TRANSPOSE>
+INLINE float dense_elem(DEV const float* P, TG const float* row, int i) {
+  float s = 0.0f;
+  if (TRANSPOSE) {
+    for (int k = 0; k < D; ++k) s += P[k * D + i] * row[k];
+  } else {
+    for (int k = 0; k < D; ++k) s += P[i * D + k] * row[k];
+  }
+  return s;
 }
 
 // Kernel A's inner loop: TPT keys per thread (packed rows in kw, W words each), all R query rows of

@@ -1,6 +1,7 @@
 // CUDA prelude: maps the spellings the kernel bodies use onto CUDA (rendered for mx.fast.cuda_kernel).
 // The bodies and common.h are shared with Metal; only this file and prelude_metal.h differ.
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 typedef unsigned int uint;
 #define DEV
 #define TG
@@ -66,6 +67,19 @@ INLINE void mma_f16(THR FragC& c, THR const FragA& a, THR const FragB& b) {
                : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
 }
 INLINE float to_float(float x) { return x; }
+// ---- v4 (single launch): device-scope counter, fences, loads of other blocks' partials, typed stores ----
+INLINE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+INLINE void store_f(float* p, float v) { *p = v; }
+INLINE void store_f(__half* p, float v) { *p = __float2half_rn(v); }
+INLINE void store_f(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+// every write of this thread is visible device-wide before its later writes/atomics (release side)
+#define DEVICE_FENCE() __threadfence()
+// the counter lives in an input buffer (MLX passes inputs as const): the kernel owns it, see kernels.py
+INLINE uint atomic_inc_dev(DEV const uint* p) { return atomicAdd(const_cast<uint*>(p), 1u); }
+INLINE void atomic_zero_dev(DEV const uint* p) { atomicExch(const_cast<uint*>(p), 0u); }
+// loads of data other blocks wrote in this launch: through L2, never a stale L1 line
+INLINE float ld_dev(DEV const float* p) { return __ldcg(p); }
+INLINE float4 ld_dev4(DEV const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 //--- body ---
 const uint TID = threadIdx.x;
 const uint NT = blockDim.x;

@@ -57,6 +57,18 @@ INLINE float frag_c_get(THR FragC& c, int e) { return c.thread_elements()[e]; }
 INLINE void frag_c_scale(THR FragC& c, int e, float f) { c.thread_elements()[e] *= f; }
 INLINE void mma_f16(THR FragC& c, THR const FragA& a, THR const FragB& b) { simdgroup_multiply_accumulate(c, a, b, c); }
 INLINE float to_float(float x) { return x; }
+// ---- v4 (single launch): device-scope counter, fences, loads of other blocks' partials, typed stores ----
+INLINE float to_float(bfloat16_t x) { return float(x); }
+template <typename T> INLINE void store_f(DEV T* p, float v) { *p = static_cast<T>(v); }
+// device-memory ordering across the threadgroup; Metal (< 3.2) has no stronger fence spelled portably
+#define DEVICE_FENCE() threadgroup_barrier(mem_flags::mem_device)
+// the counter lives in an input buffer (MLX passes inputs as const device): the kernel owns it
+INLINE uint atomic_inc_dev(DEV const uint* p) {
+  return atomic_fetch_add_explicit((DEV atomic_uint*)p, 1u, memory_order_relaxed);
+}
+INLINE void atomic_zero_dev(DEV const uint* p) { atomic_store_explicit((DEV atomic_uint*)p, 0u, memory_order_relaxed); }
+INLINE float ld_dev(DEV const float* p) { return *((DEV const volatile float*)p); }
+INLINE float4 ld_dev4(DEV const float* p) { return float4(ld_dev(p), ld_dev(p + 1), ld_dev(p + 2), ld_dev(p + 3)); }
 //--- body ---
 const uint TID = thread_position_in_threadgroup.x;
 const uint NT = threads_per_threadgroup.x;

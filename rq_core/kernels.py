@@ -13,8 +13,11 @@ Pipeline (docs/FORMAT.md, "Compressed KV cache layout"), each stage callable on 
   softmax          Kernel B: fp32, stable, masked
   value_accum      Kernel C: "word" (word-parallel) or "dim" (dimension-parallel) strategy
   rotate_inverse   Kernel D: o = R^T o~
-and the default fused path: `attn_split` (rotation + A + online softmax + C over one context split)
-then `attn_combine` (merge the splits + D). `packed_attention` follows the contract of
+and the default fused path (v3): `attn_mma2` (rotation + A + online softmax + C over one context split
+on the matrix units) then `attn_merge` (merge the splits + D). v4 (`attn_v4`, selected with
+`variant="v4"` or RQ_ATTN=v4; NOT YET RUN ON A GPU) does all of it in one launch: the last block of
+each (batch, kv head) merges the splits and rotates back (docs/KERNEL_NOTES.md, "v4").
+`packed_attention` follows the contract of
 `rq_core.attention.packed_attention` (queries already rotated; returns (o~, lse)).
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +47,10 @@ NTH = 128  # threads per block of the split/tile kernels
 # forgot to write shows up (MLX would otherwise hand back whatever its allocator had there).
 POISON = False
 SMEM_LIMIT = {"metal": 32768, "cuda": 49152}
-ROT_WHT, ROT_SO4 = 1, 2
+ROT_WHT, ROT_SO4, ROT_DENSE = 1, 2, 4
+# v4: aim for about this many (kv head, split) blocks; the last block of each kv head merges all its
+# splits, so fewer splits make a shorter tail (2 per SM on the H200's 132 SMs). RQ_V4_BLOCKS tunes it.
+V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,10 @@ SPECS: dict[str, Spec] = {
     "attn_mma2": Spec("attn_mma2.body",
                       ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms"), ("o_part", "ml_part"),
                       contiguous=False),
+    # v4: one launch; o_part / ml_part are scratch, counter a kernel-owned zeroed buffer (see _counter)
+    "attn_v4": Spec("attn_v4.body",
+                    ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter"),
+                    ("out", "lse", "o_part", "ml_part"), contiguous=False),
     "attn_combine": Spec("attn_combine.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "attn_merge": Spec("attn_merge.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "rotate_query": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
@@ -179,10 +190,11 @@ def _tpt(D: int, bits: int, R: int, be: str) -> int:
     raise KernelUnsupported(f"threadgroup memory for R={R}, head_dim {D}")
 
 
-def split_plan(T: int, n_groups: int, tile: int) -> tuple[int, int]:
-    """(n_splits, split_len) for the fused path: about TARGET_BLOCKS blocks, whole tiles per split."""
+def split_plan(T: int, n_groups: int, tile: int, target: int | None = None) -> tuple[int, int]:
+    """(n_splits, split_len) for the fused path: about `target` (TARGET_BLOCKS) blocks, whole tiles per split."""
     tiles = -(-T // tile)
-    ns = max(1, min(tiles, -(-TARGET_BLOCKS // max(1, n_groups))))
+    target = TARGET_BLOCKS if target is None else target
+    ns = max(1, min(tiles, -(-target // max(1, n_groups))))
     per = -(-tiles // ns)
     ch = per * tile
     return -(-T // ch), ch
@@ -222,8 +234,16 @@ def _consts(levels: mx.array, scale: float) -> mx.array:
     return hit[1]
 
 
+_NO_MATS: list = []
+
+
 def _mats(mats: mx.array | None) -> mx.array:
-    return mx.zeros((1,), mx.float32) if mats is None else mats.astype(mx.float32)
+    if mats is None:  # the kernels never read it then; one evaluated placeholder, not an op per call
+        if not _NO_MATS:
+            _NO_MATS.append(mx.zeros((1,), mx.float32))
+            mx.eval(_NO_MATS[0])
+        return _NO_MATS[0]
+    return mats.astype(mx.float32)
 
 
 def _prm(T: int, Tcap: int, causal: bool, ns: int, ch: int, Hkv: int, offset: int) -> mx.array:
@@ -342,6 +362,9 @@ def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
     if mma is None:
         mma = os.environ.get("RQ_ATTN_MMA", "1") != "0"
     variant = variant or os.environ.get("RQ_ATTN_VARIANT", "mma2")
+    if variant == "v4":  # one launch; out comes back in q's dtype (float32 for float32 queries)
+        return attention_v4(q, mats, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
+                            valid_len=valid_len, offset=offset, causal=causal, rot=rot)
     if not mma:
         variant = "fp32"
     if variant == "mma2" and _mma_smem(D, bits, R, True) > SMEM_LIMIT[be]:
@@ -368,6 +391,142 @@ def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
                     [("D", D), ("R", R), ("ROT", rot), ("HKV", Hkv), ("NTC", ntc), ("MAXS", maxs)],
                     (B * Hq * L, 1), ntc, [(B, Hq, L, D), (B, Hq, L)], [mx.float32, mx.float32])
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# v4: one launch per layer and decode step. NOT YET RUN ON A GPU (written without device time; only its
+# syntax, its renderings and a float64 emulation of its algorithm are checked: tests/test_kernels.py).
+
+COUNTER_POOL = 1 << 14
+_POOL: dict = {"arr": None, "pos": 0, "views": {}}
+
+
+def _counter(n: int) -> mx.array:
+    """A zeroed slot of n uint32 counters for one attn_v4 launch: a cached view into one persistent pool.
+
+    The last block of each (batch, kv head) sets its counter back to 0, so the pool stays zeroed (no fill
+    op per call; MLX's init_value would fill every output, the partials too, with extra launches).
+    Successive launches take successive slots (a ring): MLX may run launches that share no output
+    concurrently (branches of one CUDA graph, Metal's concurrent dispatch), so one shared slot would race.
+    A slot comes back after COUNTER_POOL // n launches, far more than one graph holds.
+    """
+    if n > 1024:
+        raise KernelUnsupported(f"{n} (batch, kv head) pairs in one v4 launch")
+    if _POOL["arr"] is None:
+        arr = mx.zeros((COUNTER_POOL,), mx.uint32)
+        mx.eval(arr)
+        _POOL["arr"] = arr
+    pos = _POOL["pos"]
+    if pos + n > COUNTER_POOL:
+        pos = 0
+    _POOL["pos"] = pos + n
+    view = _POOL["views"].get((pos, n))
+    if view is None:
+        view = _POOL["arr"][pos:pos + n]
+        mx.eval(view)
+        _POOL["views"][(pos, n)] = view
+    return view
+
+
+def v4_plan(T: int, n_groups: int) -> int:
+    """Split count of attn_v4: about V4_BLOCKS blocks in all, at most MMA_TILE splits (merge weights in smem)."""
+    ns, _ = split_plan(T, n_groups, MMA_TILE, target=min(V4_BLOCKS, n_groups * MMA_TILE))
+    return ns
+
+
+def v4_ok(D: int, bits: int, R: int, be: str) -> bool:
+    """Shapes attn_v4 covers: those of attn_mma2, with its staged tile in threadgroup memory."""
+    return mma_ok(D, bits, R) and _mma_smem(D, bits, R, True) + 4 <= SMEM_LIMIT[be]
+
+
+def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
+                 v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, valid_len: int, offset: int = 0,
+                 causal: bool = False, rot: int = ROT_WHT | ROT_SO4) -> tuple[mx.array, mx.array]:
+    """Single-launch attention (v4): rotation + A + online softmax + C + merge + D in one kernel.
+
+    q [B, Hq, L, D] (any strides; float16, bfloat16 or float32, else cast to float32) un-rotated;
+    rot: 0 (q already rotated, the output stays in the rotated space), ROT_WHT, ROT_SO4, both, or
+    ROT_DENSE (mats [Hkv, D, D] with y = P u: TurboQuant). mats [Hkv, D/4, 4, 4] for ROT_SO4.
+    Returns (out [B, Hq, L, D] in q's dtype, lse [B, Hq, L] float32, natural log).
+    """
+    B, Hq, L, D = q.shape
+    Hkv = k_codes.shape[1]
+    R = (Hq // Hkv) * L
+    _check(D, bits, R)
+    be = backend() or "cuda"
+    if rot not in (0, ROT_WHT, ROT_SO4, ROT_WHT | ROT_SO4, ROT_DENSE):
+        raise ValueError(f"rot={rot}: the dense rotation does not combine with the WHT or SO(4) blocks")
+    if not v4_ok(D, bits, R, be):
+        raise KernelUnsupported(f"v4: R={R}, head_dim {D}, {bits}-bit codes")
+    T = valid_len
+    if causal and offset + 1 >= T:
+        causal = False  # every query sees every valid key
+    if causal and offset != T - L:
+        raise KernelUnsupported("v4: causal offset other than valid_len - L")
+    qd = q if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else q.astype(mx.float32)
+    groups = B * Hkv
+    ns = v4_plan(T, groups)
+    out, lse, _, _ = _run(
+        "attn_v4",
+        [qd, _mats(mats), _consts(levels, scale), k_codes, k_norms[:, :, :T], v_codes, v_norms, _counter(groups)],
+        [("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
+         ("ROT", rot), ("NTH", NTH), ("TILE", MMA_TILE)],
+        (groups, ns), NTH, [(B, Hq, L, D), (B, Hq, L), (groups, ns, R, D), (groups, ns, R, 2)],
+        [qd.dtype, mx.float32, mx.float32, mx.float32])
+    return out, lse
+
+
+_ROT_ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def rotation_args(rotation) -> tuple[int, mx.array | None]:
+    """(ROT bits, matrices) for the kernels' in-kernel rotation of an rq_core.rotation.Rotation, cached."""
+    hit = _ROT_ARGS.get(rotation)
+    if hit is None:
+        v = rotation.variant
+        if v == "dense":
+            hit = (ROT_DENSE, rotation.dense_matrices().astype(mx.float32))
+        elif v == "wht":
+            hit = (ROT_WHT, None)
+        else:
+            hit = ((ROT_WHT if rotation.use_wht else 0) | ROT_SO4, rotation.block_matrices().astype(mx.float32))
+        if hit[1] is not None:
+            mx.eval(hit[1])
+        _ROT_ARGS[rotation] = hit
+    return hit
+
+
+def attn_version() -> str:
+    """Which fused GPU attention the decode path uses: RQ_ATTN=v3 (default) or v4 (one launch, untested on GPU)."""
+    v = os.environ.get("RQ_ATTN", "v3")
+    if v not in ("v3", "v4"):
+        from rq_core.errors import RQError
+
+        raise RQError(f"RQ_ATTN={v!r} is not a kernel version (choose v3 or v4)")
+    return v
+
+
+def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
+                 v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, offset: int, causal: bool,
+                 valid_len: int) -> mx.array | None:
+    """IsoQuantCache's whole attention over packed codes in one v4 launch, or None where v4 does not apply.
+
+    Applies when RQ_ATTN=v4, a GPU backend is present and the shapes are v4's; the caller then has no
+    fp16 segment to merge (the output is final, in the queries' dtype).
+    """
+    if attn_version() != "v4" or valid_len < 1 or not available():
+        return None
+    B, Hq, L, D = queries.shape
+    Hkv = k_codes.shape[1]
+    if Hq % Hkv or k_codes.shape[3] * 32 != D * bits:
+        return None
+    try:
+        rot, mats = rotation_args(rotation)
+        out, _ = attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
+                              valid_len=valid_len, offset=offset, causal=causal, rot=rot)
+    except KernelUnsupported:
+        return None
+    return out
 
 
 def _split_fp32(q, m, k_codes, k_norms, v_codes, v_norms, levels, *, bits, scale, T, offset, causal, rot, be):
@@ -413,8 +572,12 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
     if causal and offset != valid_len - q_rot.shape[2]:
         raise KernelUnsupported("causal offset other than valid_len - L")
     if path == "fused":
-        return attention_split(q_rot, None, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
-                               valid_len=valid_len, offset=offset, causal=causal, rot=0)
+        R = (q_rot.shape[1] // k_codes.shape[1]) * q_rot.shape[2]
+        v4 = attn_version() == "v4" and v4_ok(q_rot.shape[3], bits, R, backend() or "cuda")
+        o, lse = attention_split(q_rot, None, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
+                                 valid_len=valid_len, offset=offset, causal=causal, rot=0,
+                                 variant="v4" if v4 else None)
+        return (o if o.dtype == mx.float32 else o.astype(mx.float32)), lse
     s = qk_dot(q_rot, k_codes, k_norms, levels, bits=bits, scale=scale, valid_len=valid_len, offset=offset,
                causal=causal)
     lse = mx.logsumexp(s, axis=-1)
@@ -446,9 +609,9 @@ def can_dispatch(q_rot: mx.array, k_codes: mx.array, bits: int, mask, *, offset:
 # Whole translation units, as MLX builds them (for compile checks off the GPU and resource reports)
 
 # input dtype per input name (everything else is float32); outputs are float32
-INPUT_TYPES = {"k_codes": "u32", "v_codes": "u32", "k_norms": "f16", "v_norms": "f16", "prm": "i32"}
-_TYPE_NAMES = {"metal": {"f32": "float", "u32": "uint32_t", "f16": "float16_t", "i32": "int32_t"},
-               "cuda": {"f32": "float", "u32": "uint32_t", "f16": "__half", "i32": "int32_t"}}
+INPUT_TYPES = {"k_codes": "u32", "v_codes": "u32", "k_norms": "f16", "v_norms": "f16", "prm": "i32", "counter": "u32"}
+_TYPE_NAMES = {"metal": {"f32": "float", "u32": "uint32_t", "f16": "float16_t", "i32": "int32_t", "bf16": "bfloat16_t"},
+               "cuda": {"f32": "float", "u32": "uint32_t", "f16": "__half", "i32": "int32_t", "bf16": "__nv_bfloat16"}}
 # Metal attributes MLX adds to the signature when the body names them (the prelude uses these three)
 _METAL_ATTRS = (("thread_position_in_threadgroup", "uint3"), ("threadgroup_position_in_grid", "uint3"),
                 ("threadgroups_per_grid", "uint3"),
@@ -459,8 +622,9 @@ def full_source(name: str, be: str, template: list[tuple[str, object]],
                 input_types: dict[str, str] | None = None) -> str:
     """The complete kernel source MLX would compile for `name` (MLX's own includes left to the caller).
 
-    template: (name, int) pairs, or (name, "f16" | "f32") for a dtype; input_types overrides an
-    input's dtype code (e.g. {"q": "f16"}). Shape/strides parameters are added where the body uses them.
+    template: (name, int) pairs, or (name, "f16" | "bf16" | "f32") for a dtype; input_types overrides an
+    input's or output's dtype code (e.g. {"q": "f16", "out": "f16"}; outputs default to float32).
+    Shape/strides parameters are added where the body uses them.
     """
     header, source = render(name, be)
     spec = SPECS[name]
@@ -487,13 +651,13 @@ def full_source(name: str, be: str, template: list[tuple[str, object]],
                 args.append(f"  const constant int64_t* {n}_strides [[buffer({slot})]]")
                 slot += 1
     if be == "cuda":
-        args += [f"    float* {n}" for n in spec.outputs]
+        args += [f"    {types[itypes.get(n, 'f32')]}* {n}" for n in spec.outputs]
         consts = "".join(f"  using {k} = {types[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
                          for k, v in template)
         return (header + "namespace mlx::core::cu {\n\n__global__ void " + kname + "(\n" + ",\n".join(args)
                 + ") {\n" + consts + source + "\n}\n\n} // namespace mlx::core::cu\n")
     for n in spec.outputs:
-        args.append(f"  device float* {n} [[buffer({slot})]]")
+        args.append(f"  device {types[itypes.get(n, 'f32')]}* {n} [[buffer({slot})]]")
         slot += 1
     args += [f"  {t} {a} [[{a}]]" for a, t in _METAL_ATTRS if a in source]
     tparams = ", ".join(f"typename {k}" if isinstance(v, str) else f"int {k}" for k, v in template)

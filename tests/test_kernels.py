@@ -39,6 +39,15 @@ CASES = {
     "value_dim": [("D", 128), ("BITS", 3), ("R", 8), ("NTH", 128), ("TILE", 128)],
     "value_reduce": [("D", 128), ("R", 8)],
     "value_word": [("D", 128), ("BITS", 2), ("R", 8), ("NSL", 32)],
+    "attn_v4": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
+                ("ROT", 3), ("NTH", 128), ("TILE", 128)],
+}
+# more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
+EXTRA_CASES = {
+    "attn_v4/dense_bf16": ("attn_v4", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
+                                       ("CAUSAL", 0), ("ROT", 4), ("NTH", 128), ("TILE", 128)]),
+    "attn_v4/causal_f32": ("attn_v4", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
+                                       ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("TILE", 128)]),
 }
 # identifiers (and two phrases) that belong to one backend: the shared sources must not name them
 BACKEND_IDS = {"__syncthreads", "__shfl_xor_sync", "threadgroup_barrier", "simd_sum", "simd_max", "simd_shuffle_xor",
@@ -123,13 +132,15 @@ def test_syntax_check(be, tmp_path):
                   "#define inf cuda::std::numeric_limits<float>::infinity()\n")
         inc = STUBS / "cuda"
     procs = []
-    for name, template in CASES.items():
-        types = {"q": dict(template).get("TQ", "f32")} if name.startswith("attn_mma") else None
-        f = tmp_path / f"{name}.cpp"
+    cases = [(n, n, t) for n, t in CASES.items()] + [(k, n, t) for k, (n, t) in EXTRA_CASES.items()]
+    for label, name, template in cases:
+        tq = dict(template).get("TQ", "f32")
+        types = {"q": tq, "out": tq} if name == "attn_v4" else {"q": tq} if name.startswith("attn_mma") else None
+        f = tmp_path / f"{label.replace('/', '_')}.cpp"
         f.write_text(prefix + K.full_source(name, be, template, types))
         cmd = [cc, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", f"-I{inc}",
                "-I" + str(STUBS / "cuda"), str(f)]
-        procs.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        procs.append((label, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     errors = []
     for name, p in procs:
         out, _ = p.communicate(timeout=120)
@@ -184,3 +195,104 @@ def test_reference_matches_project_oracle():
     # forward then inverse rotation is the identity
     back = KC.rotate64(KC.rotate64(c["q"], c["mats"], hk, 3, False), c["mats"], hk, 3, True)
     assert np.abs(back - c["q"]).max() < 1e-5
+
+
+def _kc():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import kernels_check as KC
+
+    return KC
+
+
+@pytest.mark.parametrize("G,L,d,T,rot,causal,bits", [
+    (8, 1, 128, 1, 3, False, 3),
+    (8, 1, 128, 300, 3, False, 3),  # 3 tiles: fewer tiles than splits asked for
+    (4, 1, 64, 1100, 3, False, 4),  # several tiles per split, a partial last tile
+    (4, 2, 64, 700, 3, True, 3),  # causal, two query positions
+    (1, 1, 64, 513, 1, False, 2),  # WHT only
+    (8, 1, 64, 900, 0, False, 3),  # queries already rotated
+    (2, 1, 64, 640, 4, False, 3),  # dense rotation (TurboQuant)
+])
+def test_v4_emulation_matches_reference(G, L, d, T, rot, causal, bits, monkeypatch):
+    """attn_v4's algorithm (splits, partials, merge, rotation order), emulated in float64, equals the
+    float64 reference math; with the levels rounded to half (as the matrix units see them) it stays
+    within the GPU check's tolerance for the matrix-unit path."""
+    KC = _kc()
+    rng = np.random.default_rng(T * 10 + rot)
+    c = KC.make_case(rng, B=2, Hkv=2, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4))
+    scale = 1 / math.sqrt(d)
+    monkeypatch.setattr(K, "V4_BLOCKS", 24)  # several splits at these small contexts
+    ns = K.v4_plan(T, 4)
+    assert 1 <= ns <= K.MMA_TILE
+    per = -(-(-(-T // K.MMA_TILE)) // ns) * K.MMA_TILE
+    assert (ns - 1) * per < T <= ns * per  # every split non-empty, all of T covered
+    ref = KC.reference(c["q"], c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,
+                       offset=T - L, causal=causal, T=T, rot=rot)
+    args = dict(scale=scale, T=T, rot=rot, ns=ns, causal=causal)
+    out, lse, parts = KC.emulate_v4(c["q"], c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"],
+                                    **args)
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-12
+    # lse (natural log) of the scores in the rotated space
+    hk = np.arange(G * 2) // G
+    qt = KC.rotate64(c["q"].astype(np.float64), c["mats"], hk, rot, False)
+    Kd = c["levels"].astype(np.float64)[c["kidx"][:, :, :T]] * c["knorm"][:, :, :T, None] / math.sqrt(d)
+    s = np.einsum("bhld,bhtd->bhlt", qt, Kd[:, hk]) * scale
+    if causal:
+        s = np.where(np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None], s, -np.inf)
+    top = s.max(-1)
+    ref_lse = top + np.log(np.exp(s - top[..., None]).sum(-1))
+    assert np.abs(lse - ref_lse).max() < 1e-9
+    assert parts["o"].shape == (4, ns, G * L, d)
+    half, _, _ = KC.emulate_v4(c["q"], c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"],
+                               half_levels=True, **args)
+    assert np.linalg.norm(half - ref) / np.linalg.norm(ref) < 2e-3
+
+
+def test_v4_split_plan_and_counter_pool(monkeypatch):
+    for T in (1, 7, 511, 512, 513, 4096, 32768, 131072):
+        for groups in (1, 4, 32, 64):
+            ns = K.v4_plan(T, groups)
+            assert 1 <= ns <= K.MMA_TILE and groups * ns <= max(K.V4_BLOCKS, groups) + groups
+    assert K.v4_plan(131072, 4) == 64 and K.v4_plan(32768, 4) == 64 and K.v4_plan(4096, 4) == 32
+    assert K.v4_ok(128, 3, 8, "cuda") and K.v4_ok(128, 3, 8, "metal")
+    assert K.v4_ok(256, 3, 8, "cuda") and not K.v4_ok(256, 3, 8, "metal")  # Metal: 32 KB threadgroup memory
+    assert not K.v4_ok(128, 3, 16, "cuda")
+    # counter slots: zeroed views of one pool, successive launches get disjoint slots, the ring wraps
+    monkeypatch.setattr(K, "_POOL", {"arr": None, "pos": 0, "views": {}})
+    monkeypatch.setattr(K, "COUNTER_POOL", 16)
+    a, b, c = K._counter(4), K._counter(4), K._counter(8)
+    assert a.dtype == K.mx.uint32 and a.shape == (4,) and int(a.sum()) == 0
+    assert K._POOL["pos"] == 16 and K._counter(4) is a  # wrapped: the first slot again, cached view
+
+
+def test_v4_is_selectable_and_not_default(monkeypatch):
+    monkeypatch.delenv("RQ_ATTN", raising=False)
+    assert K.attn_version() == "v3"
+    monkeypatch.setenv("RQ_ATTN", "v4")
+    assert K.attn_version() == "v4"
+    monkeypatch.setenv("RQ_ATTN", "v5")
+    from rq_core.errors import RQError
+
+    with pytest.raises(RQError):
+        K.attn_version()
+
+
+def test_rotation_args():
+    from rq_core.rotation import Rotation
+
+    r = Rotation(64, 2, variant="wht_so4")
+    rot, m = K.rotation_args(r)
+    assert rot == K.ROT_WHT | K.ROT_SO4 and m.shape == (2, 16, 4, 4) and K.rotation_args(r)[1] is m
+    assert K.rotation_args(Rotation(64, 2, variant="wht")) == (K.ROT_WHT, None)
+    assert K.rotation_args(Rotation(64, 2, variant="so3"))[0] == K.ROT_SO4
+    rot, m = K.rotation_args(Rotation(64, 2, variant="dense"))
+    assert rot == K.ROT_DENSE and m.shape == (2, 64, 64)
+    # the kernels' convention (y = R x per head, FORMAT.md) against the library's forward rotation
+    KC = _kc()
+    for variant in ("wht_so4", "dense", "so4"):
+        r = Rotation(64, 2, variant=variant)
+        rot, m = K.rotation_args(r)
+        x = np.random.default_rng(1).standard_normal((1, 2, 3, 64)).astype(np.float32)
+        ours = KC.rotate64(x, np.array(m), np.arange(2), rot, False)
+        theirs = np.array(r.forward(K.mx.array(x)))
+        assert np.abs(ours - theirs).max() < 1e-5, variant

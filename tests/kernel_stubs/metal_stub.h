@@ -17,7 +17,11 @@ struct uint4 {
   uint4() = default;
   explicit uint4(uint v) : x(v), y(v), z(v), w(v) {}
 };
-struct float4 { float x, y, z, w; };
+struct float4 {
+  float x, y, z, w;
+  float4() = default;
+  float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
+};
 struct half2 {
   half x, y;
   half2() = default;
@@ -42,3 +46,14 @@ simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T v) { return {{v, v}}; }
 template <class T, class U, int R, int C>
 void simdgroup_multiply_accumulate(simdgroup_matrix<T, R, C>& d, const simdgroup_matrix<U, R, C>&,
                                    const simdgroup_matrix<U, R, C>&, const simdgroup_matrix<T, R, C>&) {}
+struct bfloat16_t {
+  unsigned short v;
+  bfloat16_t() = default;
+  bfloat16_t(float);
+  explicit operator float() const;
+};
+// device-scope atomics (attn_v4)
+struct atomic_uint { unsigned v; };
+enum memory_order { memory_order_relaxed };
+uint atomic_fetch_add_explicit(device atomic_uint*, uint, memory_order);
+void atomic_store_explicit(device atomic_uint*, uint, memory_order);

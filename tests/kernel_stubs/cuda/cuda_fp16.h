@@ -25,3 +25,9 @@ inline float exp2f(float x) { return std::exp2(x); }
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float log2f(float x) { return std::log2(x); }
+// device-scope atomics, fences and L2 loads (attn_v4)
+unsigned atomicAdd(unsigned*, unsigned);
+unsigned atomicExch(unsigned*, unsigned);
+void __threadfence();
+float __ldcg(const float*);
+float4 __ldcg(const float4*);

@@ -106,8 +106,13 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     def step(prev: mx.array) -> mx.array:
         logits = model(prev.reshape(1, 1).astype(mx.int32), cache=cache)[:, -1, :]
         nxt = sample(logits, temp, top_p)
-        mx.async_eval(nxt)  # queue step t+1 while the host handles token t
+        if pipeline:
+            mx.async_eval(nxt)  # queue step t+1 while the host handles token t
         return nxt
+
+    # With an expert pager, a step in flight would still hold the slot banks that the next step's
+    # misses overwrite, turning each in-place slot write into a copy of the bank (10x the peak).
+    pipeline = getattr(model, "expert_pager", None) is None
 
     while max_tokens > 0:
         tok = int(y.item())

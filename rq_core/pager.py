@@ -163,6 +163,7 @@ class ExpertPager:
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
         self._mmap_peak = 0
+        model.expert_pager = self  # generate() decodes synchronously with a pager (see there)
 
     def report(self) -> PagerStats:
         s = self.stats

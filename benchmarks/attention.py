@@ -4,14 +4,17 @@ Shape: Qwen3-30B-A3B attention, batch 1, one new token: 32 query heads, 4 kv hea
 Methods: fp16 mx.fast.scaled_dot_product_attention; mlx-lm-style quantized attention (two
 mx.quantized_matmul, 8-bit and 4-bit, group 64); TurboQuant-3 (dense rotation as matmuls around our
 packed-attention kernels); IsoQuant-3 four-kernel pipeline (query rotation, A, B, C, D); IsoQuant-3
-fused split-context kernels. Also: per-stage times of the four-kernel pipeline, and Kernel C's
-word-parallel vs dimension-parallel times over context (the switch threshold).
+fused split-context kernels (v1 fp32, v2 mma, v3 default); v4, the single-launch kernel (rotation,
+split-context attention, merge and inverse rotation in one launch; IsoQuant-3 and TurboQuant-3).
+Also: per-stage times of the four-kernel pipeline, and Kernel C's word-parallel vs
+dimension-parallel times over context (the switch threshold).
 
 Timing: each evaluation runs NL layers (each with its own K/V, so L2 never holds the context),
 median over repetitions of (wall time of mx.eval) / NL. Copy bandwidth is measured in the same run
 (MLX elementwise copy, and torch's device-to-device copy when torch is importable).
 
     python3 benchmarks/attention.py [--contexts 4096,32768,131072] [--layers 16] [--reps 30] [--out DIR]
+        [--methods v4,=IsoQuant-3 fused] [--v4-blocks 132,528]
 """
 
 from __future__ import annotations
@@ -111,8 +114,8 @@ def dense_rotations(rng: np.random.Generator) -> np.ndarray:
     return np.stack(out).astype(np.float32)  # [Hkv, D, D]
 
 
-def build(T: int, nl: int, rng: np.random.Generator) -> dict:
-    """NL layers of inputs for every method at context T."""
+def build(T: int, nl: int, rng: np.random.Generator, qmm: bool = True) -> dict:
+    """NL layers of inputs for every method at context T (qmm=False: skip the mx.quantize'd K/V)."""
     W = D * BITS // 32
     L = {"q": [], "k16": [], "v16": [], "kq8": [], "vq8": [], "kq4": [], "vq4": [], "kc": [], "kn": [], "vc": [],
          "vn": [], "mats": [], "dense": []}
@@ -123,7 +126,7 @@ def build(T: int, nl: int, rng: np.random.Generator) -> dict:
         L["q"].append(q)
         L["k16"].append(k)
         L["v16"].append(v)
-        for b in (8, 4):
+        for b in (8, 4) if qmm else ():
             L[f"kq{b}"].append(mx.quantize(k, group_size=64, bits=b))
             L[f"vq{b}"].append(mx.quantize(v, group_size=64, bits=b))
         L["kc"].append(mx.random.randint(-2**31, 2**31 - 1, (1, HKV, T, W)).astype(mx.uint32))
@@ -168,6 +171,25 @@ def turbo3(L, i):
     return (o.reshape(1, HKV, G, D) @ Pi[None]).reshape(1, HQ, 1, D)
 
 
+def iso_v4(L, i, blocks=None):
+    """v4: one launch (rotation + split attention + merge + inverse rotation); output fp16 like the query."""
+    T = L["kc"][i].shape[2]
+    old = K.V4_BLOCKS
+    K.V4_BLOCKS = blocks or old  # read while the graph is built
+    try:
+        return K.attention_v4(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+                              bits=BITS, scale=SCALE, valid_len=T)[0]
+    finally:
+        K.V4_BLOCKS = old
+
+
+def turbo_v4(L, i):
+    """TurboQuant-3 through v4: the dense rotation applied in-kernel (ROT_DENSE), one launch."""
+    T = L["kc"][i].shape[2]
+    return K.attention_v4(L["q"][i], L["dense"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+                          bits=BITS, scale=SCALE, valid_len=T, rot=K.ROT_DENSE)[0]
+
+
 def iso_four(L, i, strategy="auto"):
     T = L["kc"][i].shape[2]
     return K.attention_four(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
@@ -197,8 +219,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-threshold", action="store_true")
     ap.add_argument("--skip-stages", action="store_true")
-    ap.add_argument("--methods", default="", help="comma-separated substrings: time only matching methods "
-                    "(fp16 SDPA always runs: it is the baseline)")
+    ap.add_argument("--methods", default="", help="comma-separated substrings (or =exact names): time only "
+                    "matching methods (fp16 SDPA always runs: it is the baseline)")
+    ap.add_argument("--v4-blocks", default="", help="comma-separated block targets: extra v4 rows "
+                    "(default target: rq_core.kernels.V4_BLOCKS)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -214,8 +238,13 @@ def main() -> None:
     copy = bw["copy_TBps"]
     rows, stage_rows, thr_rows = [], [], []
     nl = a.layers
+    keep = [m.strip() for m in a.methods.split(",")] if a.methods else []
+
+    def wanted(name: str) -> bool:
+        return not keep or name == "fp16 SDPA" or any(m[1:] == name if m.startswith("=") else m in name for m in keep)
+
     for T in [int(x) for x in a.contexts.split(",")]:
-        L = build(T, nl, rng)
+        L = build(T, nl, rng, qmm=wanted("qmm 8-bit") or wanted("qmm 4-bit"))
         methods = {
             "fp16 SDPA": lambda i: fp16_sdpa(L, i),
             "qmm 8-bit": lambda i: qmm(L, i, 8),
@@ -225,14 +254,21 @@ def main() -> None:
             "IsoQuant-3 fused fp32": lambda i: iso_fused(L, i, variant="fp32"),
             "IsoQuant-3 fused mma": lambda i: iso_fused(L, i, variant="mma"),
             "IsoQuant-3 fused": lambda i: iso_fused(L, i),
+            "IsoQuant-3 v4 (one launch)": lambda i: iso_v4(L, i),
+            "TurboQuant-3 v4 (dense, one launch)": lambda i: turbo_v4(L, i),
         }
-        if a.methods:
-            keep = [m.strip() for m in a.methods.split(",")]
-            methods = {k: f for k, f in methods.items() if k == "fp16 SDPA" or any(m in k for m in keep)}
+        for nb in [int(x) for x in a.v4_blocks.split(",") if x]:
+            methods[f"IsoQuant-3 v4 {nb} blocks"] = lambda i, nb=nb: iso_v4(L, i, nb)
+        methods = {k: f for k, f in methods.items() if wanted(k)}
         res = {}
         for rnd in range(2):  # two rounds, interleaved: the spread between them is the noise
-            for name, f in methods.items():
-                ts = timeit(lambda: [f(i) for i in range(nl)], nl, a.reps)
+            for name, f in list(methods.items()):
+                try:
+                    ts = timeit(lambda: [f(i) for i in range(nl)], nl, a.reps)
+                except Exception as e:  # a kernel that fails to build or launch: report it, time the rest
+                    print(f"T={T:6d} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    del methods[name]
+                    continue
                 res.setdefault(name, []).append(statistics.median(ts))
         base = min(res["fp16 SDPA"])
         for name, f in methods.items():

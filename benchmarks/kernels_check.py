@@ -290,6 +290,9 @@ def main() -> int:
         print("kernels_check: no GPU backend here (MLX device:", mx.default_device(), ")")
         return 0
     K.POISON = True
+    # v4's counters: a tiny ring, so slots are reused many times in this run and must come back zeroed
+    # (cases run one at a time here, so no two launches in flight share a slot)
+    K.COUNTER_POOL = 8
     print(f"kernels_check: backend {K.backend()}, MLX {mx.__version__}")
     rng = np.random.default_rng(int(time.time()))
     cases = []

@@ -497,24 +497,29 @@ def rotation_args(rotation) -> tuple[int, mx.array | None]:
 
 
 def attn_version() -> str:
-    """Which fused GPU attention the decode path uses: RQ_ATTN=v3 (default) or v4 (one launch, untested on GPU)."""
+    """Which GPU attention IsoQuantCache uses (env RQ_ATTN): "v3" (default: MLX-op query rotation, v3
+    split kernel + merge, MLX-op inverse rotation), "v3r" (the same two v3 kernels rotating in-kernel,
+    no rotation ops) or "v4" (one launch). v3r and v4 have not run on a GPU yet."""
     v = os.environ.get("RQ_ATTN", "v3")
-    if v not in ("v3", "v4"):
+    if v not in ("v3", "v3r", "v4"):
         from rq_core.errors import RQError
 
-        raise RQError(f"RQ_ATTN={v!r} is not a kernel version (choose v3 or v4)")
+        raise RQError(f"RQ_ATTN={v!r} is not a kernel version (choose v3, v3r or v4)")
     return v
 
 
 def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
                  v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, offset: int, causal: bool,
                  valid_len: int) -> mx.array | None:
-    """IsoQuantCache's whole attention over packed codes in one v4 launch, or None where v4 does not apply.
+    """IsoQuantCache's whole attention over packed codes with the rotation done in-kernel, or None.
 
-    Applies when RQ_ATTN=v4, a GPU backend is present and the shapes are v4's; the caller then has no
-    fp16 segment to merge (the output is final, in the queries' dtype).
+    RQ_ATTN=v4: one launch. RQ_ATTN=v3r: attn_mma2 + attn_merge with ROT (2 launches; not for the
+    dense rotation). None (the caller takes its usual path) for v3, without a GPU backend, or for
+    shapes the kernels do not cover. The caller must have no fp16 segment to merge: the output is
+    final, in the queries' dtype.
     """
-    if attn_version() != "v4" or valid_len < 1 or not available():
+    version = attn_version()
+    if version == "v3" or valid_len < 1 or not available():
         return None
     B, Hq, L, D = queries.shape
     Hkv = k_codes.shape[1]
@@ -522,11 +527,17 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
         return None
     try:
         rot, mats = rotation_args(rotation)
-        out, _ = attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
-                              valid_len=valid_len, offset=offset, causal=causal, rot=rot)
+        args = dict(bits=bits, scale=scale, valid_len=valid_len, offset=offset, causal=causal, rot=rot)
+        if version == "v4":
+            return attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, **args)[0]
+        R = (Hq // Hkv) * L
+        if rot & ROT_DENSE or not mma_ok(D, bits, R) or (causal and offset + 1 < valid_len
+                                                        and offset != valid_len - L):
+            return None
+        out, _ = attention_split(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, **args)
+        return out.astype(queries.dtype)
     except KernelUnsupported:
         return None
-    return out
 
 
 def _split_fp32(q, m, k_codes, k_norms, v_codes, v_norms, levels, *, bits, scale, T, offset, causal, rot, be):

@@ -287,7 +287,10 @@ def attention_stages(cache: Any, queries: mx.array, scale: float) -> Optional[di
     if not hasattr(cache, "k_codes") or cache.k_codes is None:
         return None
     if backend() != "cpu":
-        return _kernel_stages(cache, queries, scale)
+        from rq_core import kernels
+
+        if kernels.available():
+            return _kernel_stages(cache, queries, scale)
     return _reference_stages(cache, queries, scale)
 
 
@@ -296,18 +299,11 @@ def _kernel_stages(cache: Any, q: mx.array, scale: float) -> dict[str, Any]:
     value_accum (C, with the strategy it picks for this context) and rotate_inverse (D)."""
     from rq_core import kernels as K
 
-    rot = cache.rotation
     T, bits, Hkv = cache.packed_len, cache.bits, cache.k_codes.shape[1]
     levels = cache.levels
-    if rot.variant == "dense":  # TurboQuant: a dense d×d rotation, which the kernels do not do
-        flags, mats = 0, None
-        fwd = lambda: rot.forward_queries(q)  # noqa: E731
-        inv = lambda o: rot.inverse_queries(o)  # noqa: E731
-    else:
-        flags = (K.ROT_WHT if rot.use_wht else 0) | (K.ROT_SO4 if rot.variant != "wht" else 0)
-        mats = rot.block_matrices() if rot.variant != "wht" else None
-        fwd = lambda: K.rotate_queries(q, mats, Hkv, rot=flags)  # noqa: E731
-        inv = lambda o: K.rotate_inverse(o, mats, Hkv, rot=flags)  # noqa: E731
+    flags, mats = K.rotation_args(cache.rotation)  # the kernels' in-kernel rotation (WHT/SO(4)/dense)
+    fwd = lambda: K.rotate_queries(q, mats, Hkv, rot=flags)  # noqa: E731
+    inv = lambda o: K.rotate_inverse(o, mats, Hkv, rot=flags)  # noqa: E731
     strategy = "word" if T < K.C_SWITCH else "dim"
     st: dict[str, Any] = {}
 
@@ -568,14 +564,15 @@ def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill
         if on_context:
             on_context(r)
     be = backend()
-    paths = {r["attention_path"] for r in results}
+    paths = sorted({r["attention_path"] for r in results if r["attention_path"]})
     go = [r["context"] for r in results if r["verdict"] == "go"]
     return {
         "backend": be,
-        "reference_path": be == "cpu",  # on CPU the reference (MLX ops) path was timed, not GPU kernels
+        # True when the reference path (MLX ops, as on CPU) was timed rather than GPU kernels
+        "reference_path": be == "cpu" or "reference" in paths,
         "kv_mode": kv.mode,
         "rotation": getattr(kv, "rotation", None),
-        "attention_path": paths.pop() if len(paths) == 1 else sorted(p for p in paths if p),
+        "attention_path": paths[0] if len(paths) == 1 else (paths or None),
         "threshold": threshold,
         "warmup": warmup,
         "repeats": repeats,

@@ -270,6 +270,13 @@ def test_v4_is_selectable_and_not_default(monkeypatch):
     assert K.attn_version() == "v3"
     monkeypatch.setenv("RQ_ATTN", "v4")
     assert K.attn_version() == "v4"
+    if K.backend() is None:  # on CPU the caches keep the reference path whatever RQ_ATTN says
+        q = K.mx.zeros((1, 4, 1, 64))
+        from rq_core.rotation import Rotation
+
+        assert K.fused_attend(q, Rotation(64, 2), K.mx.zeros((1, 2, 8, 6), K.mx.uint32), K.mx.zeros((1, 2, 8)),
+                              K.mx.zeros((1, 2, 8, 6), K.mx.uint32), K.mx.zeros((1, 2, 8)), K.mx.zeros((8,)), bits=3,
+                              scale=0.125, offset=7, causal=False, valid_len=8) is None
     monkeypatch.setenv("RQ_ATTN", "v5")
     from rq_core.errors import RQError
 
@@ -296,3 +303,63 @@ def test_rotation_args():
         ours = KC.rotate64(x, np.array(m), np.arange(2), rot, False)
         theirs = np.array(r.forward(K.mx.array(x)))
         assert np.abs(ours - theirs).max() < 1e-5, variant
+
+
+def test_v4_epilogue_order():
+    """The single-launch protocol, in source order: partials written, fence, count, last block only,
+    fence, counter reset, merge reads through ld_dev (L2), inverse rotation, typed store."""
+    body = (K.SRC_DIR / "attn_v4.body").read_text()
+    code = "\n".join(line.split("//")[0] for line in body.splitlines())
+    marks = ["o_part[pbase * D + e] = qt[e]", "DEVICE_FENCE();", "atomic_inc_dev(counter + bh)",
+             "if (last_s == 0u) return;", "DEVICE_FENCE();", "atomic_zero_dev(counter + bh)", "ld_dev(ml_part",
+             "ld_dev4(o_part", "so4_elem<true>", "wht_rows_lean<D>(qs", "store_f(out"]
+    pos = 0
+    for m in marks:
+        i = code.find(m, pos)
+        assert i >= 0, f"{m!r} missing or out of order"
+        pos = i + len(m)
+    assert "o_part[" not in code[code.index("atomic_inc_dev"):].replace("ld_dev4(o_part", "")
+
+
+@pytest.mark.parametrize("rot,qdtype,causal,L", [(3, "f32", False, 1), (4, "bf16", False, 1), (3, "f16", True, 2),
+                                                 (0, "f32", False, 1)])
+def test_kernels_check_v4_plumbing(rot, qdtype, causal, L, monkeypatch):
+    """The GPU check's v4 path (argument passing, dense matrices, query dtypes, comparison) run with the
+    float64 emulation standing in for the kernel: what the next session runs on the H200."""
+    import mlx.core as mx
+
+    from rq_core.packing import unpack
+
+    KC = _kc()
+
+    def fake_v4(q, mats, k_codes, k_norms, v_codes, v_norms, levels, *, bits, scale, valid_len, offset, causal, rot):
+        d = q.shape[-1]
+        ns = K.v4_plan(valid_len, k_codes.shape[0] * k_codes.shape[1])
+        kidx, vidx = np.array(unpack(k_codes, bits, d)), np.array(unpack(v_codes, bits, d))
+        out, lse, _ = KC.emulate_v4(np.array(q.astype(mx.float32)), None if mats is None else np.array(mats), kidx,
+                                    np.array(k_norms), vidx, np.array(v_norms), np.array(levels), scale=scale,
+                                    T=valid_len, rot=rot, ns=ns, causal=causal, half_levels=True)
+        return mx.array(out.astype(np.float32)).astype(q.dtype), mx.array(lse.astype(np.float32))
+
+    monkeypatch.setattr(K, "attention_v4", fake_v4)
+    rng = np.random.default_rng(5)
+    T = 300
+    c = KC.make_case(rng, B=1, Hkv=2, G=4, L=L, d=64, T=T, bits=3, dense=bool(rot & 4))
+    err, nan = KC.run_case(K, mx, c, T=T, bits=3, path="v4", strategy=None, causal=causal, offset=T - L, rot=rot,
+                           mma=True, qdtype=qdtype, variant="v4")
+    assert nan == 0 and err < (2e-3 if qdtype == "f32" else 4e-3 if qdtype == "f16" else 1.6e-2)
+
+
+@pytest.mark.parametrize("case", [dict(G=8, d=128, T=300), dict(G=2, d=128, T=300, rot=4, B=2, qdtype="bf16")])
+def test_v4_cuda_source_runs_on_cpu_executor(case):
+    """The CUDA rendering of attn_v4 itself, executed as host C++ by tests/kernel_emu/cuda_emu.h
+    (threads as cooperative contexts, mma.sync emulated from the PTX layouts, blocks in shuffled order):
+    correct against float64, every output written, counters left zeroed."""
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ and ucontext (Linux)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import emulate_kernel as EK
+
+    r = EK.run_v4(np.random.default_rng(11), seed=3, **case)
+    assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
+    assert r["err"] < (1.6e-2 if case.get("qdtype") == "bf16" else 2e-3) and r["lse_err"] < 1e-3

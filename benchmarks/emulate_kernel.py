@@ -1,0 +1,250 @@
+"""Run the CUDA rendering of a kernel on the CPU (tests/kernel_emu/cuda_emu.h) and check it against float64.
+
+The kernel body is compiled unchanged as host C++ (g++, C++20): one cooperative context per CUDA thread,
+blocks run one after another in a shuffled order, __syncthreads / warp shuffles / mma.sync emulated
+(the mma fragment layouts written from the PTX ISA, not taken from metal/prelude_cuda.h). It executes the
+kernel's logic (indexing, tiles, splits, online softmax, v4's last-block merge and counter reset) without
+a GPU; it says nothing about speed or about memory ordering between blocks.
+
+    python3 benchmarks/emulate_kernel.py            # v4 cases, plus v3 (attn_mma2 + attn_merge) as a control
+
+Exit status 1 if any case fails.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import kernels_check as KC  # noqa: E402
+
+import rq_core.kernels as K  # noqa: E402
+
+EMU = ROOT / "tests" / "kernel_emu"
+CTYPE = {"f32": "float", "u32": "uint32_t", "f16": "__half", "bf16": "__nv_bfloat16"}
+NPTYPE = {"f32": np.float32, "u32": np.uint32, "f16": np.float16}
+
+
+def _dt(a: np.ndarray) -> str:
+    return {np.dtype(np.float32): "f32", np.dtype(np.uint32): "u32", np.dtype(np.float16): "f16"}[a.dtype]
+
+
+def _emu_source(name: str, template: list, types: dict) -> str:
+    src = K.full_source(name, "cuda", template, types)
+    # the one piece of inline PTX: the emulated mma instead
+    src, n = re.subn(r"INLINE void mma_f16\(THR FragC& c, THR const FragA& a, THR const FragB& b\) \{\n  asm volatile.*?\n\}\n",
+                     "INLINE void mma_f16(THR FragC& c, THR const FragA& a, THR const FragB& b) { emu::mma(c.x, a.x, b.x); }\n",
+                     src, flags=re.S)
+    assert n == 1, "mma_f16 not found in the CUDA prelude"
+    return src
+
+
+def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[int, int], nth: int,
+            views: dict | None = None, types: dict | None = None, seed: int = 0, workdir: Path | None = None) -> dict:
+    """Run kernel `name` on the CPU. inputs: name -> numpy array (a bf16 input: (uint16 array, "bf16"));
+    views: name -> (shape, strides) passed as that input's _shape/_strides (else the array's own);
+    outputs: name -> (shape, dtype code), filled with NaN first. Returns name -> numpy array."""
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="rq_emu_") as d:
+            return emulate(name, template, inputs, outputs, grid, nth, views, types, seed, Path(d))
+    spec = K.SPECS[name]
+    types = dict(types or {})
+    views = views or {}
+    tmp = Path(workdir)
+    src = _emu_source(name, template, types)
+    body = K.render(name, "cuda")[1]
+    lines = ['#include "mlx/backend/cuda/device/utils.cuh"', "#include <algorithm>", "#include <random>", src,
+             "template <class T> std::vector<T> load(const char* p, size_t n) {",
+             "  std::vector<T> v(n); FILE* f = std::fopen(p, \"rb\"); if (!f) std::abort();",
+             "  if (std::fread(v.data(), sizeof(T), n, f) != n) std::abort(); std::fclose(f); return v; }",
+             "template <class T> void save(const char* p, const std::vector<T>& v) {",
+             "  FILE* f = std::fopen(p, \"wb\"); std::fwrite(v.data(), sizeof(T), v.size(), f); std::fclose(f); }",
+             "int main() {", "  using namespace mlx::core::cu;"]
+    args = []
+    for n in spec.inputs:
+        a = inputs[n]
+        code = a[1] if isinstance(a, tuple) else _dt(a)
+        arr = a[0] if isinstance(a, tuple) else a
+        types.setdefault(n, code)
+        (tmp / f"{n}.bin").write_bytes(np.ascontiguousarray(arr).tobytes())
+        ct = CTYPE[code]
+        lines.append(f'  auto in_{n} = load<{ct}>("{tmp / (n + ".bin")}", {arr.size});')
+        args.append(f"in_{n}.data()")
+        shape, strides = views.get(n, (arr.shape, tuple(s // arr.itemsize for s in arr.strides)))
+        if f"{n}_shape" in body:
+            lines.append(f"  Shape sh_{n}{{}}; " + " ".join(f"sh_{n}[{i}] = {v};" for i, v in enumerate(shape)))
+            args.append(f"sh_{n}")
+        if f"{n}_strides" in body:
+            lines.append(f"  Strides st_{n}{{}}; " + " ".join(f"st_{n}[{i}] = {v};" for i, v in enumerate(strides)))
+            args.append(f"st_{n}")
+    for n in spec.outputs:
+        shape, code = outputs[n]
+        size = int(np.prod(shape))
+        ct = CTYPE[code]
+        nan = {"f32": "NAN", "f16": "__float2half_rn(NAN)", "bf16": "__nv_bfloat16{0x7fc0}"}[code]
+        lines.append(f"  std::vector<{ct}> out_{n}({size}, {nan});")
+        args.append(f"out_{n}.data()")
+    kname = f"custom_kernel_rq_{name}"
+    lines += [
+        f"  std::vector<std::pair<unsigned, unsigned>> blocks;",
+        f"  for (unsigned y = 0; y < {grid[1]}u; ++y) for (unsigned x = 0; x < {grid[0]}u; ++x) blocks.push_back({{x, y}});",
+        f"  std::mt19937 rng({seed}); std::shuffle(blocks.begin(), blocks.end(), rng);",
+        f"  emu::bdim = {{{nth}u, 1u, 1u}}; emu::gdim = {{{grid[0]}u, {grid[1]}u, 1u}};",
+        f"  emu::body = [&]() {{ {kname}({', '.join(args)}); }};",
+        "  for (auto [x, y] : blocks) { emu::bid = {x, y, 0u}; if (!emu::run_block(" + str(nth) + ")) return 2; }",
+    ]
+    for n in spec.outputs:
+        lines.append(f'  save("{tmp / (n + ".out")}", out_{n});')
+    if "counter" in spec.inputs:  # v4 must leave its counters zeroed: read them back
+        lines.append(f'  save("{tmp / "counter.out"}", in_counter);')
+    lines += ["  return 0;", "}"]
+    cpp = tmp / f"{name}.cpp"
+    cpp.write_text("\n".join(lines) + "\n")
+    exe = tmp / f"{name}.exe"
+    r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", f"-I{EMU}", str(cpp), "-o", str(exe)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        raise RuntimeError(f"compile failed:\n{r.stderr[:4000]}")
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        raise RuntimeError(f"run failed ({r.returncode}): {r.stderr[:2000]}")
+    res = {}
+    for n in spec.outputs:
+        shape, code = outputs[n]
+        raw = (tmp / f"{n}.out").read_bytes()
+        if code == "bf16":
+            u = np.frombuffer(raw, np.uint16).astype(np.uint32) << 16
+            res[n] = u.view(np.float32).reshape(shape)
+        else:
+            res[n] = np.frombuffer(raw, NPTYPE[code]).reshape(shape)
+    if "counter" in spec.inputs:
+        res["counter_after"] = np.frombuffer((tmp / "counter.out").read_bytes(), np.uint32)
+    return res
+
+
+def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str):
+    """The kernel inputs of a kernels_check case: q, consts, packed codes, norms (k_norms as the [:, :, :T] view)."""
+    q = c["q"]
+    if qdtype == "f16":
+        qin = q.astype(np.float16)
+        q64 = qin.astype(np.float64)
+    elif qdtype == "bf16":
+        u = (q.astype(np.float32).view(np.uint32) + 0x7FFF + ((q.astype(np.float32).view(np.uint32) >> 16) & 1)) >> 16
+        qin = (u.astype(np.uint16), "bf16")
+        q64 = (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    else:
+        qin, q64 = q.astype(np.float32), q.astype(np.float64)
+    kc, vc = KC.pack64(c["kidx"], bits), KC.pack64(c["vidx"], bits)
+    consts = np.concatenate([c["levels"].astype(np.float32), np.array([scale], np.float32)])
+    kn = c["knorm"]
+    views = {"k_norms": ((kn.shape[0], kn.shape[1], T), (kn.shape[1] * kn.shape[2], kn.shape[2], 1))}
+    return qin, q64, kc, vc, consts, views
+
+
+def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0):
+    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4))
+    scale = 1.0 / math.sqrt(d)
+    qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype)
+    R = G * L
+    groups = B * Hkv
+    old = K.V4_BLOCKS
+    K.V4_BLOCKS = blocks
+    try:
+        ns = K.v4_plan(T, groups)
+    finally:
+        K.V4_BLOCKS = old
+    mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
+    counter = np.zeros(groups, np.uint32)
+    tq = qdtype
+    template = [("TQ", tq), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
+                ("ROT", rot), ("NTH", K.NTH), ("TILE", K.MMA_TILE)]
+    outs = emulate("attn_v4", template,
+                   dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
+                        v_norms=c["vnorm"], counter=counter),
+                   dict(out=((B, G * Hkv, L, d), tq), lse=((B, G * Hkv, L), "f32"), o_part=((groups, ns, R, d), "f32"),
+                        ml_part=((groups, ns, R, 2), "f32")),
+                   (groups, ns), K.NTH, views=views, types={"q": tq, "out": tq}, seed=seed)
+    ref = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,
+                       offset=T - L, causal=causal, T=T, rot=rot)
+    got = outs["out"].astype(np.float64)
+    err = float(np.linalg.norm(np.nan_to_num(got, nan=1e9) - ref) / np.linalg.norm(ref))
+    # lse against float64
+    hk = np.arange(G * Hkv) // G
+    qt = KC.rotate64(q64, c["mats"], hk, rot, False)
+    Kd = c["levels"].astype(np.float64)[c["kidx"][:, :, :T]] * c["knorm"][:, :, :T, None] / math.sqrt(d)
+    s = np.einsum("bhld,bhtd->bhlt", qt, Kd[:, hk]) * scale
+    if causal:
+        s = np.where(np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None], s, -np.inf)
+    top = s.max(-1)
+    ref_lse = top + np.log(np.exp(s - top[..., None]).sum(-1))
+    lse_err = float(np.abs(outs["lse"] - ref_lse).max())
+    # every output written (no NaN left from the poison), and the counters left zeroed for the next launch
+    return dict(err=err, lse_err=lse_err, nan=int(np.isnan(got).sum()), ns=ns,
+                counters=int(outs["counter_after"].sum()))
+
+
+def run_v3(rng, *, G, d, T, bits=3, rot=3, B=1, Hkv=2, seed=0):
+    """Control: v3 (attn_mma2 then attn_merge), which ran correctly on the H200, through the same executor."""
+    L = 1
+    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits)
+    scale = 1.0 / math.sqrt(d)
+    qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, "f32")
+    R, groups = G * L, B * Hkv
+    old = K.TARGET_BLOCKS
+    K.TARGET_BLOCKS = 16
+    try:
+        ns, _ = K.split_plan(T, groups, K.MMA_TILE)
+    finally:
+        K.TARGET_BLOCKS = old
+    mats = c["mats"].astype(np.float32)
+    template = [("TQ", "f32"), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
+                ("ROT", rot), ("NTH", K.NTH), ("TILE", K.MMA_TILE)]
+    parts = emulate("attn_mma2", template,
+                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc, v_norms=c["vnorm"]),
+                    dict(o_part=((groups, ns, R, d), "f32"), ml_part=((groups, ns, R, 2), "f32")),
+                    (groups, ns), K.NTH, views=views, types={"q": "f32"}, seed=seed)
+    out = emulate("attn_merge", [("D", d), ("R", R), ("ROT", rot), ("HKV", Hkv), ("NTC", max(d, 256)), ("MAXS", 64)],
+                  dict(o_part=parts["o_part"], ml_part=parts["ml_part"], mats=mats),
+                  dict(out=((B, G * Hkv, L, d), "f32"), lse=((B, G * Hkv, L), "f32")),
+                  (B * G * Hkv * L, 1), max(d, 256), seed=seed)
+    ref = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,
+                       offset=T - L, causal=False, T=T, rot=rot)
+    got = out["out"].astype(np.float64)
+    return dict(err=float(np.linalg.norm(np.nan_to_num(got, nan=1e9) - ref) / np.linalg.norm(ref)),
+                nan=int(np.isnan(got).sum()), ns=ns)
+
+
+def main() -> int:
+    rng = np.random.default_rng(7)
+    fails = 0
+    cases = [
+        ("v3 control", lambda: run_v3(rng, G=8, d=128, T=300)),
+        ("v4 G=8 d=128 T=300 f32", lambda: run_v4(rng, G=8, d=128, T=300)),
+        ("v4 G=8 d=128 T=1 f16", lambda: run_v4(rng, G=8, d=128, T=1, qdtype="f16")),
+        ("v4 G=4 d=128 T=700 L=2 causal bf16", lambda: run_v4(rng, G=4, d=128, T=700, L=2, causal=True, qdtype="bf16")),
+        ("v4 G=8 d=64 4-bit T=530 rot=0", lambda: run_v4(rng, G=8, d=64, T=530, bits=4, rot=0, seed=3)),
+        ("v4 G=2 d=128 T=400 dense B=2", lambda: run_v4(rng, G=2, d=128, T=400, rot=4, B=2)),
+    ]
+    for label, fn in cases:
+        r = fn()
+        tol = 1.6e-2 if "bf16" in label else 4e-3 if "f16" in label else 2e-3
+        ok = r["nan"] == 0 and r["err"] < tol and r.get("lse_err", 0.0) < 1e-3 and r.get("counters", 0) == 0
+        fails += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {label:36s} splits {r['ns']:2d}  rel.err {r['err']:.2e}  "
+              f"lse err {r.get('lse_err', float('nan')):.1e}  nan {r['nan']}  counters left {r.get('counters', '-')}",
+              flush=True)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

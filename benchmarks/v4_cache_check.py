@@ -1,0 +1,85 @@
+"""The compressed caches' GPU attention paths agree: RQ_ATTN=v3 (default), v3r and v4 (docs/KERNEL_NOTES.md).
+
+Builds identical IsoQuant-3 / TurboQuant-3 caches (same seed, same random prompt K/V), compresses the
+prompt, then decodes a few tokens through `cache.attend` once per RQ_ATTN value and compares each
+output with the float64 math on the same cache contents (dequantize, rotate back, softmax). On CPU
+every value takes the reference path (fused_attend returns None), so this also runs here.
+
+    python3 benchmarks/v4_cache_check.py [--context 5000] [--steps 3]
+
+Exit status 1 if any relative error exceeds --tol or any output is not finite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+
+from rq_core import kernels as K  # noqa: E402
+from rq_core.kv_cache import IsoQuantCache, TurboQuantCache, dequantize_kv  # noqa: E402
+
+HQ, HKV, D = 32, 4, 128
+
+
+def reference(cache, q: np.ndarray, scale: float) -> np.ndarray:
+    """float64 attention of q [1, HQ, 1, D] over everything the cache holds (all packed here)."""
+    n = cache.packed_len
+    k = np.array(dequantize_kv(cache.k_codes[:, :, :n], cache.k_norms[:, :, :n], cache.rotation, cache.levels,
+                               cache.bits, D), dtype=np.float64)
+    v = np.array(dequantize_kv(cache.v_codes[:, :, :n], cache.v_norms[:, :, :n], cache.rotation, cache.levels,
+                               cache.bits, D), dtype=np.float64)
+    G = HQ // HKV
+    k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
+    s = np.einsum("bhld,bhtd->bhlt", q.astype(np.float64), k) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhlt,bhtd->bhld", p, v)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tol", type=float, default=3e-3, help="fp16 queries and output, levels in half on the GPU")
+    a = ap.parse_args()
+    print(f"v4_cache_check: backend {K.backend()}, MLX {mx.__version__}, context {a.context}", flush=True)
+    rng = np.random.default_rng(0)
+    kp = rng.standard_normal((1, HKV, a.context, D)).astype(np.float16)
+    vp = rng.standard_normal((1, HKV, a.context, D)).astype(np.float16)
+    steps = [(rng.standard_normal((1, HQ, 1, D)).astype(np.float16), rng.standard_normal((1, HKV, 1, D)).astype(
+        np.float16), rng.standard_normal((1, HKV, 1, D)).astype(np.float16)) for _ in range(a.steps)]
+    scale = 1.0 / math.sqrt(D)
+    fails = 0
+    for label, cls in (("isoquant3", IsoQuantCache), ("turbo3", TurboQuantCache)):
+        for version in ("v3", "v3r", "v4"):
+            os.environ["RQ_ATTN"] = version
+            cache = cls(head_dim=D, n_kv_heads=HKV, layer=3)
+            qp = mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16))
+            mx.eval(cache.attend(qp, mx.array(kp), mx.array(vp), scale=scale, mask="causal"))  # prompt: fp16 SDPA
+            cache.end_prefill()
+            for i, (q, k, v) in enumerate(steps):
+                out = cache.attend(mx.array(q), mx.array(k), mx.array(v), scale=scale, mask="causal")
+                mx.eval(out)
+                got = np.array(out.astype(mx.float32), dtype=np.float64)
+                ref = reference(cache, q, scale)
+                err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+                ok = bool(np.isfinite(got).all()) and err < a.tol and out.dtype == mx.float16
+                fails += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} {label:9s} RQ_ATTN={version:3s} step {i}  rel.err {err:.2e}  "
+                      f"dtype {out.dtype}", flush=True)
+    os.environ.pop("RQ_ATTN", None)
+    print(f"v4_cache_check: {'all passed' if not fails else f'{fails} failed'}")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

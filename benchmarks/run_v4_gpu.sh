@@ -6,8 +6,10 @@
 #   1. kernels_check --only v4   correctness of attn_v4 against float64 math, outputs poisoned (<= 170 s)
 #   2. v4_cache_check            the caches' RQ_ATTN=v3 / v3r / v4 paths against float64 math (<= 50 s)
 #   3. attention.py              µs per layer: fp16 SDPA, v3 (default), TurboQuant-3, v4 (3 block targets)
-#                                at 4K / 32K / 128K (<= 220 s)
-#   4. attention.py at 32K with 4 and 64 layers per evaluation: does MLX's ~25 µs per op shrink? (<= 70 s)
+#                                at 4K / 32K / 128K (<= 200 s)
+#   4. attention.py at 32K, v4 only: 4 and 64 layers per evaluation, and 64 with one CUDA graph per
+#      evaluation (MLX_MAX_OPS_PER_BUFFER=256): is MLX's ~25 µs per op paid per launch, per graph or
+#      per evaluation? (<= 105 s)
 # Logs and JSON go to $OUT (the device tool's output folder), or ./v4_out when $OUT is unset.
 set -u
 OUT=${OUT:-$PWD/v4_out}
@@ -19,12 +21,14 @@ timeout 170 python3 benchmarks/kernels_check.py --only v4 --out "$OUT" 2>&1 | te
 echo "== 2. v4_cache_check ($(date -u +%T))"
 timeout 50 python3 benchmarks/v4_cache_check.py --context 5000 --steps 2 2>&1 | tee "$OUT/v4_cache_check.log"
 echo "== 3. attention benchmark ($(date -u +%T))"
-timeout 220 python3 benchmarks/attention.py --skip-threshold --skip-stages --layers 16 --reps 20 \
+timeout 200 python3 benchmarks/attention.py --skip-threshold --skip-stages --layers 16 --reps 20 \
   --methods "v4,=IsoQuant-3 fused,=TurboQuant-3 (dense)" --v4-blocks 132,528 --out "$OUT" 2>&1 \
   | tee "$OUT/v4_bench.log"
-echo "== 4. is MLX's per-op cost per launch or per evaluation? v4 at 32K, 4 vs 64 layers per eval ($(date -u +%T))"
-for nl in 4 64; do
-  timeout 35 python3 benchmarks/attention.py --skip-threshold --skip-stages --contexts 32768 --layers $nl --reps 10 \
-    --methods "=IsoQuant-3 v4 (one launch)" 2>&1 | grep -E "^T=" | sed "s/^/layers=$nl /" | tee -a "$OUT/v4_layers.log"
+echo "== 4. is MLX's per-op cost per launch, per graph or per evaluation? v4 at 32K ($(date -u +%T))"
+for run in "4 20" "64 20" "64 256"; do
+  set -- $run  # layers per evaluation, MLX_MAX_OPS_PER_BUFFER (nodes per CUDA graph; 20 in the MLX source read)
+  MLX_MAX_OPS_PER_BUFFER=$2 timeout 35 python3 benchmarks/attention.py --skip-threshold --skip-stages \
+    --contexts 32768 --layers $1 --reps 10 --methods "=IsoQuant-3 v4 (one launch)" 2>&1 | grep -E "^T=" \
+    | sed "s/^/layers=$1 ops_per_buffer=$2 /" | tee -a "$OUT/v4_layers.log"
 done
 echo "== done ($(date -u +%T))"

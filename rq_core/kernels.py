@@ -394,8 +394,9 @@ def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
 
 
 # ---------------------------------------------------------------------------------------------
-# v4: one launch per layer and decode step. NOT YET RUN ON A GPU (written without device time; only its
-# syntax, its renderings and a float64 emulation of its algorithm are checked: tests/test_kernels.py).
+# v4: one launch per layer and decode step. NOT YET RUN ON A GPU (written without device time; checked:
+# its syntax and renderings, a float64 emulation of its algorithm, and its CUDA source executed on the
+# CPU by benchmarks/emulate_kernel.py; tests/test_kernels.py runs all three).
 
 COUNTER_POOL = 1 << 14
 _POOL: dict = {"arr": None, "pos": 0, "views": {}}
@@ -447,6 +448,8 @@ def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     q [B, Hq, L, D] (any strides; float16, bfloat16 or float32, else cast to float32) un-rotated;
     rot: 0 (q already rotated, the output stays in the rotated space), ROT_WHT, ROT_SO4, both, or
     ROT_DENSE (mats [Hkv, D, D] with y = P u: TurboQuant). mats [Hkv, D/4, 4, 4] for ROT_SO4.
+    k_codes / v_codes [B, Hkv, T_cap, W] and v_norms [B, Hkv, T_cap] are read through their strides (no
+    copy op), so their last dims must be dense, as cache buffers and their slices along T are.
     Returns (out [B, Hq, L, D] in q's dtype, lse [B, Hq, L] float32, natural log).
     """
     B, Hq, L, D = q.shape

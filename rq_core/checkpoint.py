@@ -221,11 +221,23 @@ class Checkpoint:
         return ids
 
 
-def load(path_or_id: Optional[str | os.PathLike] = None, *, tokenizer: bool = True) -> Checkpoint:
-    """Everything `rq run` needs from a checkpoint."""
+# On the CPU, MLX's quantized matmuls run several times faster on float32 activations than on
+# bf16/fp16 (measured 16.6 -> 94 tok/s decoding the bundled model), so small models are upcast there.
+CPU_FLOAT32_MAX_BYTES = 4 << 30
+
+
+def load(path_or_id: Optional[str | os.PathLike] = None, *, tokenizer: bool = True,
+         cpu_float32: bool = False) -> Checkpoint:
+    """Everything `rq run` needs from a checkpoint. `cpu_float32`: on the CPU, compute in float32
+    when the weights are at most CPU_FLOAT32_MAX_BYTES (big models keep their stored dtype)."""
     path = resolve_model_path(path_or_id)
     config = load_config(path)
     model = build_model(config, load_weights(path))
+    if cpu_float32 and mx.default_device() == mx.cpu:
+        from mlx.utils import tree_flatten
+
+        if sum(v.nbytes for _, v in tree_flatten(model.parameters())) <= CPU_FLOAT32_MAX_BYTES:
+            model.set_dtype(mx.float32)
     gen = path / "generation_config.json"
     generation_config = _read_json(gen) if gen.is_file() else {}
     tok = None

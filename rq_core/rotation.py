@@ -7,6 +7,7 @@ all kv heads of one layer; tensors are laid out like MLX attention, [..., H, T, 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import mlx.core as mx
@@ -96,6 +97,12 @@ def quat_conj(q: np.ndarray) -> np.ndarray:
 
 
 def head_params(variant: str, d: int, seed: int, layer: int, kv_head: int) -> np.ndarray:
+    """Raw parameters of one head; see `_head_params` (cached: a dense QR is slow on a busy CPU)."""
+    return _head_params(variant, d, seed, layer, kv_head).copy()
+
+
+@functools.lru_cache(maxsize=4096)
+def _head_params(variant: str, d: int, seed: int, layer: int, kv_head: int) -> np.ndarray:
     """Raw parameters of one head (float64): [d/4, 2, 4] unit quaternions (q_L, q_R), or [d, d] for dense.
 
     Per FORMAT.md: rng = default_rng([seed, layer, kv_head]); g = standard_normal((d//4, 2, 4)),

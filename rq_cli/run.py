@@ -57,8 +57,8 @@ def run(
     from rq_core.kv_cache import KVSettings
     from rq_core.tokenizer import StreamDecoder
 
-    # float32 on the CPU only without a pager: page files hold the stored dtype.
-    ckpt = load(model, cpu_float32=memory_budget is None and not plan_only)
+    # float32 on the CPU (small models); the pager casts pages to the model's dtype as it loads them.
+    ckpt = load(model, cpu_float32=True)
     tok = ckpt.tokenizer
     if tok is None:
         raise RQError(f"{ckpt.path} has no tokenizer.json; `rq run --prompt` needs one")

@@ -46,9 +46,23 @@ class PagerStats:
         return asdict(self)
 
 
-def _mx_from_np(a: np.ndarray, dtype: str) -> mx.array:
+def _mx_from_np(a: np.ndarray, dtype: str, target: Optional[mx.Dtype] = None) -> mx.array:
     x = mx.array(a)
-    return x.view(mx.bfloat16) if dtype == "bfloat16" else x
+    x = x.view(mx.bfloat16) if dtype == "bfloat16" else x
+    return x if target is None or x.dtype == target else x.astype(target)
+
+
+def _target_dtype(module: Any, t: dict) -> mx.Dtype:
+    proj, part = t["name"].split(".")
+    cur = module[proj].get(part) if proj in module else None
+    stored = getattr(mx, t["dtype"])
+    if cur is None or not mx.issubdtype(stored, mx.floating):
+        return stored
+    return cur.dtype
+
+
+def _nbytes(t: dict, dtype: mx.Dtype) -> int:
+    return t["nbytes"] // getattr(mx, t["dtype"]).size * dtype.size
 
 
 class _Layer:
@@ -63,18 +77,20 @@ class _Layer:
         self.free = list(range(self.slots))
         self.map: Optional[mmap.mmap] = None
         self.temp_bytes = 0
+        # Banks take the dtype the model holds (e.g. float32 after model.set_dtype on the CPU), pages
+        # are cast on load, so paged and resident runs compute the same numbers.
+        self.dtypes = {t["name"]: _target_dtype(module, t) for t in meta["tensors"]}
+        self.expert_bytes = sum(_nbytes(t, self.dtypes[t["name"]]) for t in meta["tensors"])
         if pager.policy == "mmap":
             self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
         else:  # the banks: [slots, ...] per tensor, zero until first written (lazy: no memory yet)
             for t in meta["tensors"]:
                 proj, part = t["name"].split(".")
-                dt = getattr(mx, t["dtype"])
-                self.module[proj][part] = mx.zeros((self.slots, *t["shape"]), dt)
+                self.module[proj][part] = mx.zeros((self.slots, *t["shape"]), self.dtypes[t["name"]])
 
     @property
     def resident_bytes(self) -> int:
-        per = sum(t["nbytes"] for t in self.meta["tensors"])
-        return per * self.slots if self.pager.policy == "lru" else 0
+        return self.expert_bytes * self.slots if self.pager.policy == "lru" else 0
 
     def read(self, e: int) -> dict[str, np.ndarray]:
         used = self.meta["used_bytes"]
@@ -96,7 +112,7 @@ class _Layer:
         idx = mx.array(np.array(slots, dtype=np.int32))
         for t in self.meta["tensors"]:
             proj, part = t["name"].split(".")
-            new = _mx_from_np(np.stack([p[t["name"]] for p in pages]), t["dtype"])
+            new = _mx_from_np(np.stack([p[t["name"]] for p in pages]), t["dtype"], self.dtypes[t["name"]])
             bank = self.module[proj][part]
             bank[idx] = new
             self.module[proj][part] = bank
@@ -129,8 +145,9 @@ class _Layer:
         self.pager.stats.misses += len(needed)
         for t in self.meta["tensors"]:
             proj, part = t["name"].split(".")
-            self.module[proj][part] = _mx_from_np(np.stack([p[t["name"]] for p in pages]), t["dtype"])
-        self.temp_bytes = len(needed) * sum(t["nbytes"] for t in self.meta["tensors"])
+            self.module[proj][part] = _mx_from_np(np.stack([p[t["name"]] for p in pages]), t["dtype"],
+                                                  self.dtypes[t["name"]])
+        self.temp_bytes = len(needed) * self.expert_bytes
         pg = self.pager
         pg._mmap_peak = max(pg._mmap_peak, sum(l.temp_bytes for l in pg.layers.values()))
 
@@ -228,8 +245,9 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     kvb = per_tok * context + fixed
     act = activation_bytes(config, min(prefill_chunk, max(context, 1)))
     n_moe, E, k = _moe_info(config)
-    if index is not None:
-        per_expert = max(sum(t["nbytes"] for t in meta["tensors"]) for meta in index["layers"].values())
+    if index is not None:  # in the dtype the model holds (pages are cast on load)
+        per_expert = max(sum(_nbytes(t, _target_dtype(banks[p], t)) for t in meta["tensors"])
+                         for p, meta in index["layers"].items() if p in banks)
     else:
         per_expert = max(sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
                          for m in banks.values())

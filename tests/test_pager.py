@@ -59,6 +59,8 @@ def test_peak_memory_stays_under_the_budget(packed):
 
     gc.collect()  # models of earlier tests must not count in this run's peak
     mx.clear_cache()
+    # Arrays that other tests' fixtures still hold count in MLX's peak: measure on top of them.
+    baseline = mx.get_active_memory()
     ck = packed["qwen3_moe"]
     cfg = json.loads((ck / "config.json").read_text())
     model = load(ck, tokenizer=False).model
@@ -71,7 +73,7 @@ def test_peak_memory_stays_under_the_budget(packed):
     assert p["slots_per_layer"] == 2 and p["fits"]
     pager = ExpertPager(model, ck, slots=p["slots_per_layer"])
     res = generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
-    assert res.peak_memory_bytes <= budget, (res.peak_memory_bytes, budget)
+    assert res.peak_memory_bytes - baseline <= budget, (res.peak_memory_bytes, baseline, budget)
     full = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
     assert full.tokens == res.tokens
     assert pager.report().hit_rate is not None
@@ -89,13 +91,17 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     probe = json.loads(runner.invoke(app, base + ["--memory-budget", "1GB", "--plan"]).stdout)["plan"]
     budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
               + probe["moe_layers"] * 2 * probe["bytes_per_expert"])  # room for 2 of 8 experts per layer
+    import gc
+
+    gc.collect()
+    baseline = mx.get_active_memory()  # what other tests still hold counts in this process' peak
     r = runner.invoke(app, base + ["--memory-budget", str(budget)])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["tokens"] == full["tokens"]
     assert set(d["pager"]) == {"hits", "misses", "hit_rate", "bytes_read", "evictions", "resident_bytes",
                                "slots", "policy"}
-    assert d["pager"]["slots"] == 2 and d["peak_memory_bytes"] <= budget
+    assert d["pager"]["slots"] == 2 and d["peak_memory_bytes"] - baseline <= budget
     r = runner.invoke(app, base + ["--memory-budget", str(budget), "--plan"])
     assert r.exit_code == 0 and json.loads(r.stdout)["plan"]["slots_per_layer"] == d["pager"]["slots"]
     r = runner.invoke(app, base[:-1] + ["--memory-budget", "10KB"])

@@ -32,6 +32,8 @@ def handle_errors(fn: Callable) -> Callable:
             fail(str(e))
         except FileNotFoundError as e:
             fail(f"file not found: {e.filename or e}")
+        except OSError as e:  # permission denied, disk full, a directory where a file was expected
+            fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
         except KeyboardInterrupt:
             fail("interrupted", code=130)
 

@@ -48,7 +48,7 @@ def ppl(
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
     settings = kv_settings(kv, rotation)
     em = load_eval_model(model)
-    ctx = check_context(context or em.context, em.context)
+    ctx = check_context(em.context if context is None else context, em.context)
     res = perplexity(em.model, _ids(em, text), settings, context=ctx, step=step, max_windows=windows)
     if json_out:
         print_json(res.as_dict())

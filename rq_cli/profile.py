@@ -89,7 +89,8 @@ def profile(
     contexts = parse_contexts(context)
     if repeats < 1 or warmup < 0:
         raise RQError("--repeats must be ≥ 1 and --warmup ≥ 0")
-    ckpt = load(model, tokenizer=False)
+    # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
+    ckpt = load(model, tokenizer=False, cpu_float32=memory_budget is None)
     settings = KVSettings(mode=kv, rotation=rotation)
     limit = text_config(ckpt.config).get("max_position_embeddings")
     if limit and max(contexts) > limit:

@@ -85,7 +85,8 @@ def soak(
         raise RQError(f"unknown KV mode {kv!r} (choose from: {', '.join(KV_MODES)})")
     if max_tokens < 1 or max_prompt < 8:
         raise RQError("--max-tokens must be at least 1 and --max-prompt at least 8")
-    ckpt = load(model)
+    # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
+    ckpt = load(model, cpu_float32=memory_budget is None)
     settings = SoakSettings(duration_s=duration, interval_s=interval or default_interval(duration), kv_mode=kv,
                             max_tokens=max_tokens, max_prompt=max_prompt, temp=temp, seed=seed,
                             thresholds=Thresholds(max_growth_mb=max_growth_mb,

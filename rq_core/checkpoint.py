@@ -181,7 +181,11 @@ def build_model(config: dict, weights: Optional[dict[str, mx.array]] = None) -> 
                       f"{type(e).__name__}: {_first_line(e)[:200]}")
     if weights is None:
         return model
-    weights = model.sanitize(dict(weights))
+    try:
+        weights = model.sanitize(dict(weights))
+    except (KeyError, ValueError, IndexError) as e:  # tensors the config promises are not in the files
+        raise RQError(f"checkpoint does not match its config ({config.get('model_type')}): "
+                      f"{type(e).__name__}: {_first_line(e)[:200]}")
     qcfg = config.get("quantization") or config.get("quantization_config")
     if isinstance(qcfg, dict) and "bits" in qcfg and any(k.endswith(".scales") for k in weights):
         nn.quantize(model, group_size=qcfg.get("group_size", 64), bits=qcfg["bits"],

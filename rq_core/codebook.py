@@ -68,11 +68,14 @@ class Codebook:
 
         data = {k: v for k, v in self.to_dict().items() if v is not None}
         path = Path(path)
+        if path.is_dir():
+            raise RQError(f"--out {path} is a directory; give a file name such as {path / 'codebook.toml'}")
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 tomli_w.dump({"codebook": data}, f)
+            os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a codebook is an ordinary output file
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):

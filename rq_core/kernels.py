@@ -31,7 +31,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-SRC_DIR = Path(__file__).resolve().parent.parent / "metal"
+# metal/ at the repo root; an installed wheel carries it as rq_core/_metal (pyproject.toml).
+_HERE = Path(__file__).resolve().parent
+SRC_DIR = _HERE / "_metal" if (_HERE / "_metal" / "common.h").is_file() else _HERE.parent / "metal"
 BACKENDS = ("metal", "cuda")
 BODY_MARK = "//--- body ---"
 

@@ -134,9 +134,13 @@ def load_index(ckpt: str | os.PathLike) -> dict:
     p = Path(ckpt) / PACK_DIR / INDEX
     if not p.is_file():
         raise RQError(f"{ckpt} has no expert pages (run `rq pack {ckpt}` first)")
-    idx = json.loads(p.read_text())
-    if idx.get("version") != VERSION:
-        raise RQError(f"{p}: unsupported page index version {idx.get('version')!r}")
+    try:
+        idx = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RQError(f"{p} is not valid JSON ({e}): run `rq pack {ckpt}` again")
+    if not isinstance(idx, dict) or idx.get("version") != VERSION:
+        v = idx.get("version") if isinstance(idx, dict) else None
+        raise RQError(f"{p}: unsupported page index version {v!r} (run `rq pack {ckpt}` again)")
     return idx
 
 

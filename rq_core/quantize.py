@@ -208,6 +208,9 @@ class _Job:
         from rq_core.checkpoint import load_weights, weight_files
 
         self.src, self.config, self.recipe = src, config, recipe
+        if config.get("quantization") or config.get("quantization_config"):
+            raise RQError(f"{src} is already quantized (its config.json has a quantization section); "
+                          "quantize from the full-precision checkpoint")
         self.progress = progress or (lambda *a: None)
         # name -> file. Arrays are re-opened lazily per group (an evaluated array would keep its data
         # alive as long as anything references it).

@@ -33,7 +33,9 @@ GPTQ_ROLES = ("attention", "dense_mlp", "mamba", "shared_expert", "lm_head")
 KV_MODES = ("fp16", "isoquant3", "turbo3")
 ROTATIONS = ("wht_so4", "wht", "so4", "so3", "dense")
 POLICIES = ("lru", "mmap")
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# recipes/ at the repo root; an installed wheel carries it as rq_core/_recipes (pyproject.toml).
+_HERE = Path(__file__).resolve().parent
+RECIPES_DIR = _HERE / "_recipes" if (_HERE / "_recipes").is_dir() else _HERE.parent / "recipes"
 
 
 @dataclass

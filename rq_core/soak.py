@@ -145,21 +145,25 @@ def summarize(samples: list[dict], th: Thresholds, decode_mem: Optional[RunningS
             failures.append(f"{name} grew {g['growth_bytes'] / MB:.1f} MB over the run "
                             f"(allowed {g['allowed_bytes'] / MB:.1f} MB)")
 
-    tp = [(s["t_s"], s["decode_tok_per_s"]) for s in fit if s.get("decode_tok_per_s")]
+    # Throughput drift: decode tok/s of the last third of the run against the first third, each as
+    # tokens / decode time summed over its samples (an interval with few tokens weighs little).
+    tp = [x for x in fit if x.get("interval_decode_s")]
     drift: dict[str, Any] = {"slope_tok_per_s_per_hour": None, "start_tok_per_s": None, "end_tok_per_s": None,
                              "drift_frac": None, "passed": None}
-    if len(tp) >= 5 and tp[-1][0] > tp[0][0]:
-        # Theil-Sen (median of pairwise slopes): one slow interval (a busy machine) does not tilt it.
-        slope, icpt = theil_sen([t for t, _ in tp], [v for _, v in tp])
-        start, end = icpt + slope * tp[0][0], icpt + slope * tp[-1][0]
-        frac = (end - start) / start if start > 0 else None
+    if len(tp) >= 6 and tp[-1]["t_s"] > tp[0]["t_s"]:
+        k = len(tp) // 3
+        start = sum(x["interval_tokens"] for x in tp[:k]) / sum(x["interval_decode_s"] for x in tp[:k])
+        end = sum(x["interval_tokens"] for x in tp[-k:]) / sum(x["interval_decode_s"] for x in tp[-k:])
+        frac = end / start - 1 if start > 0 else None
         ok = frac is None or frac >= -th.max_throughput_drop
+        # Theil-Sen slope of the per-sample tok/s (median of pairwise slopes), for the record.
+        slope, _ = theil_sen([x["t_s"] for x in tp], [x["decode_tok_per_s"] for x in tp])
         drift.update(slope_tok_per_s_per_hour=slope * 3600, start_tok_per_s=start, end_tok_per_s=end,
                      drift_frac=frac, passed=ok)
         if not ok:
             failures.append(f"decode throughput fell {-frac:.0%} over the run (allowed {th.max_throughput_drop:.0%})")
     else:
-        drift["note"] = "fewer than 5 samples with decoding after warm-up: not judged"
+        drift["note"] = "fewer than 6 samples with decoding after warm-up: not judged"
 
     gates: dict[str, dict[str, Any]] = {}
     for s in samples:
@@ -341,7 +345,7 @@ def repeat_fraction(tokens: list[int], n: int = 4) -> float:
 
 def gate_thresholds() -> dict[str, float]:
     """Thresholds of the gates the soak checks, from `rq eval gates`' gates.toml (defaults if absent)."""
-    th = {"greedy_agreement": 0.90, "kv_bytes_ratio": 0.25, "no_degenerate_repetition": 0.10}
+    th = {"kv_bytes_ratio": 0.25, "no_degenerate_repetition": 0.10}
     try:
         from rq_core.eval import load_gates
 
@@ -380,6 +384,7 @@ class Soak:
         self._probe_own: Optional[list[int]] = None
         self._ref_cont: Optional[list[int]] = None
         self._ref_repeat = 0.0
+        self._probe_agreement: Optional[float] = None
         self.gate_thresholds = gate_thresholds()
         self.report: dict[str, Any] = {}
 
@@ -400,7 +405,8 @@ class Soak:
         self._ref_repeat = repeat_fraction(self._ref_cont)
 
     def _checks(self) -> dict[str, dict[str, Any]]:
-        """A light subset of `rq eval gates` (names and thresholds from its gates.toml) on a fixed probe."""
+        """A light subset of `rq eval gates` (names and thresholds from its gates.toml) on a fixed probe:
+        finite, kv_bytes_ratio, deterministic, no_degenerate_repetition."""
         model, th = self.ckpt.model, self.gate_thresholds
         probe = self.prompts.probe()
         if self._ref_cont is None:
@@ -418,10 +424,10 @@ class Soak:
             if i + 1 < len(self._ref_cont):
                 logits = model(mx.array([[t]], mx.int32), cache=cache)[:, -1]
         gates["finite"] = {"passed": finite, "value": float(finite), "detail": "no NaN/Inf in the probe's logits"}
-        if self._ref_cont:
-            ga = agree / len(self._ref_cont)
-            gates["greedy_agreement"] = {"passed": ga >= th["greedy_agreement"], "value": ga,
-                                         "detail": f">= {th['greedy_agreement']} (teacher-forced on fp16's greedy probe)"}
+        # Top-1 agreement with fp16's greedy probe, for the record only: on one short probe it moves in
+        # steps of 1/probe_tokens, too coarse to judge `greedy_agreement`'s threshold (rq eval gates does,
+        # over 4 prompts x 64 tokens); a change during the soak shows up in `deterministic`.
+        self._probe_agreement = agree / len(self._ref_cont) if self._ref_cont else None
         # Bytes held by the compressed layers' caches against fp16 for the same tokens.
         packed = [c for c in cache if hasattr(c, "k_codes")]
         if packed:
@@ -474,9 +480,11 @@ class Soak:
             "tokens_total": self._tokens_total,
             "generations_total": self._gens_total,
             "interval_tokens": acc["tokens"],
+            "interval_decode_s": round(acc["decode_s"], 6),
             "decode_tok_per_s": acc["tokens"] / acc["decode_s"] if acc["decode_s"] > 0 else None,
             "pager": self._pager_stats(),
             "gates": gates or {},
+            "probe_greedy_agreement": self._probe_agreement if gates else None,
         }
         if self.leak_mb > 0:
             s["test_leak_bytes"] = len(self._leaked) * int(self.leak_mb * MB)

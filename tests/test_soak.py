@@ -34,10 +34,11 @@ def test_fits_and_cv() -> None:
 def _samples(n: int, *, active_growth: float = 0.0, tok_end: float = 100.0) -> list[dict]:
     out = []
     for i in range(n):
+        tps = 100.0 + (tok_end - 100.0) * i / (n - 1)
         out.append({"t_s": float(i * 10), "rss_bytes": 500 * MB, "active_bytes": int(100 * MB + i * active_growth),
                     "cache_bytes": 0, "peak_memory_bytes": 120 * MB, "tokens_total": 100 * i,
-                    "generations_total": i, "decode_tok_per_s": 100.0 + (tok_end - 100.0) * i / (n - 1),
-                    "gates": {"finite": {"passed": True}}})
+                    "generations_total": i, "interval_tokens": 100, "interval_decode_s": 100 / tps,
+                    "decode_tok_per_s": tps, "gates": {"finite": {"passed": True}}})
     return out
 
 
@@ -50,7 +51,10 @@ def test_summary_judges_growth_drift_and_gates() -> None:
     assert not leak["passed"] and "grew" in leak["failures"][0]
     assert leak["memory_growth_bytes_per_hour"] == pytest.approx(20 * MB / 10 * 3600)
     slow = summarize(_samples(10, tok_end=50.0), th)
-    assert not slow["passed"] and slow["throughput_drift"] == pytest.approx(50 / (100 - 50 / 9) - 1, rel=1e-6)
+    # thirds of the 9 fitted samples, tokens over decode time: harmonic means of their tok/s
+    first = 3 / sum(1 / (100 - 50 * i / 9) for i in (1, 2, 3))
+    last = 3 / sum(1 / (100 - 50 * i / 9) for i in (7, 8, 9))
+    assert not slow["passed"] and slow["throughput_drift"] == pytest.approx(last / first - 1, rel=1e-9)
     bad = _samples(10)
     bad[5]["gates"]["finite"] = {"passed": False, "detail": "NaN"}
     s = summarize(bad, th)
@@ -77,19 +81,18 @@ def _run(tmp_path: Path, *extra: str, env: dict | None = None):
 
 @needs_golden
 def test_short_soak_passes_and_report_validates(tmp_path: Path) -> None:
-    # fp16 KV: a random-weight model's flat logits make compressed greedy agreement a coin toss
-    # (measured 0.62 on this one), which the gate rightly fails; the trained bundled model passes it.
-    result, rep = _run(tmp_path, "--kv", "fp16")
+    result, rep = _run(tmp_path)
     assert result.exit_code == 0, result.output
     report = json.loads(rep.read_text())
     assert validate_report(report) == []
     assert report["status"] == "completed" and report["passed"] is True
     assert report["summary"]["samples"] >= 4 and report["summary"]["tokens_generated"] > 0
-    assert report["kv_mode"] == "fp16"
+    assert report["kv_mode"] == "isoquant3"
     last = report["samples"][-1]
     assert last["decode_tok_per_s"] > 0 and last["rss_bytes"] > 0 and last["active_bytes"] > 0
-    assert set(report["summary"]["gates"]) == {"finite", "greedy_agreement", "deterministic",
+    assert set(report["summary"]["gates"]) == {"finite", "kv_bytes_ratio", "deterministic",
                                                "no_degenerate_repetition"}
+    assert 0 <= report["samples"][0]["probe_greedy_agreement"] <= 1
     assert report["elapsed_s"] < 7 + 3  # the time limit holds even mid-generation
     assert json.loads(result.stdout)["passed"] is True
 
@@ -105,7 +108,7 @@ def test_injected_leak_fails_on_growth(tmp_path: Path) -> None:
     assert any("grew" in f for f in report["summary"]["failures"])
     assert report["samples"][-1]["test_leak_bytes"] >= 3 * 40 * MB
     # the compressed mode's checks all ran (kv_bytes_ratio only exists for compressed caches)
-    assert set(report["summary"]["gates"]) == {"finite", "greedy_agreement", "kv_bytes_ratio", "deterministic",
+    assert set(report["summary"]["gates"]) == {"finite", "kv_bytes_ratio", "deterministic",
                                                "no_degenerate_repetition"}
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import typer
 from rich.console import Console
@@ -38,6 +39,30 @@ def handle_errors(fn: Callable) -> Callable:
             fail("interrupted", code=130)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def progress_bar(disable: bool = False, elapsed: bool = False) -> Iterator[Callable[[str, int, int], None]]:
+    """A transient bar per stage on stderr; yields the `progress(stage, done, total)` callback rq_core takes."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cols = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
+    bar = Progress(*cols, *([TimeElapsedColumn()] if elapsed else []), console=console, disable=disable,
+                   transient=True)
+    tasks: dict[str, Any] = {}
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if not tasks:
+            bar.start()  # only once work starts: an early error stays one line, with no blank line before it
+        if stage not in tasks:
+            tasks[stage] = bar.add_task(stage, total=total)
+        bar.update(tasks[stage], completed=done, total=total)
+
+    try:
+        yield progress
+    finally:
+        if tasks:
+            bar.stop()
 
 
 def print_json(obj: Any) -> None:

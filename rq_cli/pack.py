@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from rq_cli.common import console, handle_errors, print_json
+from rq_cli.common import console, handle_errors, print_json, progress_bar
 
 
 @handle_errors
@@ -13,21 +13,10 @@ def pack(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Lay out each routed expert contiguously (16 KiB aligned) in CKPT/experts/ for the pager."""
-    from rich.progress import BarColumn, Progress, TextColumn
-
     from rq_core.pack import pack as run_pack
     from rq_core.planner import fmt_bytes
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  console=console, disable=json_out, transient=True) as bar:
-        task = None
-
-        def progress(stage: str, done: int, total: int) -> None:
-            nonlocal task
-            if task is None:
-                task = bar.add_task(stage, total=total)
-            bar.update(task, completed=done)
-
+    with progress_bar(disable=json_out) as progress:
         res = run_pack(ckpt, progress=progress)
     if json_out:
         print_json({"pack": res.as_dict()})

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import console, handle_errors, print_json
+from rq_cli.common import console, handle_errors, print_json, progress_bar
 from rq_core.errors import RQError
 
 
@@ -30,11 +30,10 @@ def quantize(
     if plan:
         from rq_core.planner import plan as make_plan, render
 
-        import json
         from pathlib import Path
 
         mp = Path(model)  # a config.json file alone is enough for a plan
-        cfg = json.loads(mp.read_text()) if mp.is_file() and mp.suffix == ".json" else load_config(resolve_model_path(model))
+        cfg = load_config(mp) if mp.is_file() and mp.suffix == ".json" else load_config(resolve_model_path(model))
         p = make_plan(cfg, rec, budget=rq_recipe.parse_size(budget, "--memory-budget") if budget else None)
         if json_out:
             print_json({"plan": p.as_dict()})
@@ -54,19 +53,9 @@ def quantize(
     if out is None:
         raise RQError("missing -o/--out OUT (the output directory)")
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from rq_core.quantize import quantize as run_quantize
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, disable=json_out, transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done, total=total)
-
+    with progress_bar(disable=json_out, elapsed=True) as progress:
         res = run_quantize(model, rec, out, calib=calib, analyze_roles=analyze,
                            shard_bytes=rq_recipe.parse_size(shard_size, "--shard-size"), progress=progress)
     if json_out:

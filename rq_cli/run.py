@@ -103,11 +103,15 @@ def run(
     sys.stdout.write(tail + "\n")
     sys.stdout.flush()
     ratio = f" ({res.kv_bytes_fp16 / res.kv_bytes:.2f}x smaller)" if res.kv_bytes_fp16 > res.kv_bytes > 0 else ""
+    kv_stat = f"KV {kv} {_fmt_bytes(res.kv_bytes)}"
+    if kv != "fp16":
+        kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}"
+    elif res.kv_bytes > res.kv_bytes_fp16:  # rq_core.checkpoint computes small models in float32 on the CPU
+        kv_stat += " (float32 on the CPU)"
     console.print(
         f"prompt {res.prompt_tokens} tok @ {res.prefill_tok_per_s:.1f} tok/s | "
         f"decode {res.generated_tokens} tok @ {res.decode_tok_per_s:.1f} tok/s | "
-        f"peak mem {_fmt_bytes(res.peak_memory_bytes)} (rss {_fmt_bytes(res.peak_rss_bytes)}) | "
-        f"KV {kv} {_fmt_bytes(res.kv_bytes)} vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}",
+        f"peak mem {_fmt_bytes(res.peak_memory_bytes)} (rss {_fmt_bytes(res.peak_rss_bytes)}) | {kv_stat}",
         highlight=False, soft_wrap=True)
     if pager_obj is not None:
         st = pager_obj.report()

@@ -82,8 +82,9 @@ def _read_json(path: Path) -> dict:
 
 
 def load_config(path: Path) -> dict:
-    """config.json as a dict; RQError when it is missing or has no model_type."""
-    cfg = Path(path) / "config.json"
+    """config.json as a dict (PATH is a checkpoint directory or a config .json file); RQError when it is
+    missing, not a JSON object, or of an unsupported model_type."""
+    cfg = Path(path) if Path(path).is_file() and Path(path).suffix == ".json" else Path(path) / "config.json"
     if not cfg.is_file():
         raise RQError(f"{path} has no config.json (not a Hugging Face checkpoint directory)")
     config = _read_json(cfg)

@@ -76,7 +76,11 @@ def _chat_template(path: Path, cfg: dict) -> Optional[str]:
         return jinja.read_text(encoding="utf-8")
     ct_json = path / "chat_template.json"
     if ct_json.is_file():
-        ct = json.loads(ct_json.read_text(encoding="utf-8")).get("chat_template")
+        try:
+            ct = json.loads(ct_json.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise RQError(f"{ct_json} is not valid JSON: {e}")
+        ct = ct.get("chat_template") if isinstance(ct, dict) else None
         if ct:
             return ct
     ct = cfg.get("chat_template")

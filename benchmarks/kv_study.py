@@ -277,7 +277,8 @@ def main() -> None:
                         "emulated": s.key_bits is not None, "note": s.note,
                         "bytes_ratio": s.bytes_ratio(n_layers, d, ctx), "ppl": math.exp(-lp.mean()),
                         "mean_kl": float(kl.mean()), "seconds": round(time.time() - t, 1), **st,
-                        "window_d_nll": [float(x) for x in (ref_lp - lp).mean(axis=1)]}
+                        "window_d_nll": [float(x) for x in (ref_lp - lp).mean(axis=1)],
+                        "window_kl": [float(x) for x in kl.mean(axis=1)]}
         r = rows[s.name]
         print(f"{s.name:26s} ΔPPL {r['rel_dppl']:+.3%} ± {r['se']:.4f} (nll SE; token SE {r['se_token']:.4f}) "
               f"KL {r['mean_kl']:.4f} bytes {r['bytes_ratio']:.3f} [{r['seconds']} s]", flush=True)
@@ -308,7 +309,11 @@ def pairwise(ra: dict, rb: dict) -> dict:
     (the mean of per-token differences is linear, so per-window means are enough)."""
     wa, wb = np.asarray(ra["window_d_nll"]), np.asarray(rb["window_d_nll"])
     diff = wa - wb
-    return {"d_nll": float(diff.mean()), "se": float(diff.std(ddof=1) / math.sqrt(diff.size))}
+    out = {"d_nll": float(diff.mean()), "se": float(diff.std(ddof=1) / math.sqrt(diff.size))}
+    if ra.get("window_kl") and rb.get("window_kl"):
+        dk = np.asarray(ra["window_kl"]) - np.asarray(rb["window_kl"])
+        out.update(d_kl=float(dk.mean()), se_kl=float(dk.std(ddof=1) / math.sqrt(dk.size)))
+    return out
 
 
 PAIRS = [("wht_so4 s0", "turbo3 s0"), ("wht_so4 s1", "turbo3 s1"), ("wht_so4 s2", "turbo3 s2"),
@@ -355,9 +360,12 @@ def render(out: dict) -> str:
     pairs = [(a, b, pairwise(by[a], by[b])) for a, b in PAIRS if a in by and b in by and out["windows"] > 1]
     if pairs:
         lines += ["", "Paired differences between settings (same tokens; ΔNLL of A − B, ± 1.96 SE over windows; "
-                  "negative = A better):", "", "| A | B | ΔNLL A − B | ± 1.96 SE |", "| --- | --- | --- | --- |"]
+                  "negative = A better; mean KL likewise where stored):", "",
+                  "| A | B | ΔNLL A − B | ± 1.96 SE | Δ mean KL A − B | ± 1.96 SE |", "| --- | --- | --- | --- | --- | --- |"]
         for a, b, p in pairs:
-            lines.append(f"| {a} | {b} | {p['d_nll']:+.4f} | {1.96 * p['se']:.4f} |")
+            kl = (f"{p['d_kl']:+.4f} | {1.96 * p['se_kl']:.4f}" if "d_kl" in p
+                  else f"{by[a]['mean_kl'] - by[b]['mean_kl']:+.4f} | -")
+            lines.append(f"| {a} | {b} | {p['d_nll']:+.4f} | {1.96 * p['se']:.4f} | {kl} |")
     return "\n".join(lines) + "\n"
 
 

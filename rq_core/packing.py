@@ -62,27 +62,28 @@ def pack(idx: mx.array, bits: int) -> mx.array:
     return words[..., :W]
 
 
-@functools.lru_cache(maxsize=None)
-def _unpack_tables(n: int, bits: int):
-    pos = np.arange(n) * bits
-    k, s = pos // 32, pos % 32
-    straddle = s + bits > 32
-    # Shift for the next word's contribution; 0 (and masked out) where it does not straddle.
-    s2 = np.where(straddle, 32 - s, 0).astype(np.uint32)
-    return (mx.array(k.astype(np.int32)), mx.array((k + 1).astype(np.int32)), mx.array(s.astype(np.uint32)),
-            mx.array(s2), mx.array(straddle))
-
-
 def unpack(words: mx.array, bits: int, n: int) -> mx.array:
-    """Unpack uint32 words [..., W] into n indices [..., n] (uint32)."""
-    k0, k1, s, s2, straddle = _unpack_tables(n, _check(bits))
+    """Unpack uint32 words [..., W] into n indices [..., n] (uint32).
+
+    Reads the words as their little-endian bytes: a run of `bits` bytes holds exactly 8 values
+    (3 bytes = 8 three-bit codes), so no value straddles a unit and no gather is needed
+    (about 5x faster than gathering words on the CPU for d = 128, 3 bits).
+    """
+    _check(bits)
     W = words.shape[-1]
     if W < (n * bits + 31) // 32:
         raise ValueError(f"{W} words cannot hold {n} {bits}-bit values")
-    w = mx.concatenate([words.astype(mx.uint32), mx.zeros((*words.shape[:-1], 1), mx.uint32)], axis=-1)
-    lo = mx.take(w, k0, axis=-1) >> s
-    hi = mx.where(straddle, mx.take(w, k1, axis=-1) << s2, mx.zeros((1,), mx.uint32))
-    return (lo | hi) & ((1 << bits) - 1)
+    lead = words.shape[:-1]
+    b = mx.view(mx.contiguous(words.astype(mx.uint32)), mx.uint8).astype(mx.uint32)  # [..., 4W]
+    if (4 * W) % bits:
+        b = mx.concatenate([b, mx.zeros((*lead, bits - (4 * W) % bits), mx.uint32)], axis=-1)
+    g = b.reshape(*lead, -1, bits)  # units of `bits` bytes = 8 values each
+    unit = g[..., 0]
+    for i in range(1, bits):
+        unit = unit | (g[..., i] << (8 * i))
+    shifts = mx.arange(0, 8 * bits, bits, dtype=mx.uint32)
+    vals = (unit[..., None] >> shifts) & ((1 << bits) - 1)
+    return vals.reshape(*lead, -1)[..., :n]
 
 
 # ---------------------------------------------------------------------------------------------

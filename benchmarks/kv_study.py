@@ -209,6 +209,8 @@ def all_settings(n_layers: int) -> list[Setting]:
         Setting("wht_so4 K4V3 s0", iso(), key_bits=4, value_bits=3),
         Setting("wht_so4 norm_corr s0", iso(norm_correction=True)),
         Setting("wht_so4 win32 s0", iso(fp16_window=32)),
+        Setting("turbo3 win32 s0", turbo(fp16_window=32)),
+        Setting("wht_so4 win32 s1", iso(fp16_window=32, seed=1)),
         Setting("wht_so4 gaussian s0", iso(codebook="gaussian")),
         Setting("wht_so4 L0-fp16 s0", iso(), fp16_layers=(0,)),
         Setting(f"wht_so4 L{last}-fp16 s0", iso(), fp16_layers=(last,)),
@@ -264,8 +266,11 @@ def main() -> None:
 
     prev = json.loads(path.read_text()) if path.is_file() else {}
     rows = {r["name"]: r for r in prev.get("rows", [])} if prev.get("tag") == tag else {}
-    only = {s.strip() for s in args.only.split(",") if s.strip()}
-    settings = [s for s in all_settings(n_layers) if not only or s.name in only]
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    known = {s.name: s for s in all_settings(n_layers)}
+    if unknown := [n for n in only if n not in known]:
+        raise SystemExit(f"--only: unknown settings {unknown} (known: {', '.join(known)})")
+    settings = [known[n] for n in only] if only else list(known.values())  # --only runs in the given order
     for s in settings:
         t = time.time()
         lp, kl, _ = token_logprobs(em.model, wins, s, prefill=prefill, step=args.step, ref_full=ref_full)
@@ -319,14 +324,26 @@ def pairwise(ra: dict, rb: dict) -> dict:
 PAIRS = [("wht_so4 s0", "turbo3 s0"), ("wht_so4 s1", "turbo3 s1"), ("wht_so4 s2", "turbo3 s2"),
          ("wht_so4 norm_corr s0", "wht_so4 s0"), ("wht_so4 norm_corr s1", "wht_so4 s1"),
          ("wht_so4 gaussian s0", "wht_so4 s0"), ("wht_so4 win32 s0", "wht_so4 s0"),
-         ("wht_so4 win128 s0", "wht_so4 s0"), ("wht_so4 K4V3 s0", "wht_so4 s0"), ("wht_so4 K3V4 s0", "wht_so4 s0"),
+         ("wht_so4 win128 s0", "wht_so4 s0"), ("wht_so4 win32 s0", "turbo3 win32 s0"),
+         ("wht_so4 win32 s1", "wht_so4 s1"), ("wht_so4 win32 s0", "turbo3 s0"), ("wht_so4 win32 s1", "turbo3 s1"),
+         ("turbo3 win32 s0", "turbo3 s0"), ("wht_so4 K4V3 s0", "wht_so4 s0"), ("wht_so4 K3V4 s0", "wht_so4 s0"),
          ("wht_so4 K3V3-emul s0", "wht_so4 s0"), ("wht_so4 L0-fp16 s0", "wht_so4 s0"),
          ("wht_so4 L5-fp16 s0", "wht_so4 s0"), ("wht_so4 K4V3 s0", "turbo3 K4V3 s0"),
          ("wht_so4 K4V3 s1", "wht_so4 s1"), ("wht_so4 4bit s0", "turbo3 4bit s0")]
 
 
+def row_bytes(r: dict, n_layers: int, d: int, tokens: int) -> float:
+    """KV bytes / fp16 of a results row at `tokens` tokens (the same formula as Setting.bytes_ratio)."""
+    s = Setting(r["name"], KVSettings(mode=r["mode"], bits=r["bits"], fp16_window=r["fp16_window"]),
+                key_bits=r["key_bits"], value_bits=r["value_bits"], fp16_layers=tuple(r["fp16_layers"]))
+    return s.bytes_ratio(n_layers, d, tokens)
+
+
 def render(out: dict) -> str:
     rows = out["rows"]
+    cfg = json.loads((Path(out["model"]) / "config.json").read_text())
+    n_layers, full = int(cfg["num_hidden_layers"]), int(cfg.get("max_position_embeddings", 2048))
+    d = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     lines = [
         "## IsoQuant-3 settings study (`python benchmarks/kv_study.py --readme`)", "",
         f"Measured {out['date']} on {out['device']} (MLX {out['mlx']}), bundled model, held-out text; "
@@ -336,14 +353,17 @@ def render(out: dict) -> str:
         "± is 1.96 × the paired standard error over windows (per-window mean ΔNLL, so within-window correlation "
         "is counted). Rows marked *emul.* store K and V at their own bit widths by quantize→dequantize and attend "
         "densely (same math as the packed path; its 3/3-bit row checks that against the real cache). "
-        "Bytes: KV bytes / fp16 bytes at the window's length.", "",
-        "| setting | ΔPPL | 95% CI | ΔNLL SE (window / token) | mean KL | KV bytes / fp16 |",
-        "| --- | --- | --- | --- | --- | --- |",
+        f"Bytes: KV bytes / fp16 bytes of the packed layout (codes + fp16 norms; fp16 window and fp16 layers at 2 "
+        f"bytes) at the window's {out['context']} tokens and at the model's full {full}. The seed-0 turbo3 and "
+        "wht_so4 rows are exactly what `rq eval ppl --context 1024 --windows 8` measures.", "",
+        f"| setting | ΔPPL | 95% CI | ΔNLL SE (window / token) | mean KL | KV bytes / fp16 @{out['context']} | @{full} |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         name = r["name"] + (" *emul.*" if r.get("emulated") else "")
         lines.append(f"| {name} | {r['rel_dppl']:+.2%} | [{r['rel_dppl_lo']:+.2%}, {r['rel_dppl_hi']:+.2%}] "
-                     f"| {r['se']:.4f} / {r['se_token']:.4f} | {r['mean_kl']:.4f} | {r['bytes_ratio']:.3f} |")
+                     f"| {r['se']:.4f} / {r['se_token']:.4f} | {r['mean_kl']:.4f} | {r['bytes_ratio']:.3f} "
+                     f"| {row_bytes(r, n_layers, d, full):.3f} |")
     by = {r["name"]: r for r in rows}
     seeds = []
     for fam in ("turbo3", "wht_so4"):
@@ -354,8 +374,9 @@ def render(out: dict) -> str:
             se = float(w.std(ddof=1) / math.sqrt(w.size))
             seeds.append(f"| {fam}, mean of {len(rs)} seeds | {math.expm1(m):+.2%} | "
                          f"[{math.expm1(m - 1.96 * se):+.2%}, {math.expm1(m + 1.96 * se):+.2%}] | {se:.4f} / - "
-                         f"| {np.mean([r['mean_kl'] for r in rs]):.4f} | {rs[0]['bytes_ratio']:.3f} |")
-            seeds.append(f"| ↳ seed spread ({fam}) | " + ", ".join(f"{r['rel_dppl']:+.2%}" for r in rs) + " | | | | |")
+                         f"| {np.mean([r['mean_kl'] for r in rs]):.4f} | {rs[0]['bytes_ratio']:.3f} "
+                         f"| {row_bytes(rs[0], n_layers, d, full):.3f} |")
+            seeds.append(f"| ↳ seed spread ({fam}) | " + ", ".join(f"{r['rel_dppl']:+.2%}" for r in rs) + " | | | | | |")
     lines += seeds
     pairs = [(a, b, pairwise(by[a], by[b])) for a, b in PAIRS if a in by and b in by and out["windows"] > 1]
     if pairs:

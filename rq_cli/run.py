@@ -31,6 +31,8 @@ def run(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
     kv: str = typer.Option("fp16", "--kv", help="KV cache of full-attention layers: fp16, isoquant3 or turbo3."),
+    kv_window: int = typer.Option(0, "--kv-window", help="Newest tokens kept in fp16 beside a compressed KV cache "
+                                                         "(32 measured better quality for +6% KV bytes at 2K)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -49,6 +51,8 @@ def run(
         raise RQError("--temp must be >= 0")
     if not 0 < top_p <= 1:
         raise RQError("--top-p must be in (0, 1]")
+    if kv_window < 0:
+        raise RQError("--kv-window must be >= 0")
     if prefill_chunk < 1:
         raise RQError("--prefill-chunk must be >= 1")
 
@@ -89,7 +93,7 @@ def run(
             sys.stdout.flush()
 
     res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
-                   kv=KVSettings(mode=kv), eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
+                   kv=KVSettings(mode=kv, fp16_window=kv_window), eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
                    context_length=ctx, on_token=None if json_out else on_token)
     text_out = tok.decode(res.tokens)
     if json_out:

@@ -5,7 +5,9 @@ Methods: fp16 mx.fast.scaled_dot_product_attention; mlx-lm-style quantized atten
 mx.quantized_matmul, 8-bit and 4-bit, group 64); TurboQuant-3 (dense rotation as matmuls around our
 packed-attention kernels); IsoQuant-3 four-kernel pipeline (query rotation, A, B, C, D); IsoQuant-3
 fused split-context kernels (v1 fp32, v2 mma, v3 default); v4, the single-launch kernel (rotation,
-split-context attention, merge and inverse rotation in one launch; IsoQuant-3 and TurboQuant-3).
+split-context attention, merge and inverse rotation in one launch; IsoQuant-3 and TurboQuant-3); v5, the
+same contract with warp-level streaming (--v5-configs adds thread/launch-bound/grid variants). GPU time of
+the kernels alone (MLX's per-op cost overlaps it): benchmarks/kernel_time.py under ncu.
 Also: per-stage times of the four-kernel pipeline, and Kernel C's word-parallel vs
 dimension-parallel times over context (the switch threshold).
 
@@ -14,7 +16,7 @@ median over repetitions of (wall time of mx.eval) / NL. Copy bandwidth is measur
 (MLX elementwise copy, and torch's device-to-device copy when torch is importable).
 
     python3 benchmarks/attention.py [--contexts 4096,32768,131072] [--layers 16] [--reps 30] [--out DIR]
-        [--methods v4,=IsoQuant-3 fused] [--v4-blocks 132,528]
+        [--methods v4,=IsoQuant-3 fused] [--v4-blocks 132,528] [--v5-configs 256:2:264,512:1:132]
 """
 
 from __future__ import annotations
@@ -183,6 +185,14 @@ def iso_v4(L, i, blocks=None):
         K.V4_BLOCKS = old
 
 
+def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=None):
+    """v5: v4's single launch with warp-level streaming (threads per block, launch bound, block target,
+    load-ahead depth, value decode, copy-ring stages)."""
+    T = L["kc"][i].shape[2]
+    return K.attention_v5(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+                          bits=BITS, scale=SCALE, valid_len=T, nth=nth, minb=minb, blocks=blocks, pf=pf, vdec=vdec, stage=stage)[0]
+
+
 def turbo_v4(L, i):
     """TurboQuant-3 through v4: the dense rotation applied in-kernel (ROT_DENSE), one launch."""
     T = L["kc"][i].shape[2]
@@ -202,6 +212,23 @@ def iso_fused(L, i, variant=None):
                              bits=BITS, scale=SCALE, valid_len=T, variant=variant)[0]
 
 
+def chained(L, f, nl: int) -> list:
+    """NL layers where each layer's query is the previous layer's output (fp16, [1, HQ, 1, D]): a data
+    dependency between layers, so the GPU runs them one after another as in a decode step."""
+    q0 = L["q"]
+    qs = list(q0)
+    L["q"] = qs
+    try:
+        out = None
+        for i in range(nl):
+            if out is not None:
+                qs[i] = out.astype(mx.float16).reshape(1, HQ, 1, D)
+            out = f(i)
+        return [out]
+    finally:
+        L["q"] = q0
+
+
 def bytes_read(method: str, T: int) -> int:
     rows = 2 * HKV * T  # K and V rows
     if method == "fp16 SDPA":
@@ -216,6 +243,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--chain", action="store_true", help="layer i+1's query is layer i's output (as in a model's "
+                    "decode step: the layers run one after another, never side by side on the GPU)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-threshold", action="store_true")
     ap.add_argument("--skip-stages", action="store_true")
@@ -223,6 +252,10 @@ def main() -> None:
                     "matching methods (fp16 SDPA always runs: it is the baseline)")
     ap.add_argument("--v4-blocks", default="", help="comma-separated block targets: extra v4 rows "
                     "(default target: rq_core.kernels.V4_BLOCKS)")
+    ap.add_argument("--v5-configs", default="", help="comma-separated NTH:MINB:BLOCKS[:PF[:VDEC[:STAGE]]]: "
+                    "extra v5 rows (threads per block, launch bound, block target, load-ahead depth, value decode, "
+                    "copy-ring stages; default row: "
+                    "rq_core.kernels.V5_*)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
@@ -259,12 +292,16 @@ def main() -> None:
         }
         for nb in [int(x) for x in a.v4_blocks.split(",") if x]:
             methods[f"IsoQuant-3 v4 {nb} blocks"] = lambda i, nb=nb: iso_v4(L, i, nb)
+        methods["IsoQuant-3 v5 (one launch)"] = lambda i: iso_v5(L, i)
+        for cfg in [tuple(int(v) for v in x.split(":")) for x in a.v5_configs.split(",") if x]:
+            methods["IsoQuant-3 v5 " + "/".join(map(str, cfg))] = lambda i, cfg=cfg: iso_v5(L, i, *cfg)
         methods = {k: f for k, f in methods.items() if wanted(k)}
         res = {}
         for rnd in range(2):  # two rounds, interleaved: the spread between them is the noise
             for name, f in list(methods.items()):
                 try:
-                    ts = timeit(lambda: [f(i) for i in range(nl)], nl, a.reps)
+                    ts = timeit((lambda: chained(L, f, nl)) if a.chain else (lambda: [f(i) for i in range(nl)]), nl,
+                                a.reps)
                 except Exception as e:  # a kernel that fails to build or launch: report it, time the rest
                     print(f"T={T:6d} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                     del methods[name]

@@ -6,7 +6,7 @@ blocks run one after another in a shuffled order, __syncthreads / warp shuffles 
 kernel's logic (indexing, tiles, splits, online softmax, v4's last-block merge and counter reset) without
 a GPU; it says nothing about speed or about memory ordering between blocks.
 
-    python3 benchmarks/emulate_kernel.py            # v4 cases, plus v3 (attn_mma2 + attn_merge) as a control
+    python3 benchmarks/emulate_kernel.py            # v4 and v5 cases, plus v3 (attn_mma2 + attn_merge) as a control
 
 Exit status 1 if any case fails.
 """
@@ -46,6 +46,14 @@ def _emu_source(name: str, template: list, types: dict) -> str:
     src, n = re.subn(re.escape(sig) + r" \{\n  asm volatile.*?\n\}\n", sig + " { emu::mma(c.x, a.x, b.x); }\n", src,
                      flags=re.S)
     assert n == 1, "mma_f16 not found in the CUDA prelude"
+    # attn_v5's asynchronous copies (inline PTX): done at once; the kernel's warp syncs order them
+    for fn, emu in (("INLINE void cp_async16(TG uint* dst, DEV const uint* src)",
+                     "{ std::memcpy(dst, src, 16); }"),
+                    ("INLINE void cp_async_commit()", "{}"),
+                    ("INLINE void cp_async_wait()", "{}")):
+        src, n = re.subn(re.escape(fn) + r" \{\n.*?\n\}\n", fn + " " + emu + "\n", src, count=1, flags=re.S)
+        if n == 0 and fn in src:  # a one-line body
+            src = re.sub(re.escape(fn) + r" \{[^\n]*\}\n", fn + " " + emu + "\n", src, count=1)
     return src
 
 
@@ -91,7 +99,8 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
         shape, code = outputs[n]
         size = int(np.prod(shape))
         ct = CTYPE[code]
-        nan = {"f32": "NAN", "f16": "__float2half_rn(NAN)", "bf16": "__nv_bfloat16{0x7fc0}"}[code]
+        nan = {"f32": "NAN", "f16": "__float2half_rn(NAN)", "bf16": "__nv_bfloat16{0x7fc0}",
+               "u32": "0xB2D05E00u"}[code]  # u32: kernels.APPEND_POISON's value
         lines.append(f"  std::vector<{ct}> out_{n}({size}, {nan});")
         args.append(f"out_{n}.data()")
     kname = f"custom_kernel_rq_{name}"
@@ -152,29 +161,36 @@ def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str):
     return qin, q64, kc, vc, consts, views
 
 
-def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0):
+def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0,
+           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0):
+    """kernel="attn_v5" (run_v5) runs the v5 body with the same inputs and checks; nth: its threads per block."""
     c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4))
     scale = 1.0 / math.sqrt(d)
     qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype)
     R = G * L
     groups = B * Hkv
-    old = K.V4_BLOCKS
-    K.V4_BLOCKS = blocks
-    try:
-        ns = K.v4_plan(T, groups)
-    finally:
-        K.V4_BLOCKS = old
+    if kernel == "attn_v5":
+        ns = K.v5_plan(T, groups, blocks)
+        nth = nth or K.V5_NTH
+    else:
+        old = K.V4_BLOCKS
+        K.V4_BLOCKS = blocks
+        try:
+            ns = K.v4_plan(T, groups)
+        finally:
+            K.V4_BLOCKS = old
+        nth = K.NTH
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     counter = np.zeros(groups, np.uint32)
     tq = qdtype
     template = [("TQ", tq), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
-                ("ROT", rot), ("NTH", K.NTH), ("TILE", K.MMA_TILE)]
-    outs = emulate("attn_v4", template,
+                ("ROT", rot), ("NTH", nth)] + ([("TILE", K.MMA_TILE)] if kernel == "attn_v4" else [("PF", pf), ("VDEC", vdec), ("STAGE", stage)])
+    outs = emulate(kernel, template,
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
                         v_norms=c["vnorm"], counter=counter),
                    dict(out=((B, G * Hkv, L, d), tq), lse=((B, G * Hkv, L), "f32"), o_part=((groups, ns, R, d), "f32"),
                         ml_part=((groups, ns, R, 2), "f32")),
-                   (groups, ns), K.NTH, views=views, types={"q": tq, "out": tq}, seed=seed)
+                   (groups, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed)
     ref = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,
                        offset=T - L, causal=causal, T=T, rot=rot)
     got = outs["out"].astype(np.float64)
@@ -196,6 +212,11 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
     # every output written (no NaN left from the poison), and the counters left zeroed for the next launch
     return dict(err=err, err_half=err_half, lse_err=lse_err, nan=int(np.isnan(got).sum()), ns=ns,
                 counters=int(outs["counter_after"].sum()))
+
+
+def run_v5(rng, **kw):
+    """attn_v5 through the executor: run_v4's inputs and checks (blocks: the grid's block target)."""
+    return run_v4(rng, kernel="attn_v5", **kw)
 
 
 def run_v3(rng, *, G, d, T, bits=3, rot=3, B=1, Hkv=2, seed=0):
@@ -233,6 +254,55 @@ def run_v3(rng, *, G, d, T, bits=3, rot=3, B=1, Hkv=2, seed=0):
                 nan=int(np.isnan(out["out"]).sum()), ns=ns)
 
 
+def run_kv_append(keys, values, mats: np.ndarray, consts: np.ndarray, *, shape: tuple[int, int, int, int], bits: int,
+                  rot: int, nc: bool = False, tk: str = "f32", views: dict | None = None, seed: int = 0) -> dict:
+    """Execute the CUDA rendering of metal/kv_append.body: quantize + pack keys and values [B, H, T, D].
+
+    keys/values: numpy arrays in the input dtype (f32 or f16; bf16 as (uint16 array, "bf16")), or flat
+    buffers starting at a view's first element with views = {"keys": (shape, strides), ...}; consts as
+    kernels._append_consts builds it. Returns k_codes, k_norms, v_codes, v_norms (outputs start poisoned).
+    """
+    B, H, T, D = shape
+    W = (D * bits + 31) // 32
+    template = [("TK", tk), ("D", D), ("BITS", bits), ("ROT", rot), ("NC", int(nc))]
+    return emulate("kv_append", template,
+                   dict(keys=keys, values=values, mats=mats.astype(np.float32), consts=consts.astype(np.float32)),
+                   dict(k_codes=((B, H, T, W), "u32"), k_norms=((B, H, T), "f16"), v_codes=((B, H, T, W), "u32"),
+                        v_norms=((B, H, T), "f16")),
+                   (B * H * T, 2), D, views=views, types={"keys": tk, "values": tk}, seed=seed)
+
+
+class MLXStandIn:
+    """Stands in for the object `mx.fast.cuda_kernel` returns, running the CUDA rendering on this executor:
+    `rq_core.kernels._kernel` can be patched with it so a kernel's Python wrapper (inputs, template, grid,
+    output shapes and dtypes, init_value) runs end to end without a GPU. Inputs arrive as contiguous copies
+    (their own strides). Records each call's template, grid, threadgroup and init_value in `calls`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.calls: list[dict] = []
+
+    def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None,
+                 **_):
+        import mlx.core as mx
+
+        code = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16", mx.uint32: "u32"}
+        tmpl = [(k, code[v] if isinstance(v, mx.Dtype) else int(v)) for k, v in template]
+        self.calls.append(dict(template=tmpl, grid=grid, threadgroup=threadgroup, init_value=init_value))
+        spec = K.SPECS[self.name]
+        ins, types = {}, {}
+        for n, a in zip(spec.inputs, inputs):
+            if a.dtype == mx.bfloat16:
+                ins[n] = (np.ascontiguousarray((np.array(a.astype(mx.float32)).view(np.uint32) >> 16)
+                                               .astype(np.uint16)), "bf16")
+            else:
+                ins[n] = np.ascontiguousarray(np.array(a))  # np.array keeps a view's strides
+            types[n] = code[a.dtype]
+        outs = {n: (tuple(sh), code[dt]) for n, sh, dt in zip(spec.outputs, output_shapes, output_dtypes)}
+        res = emulate(self.name, tmpl, ins, outs, (grid[0] // threadgroup[0], grid[1]), threadgroup[0], types=types)
+        return [mx.array(res[n]) for n in spec.outputs]
+
+
 def main() -> int:
     rng = np.random.default_rng(7)
     fails = 0
@@ -243,6 +313,14 @@ def main() -> int:
         ("v4 G=4 d=128 T=700 L=2 causal bf16", lambda: run_v4(rng, G=4, d=128, T=700, L=2, causal=True, qdtype="bf16")),
         ("v4 G=8 d=64 4-bit T=530 rot=0", lambda: run_v4(rng, G=8, d=64, T=530, bits=4, rot=0, seed=3)),
         ("v4 G=2 d=128 T=400 dense B=2", lambda: run_v4(rng, G=2, d=128, T=400, rot=4, B=2)),
+        ("v5 G=8 d=128 T=300 f32 384 thr", lambda: run_v5(rng, G=8, d=128, T=300, nth=384)),
+        ("v5 G=8 d=128 T=1 f16", lambda: run_v5(rng, G=8, d=128, T=1, qdtype="f16")),
+        ("v5 G=4 d=128 T=700 L=2 causal bf16", lambda: run_v5(rng, G=4, d=128, T=700, L=2, causal=True,
+                                                               qdtype="bf16", nth=256)),
+        ("v5 G=8 d=64 4-bit T=530 rot=0 pf=1", lambda: run_v5(rng, G=8, d=64, T=530, bits=4, rot=0, pf=1, nth=128)),
+        ("v5 G=2 d=128 T=400 dense B=2", lambda: run_v5(rng, G=2, d=128, T=400, rot=4, B=2, nth=256)),
+        ("v5 G=8 d=256 T=300 512 thr", lambda: run_v5(rng, G=8, d=256, T=300, nth=512)),
+        ("v5 G=8 d=128 T=1000 cp.async ring 2", lambda: run_v5(rng, G=8, d=128, T=1000, nth=256, pf=1, stage=2)),
     ]
     for label, fn in cases:
         r = fn()

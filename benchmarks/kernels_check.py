@@ -249,7 +249,8 @@ def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False):
     return dict(q=q, mats=mats, levels=levels, kidx=kidx, vidx=vidx, knorm=knorm, vnorm=vnorm, Tcap=Tcap)
 
 
-def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=False, qdtype="f32", variant=None):
+def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=False, qdtype="f32", variant=None,
+             v5cfg=None):
     q, mats = c["q"], c["mats"]
     args = dict(bits=bits, scale=1.0 / math.sqrt(q.shape[-1]), valid_len=T, offset=offset, causal=causal, rot=rot)
     kc = mx.array(pack64(c["kidx"], bits))
@@ -263,6 +264,12 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=Fals
         q = np.array(qq.astype(mx.float32), dtype=np.float64)
     if path == "v4":  # one launch; out in q's dtype (compared in float64)
         out, lse = K.attention_v4(qq, m, kc, kn, vc, vn, lv, **args)
+        mx.eval(out, lse)
+        out = out.astype(mx.float32)
+    elif path == "v5":  # v4's contract; v5cfg = (threads per block, launch bound) or None for the defaults
+        nth, minb, pf, vdec, stage = (tuple(v5cfg) + (None,) * 5)[:5] if v5cfg else (None,) * 5
+        out, lse = K.attention_v5(qq, m, kc, kn, vc, vn, lv, nth=nth, minb=minb, pf=pf, vdec=vdec, stage=stage,
+                                  **args)
         mx.eval(out, lse)
         out = out.astype(mx.float32)
     elif path == "fused":
@@ -295,7 +302,11 @@ def main() -> int:
                     "its own rounding: 1e-3 / 8e-3). A matrix-unit case passes under either tolerance: the error "
                     "against the exact levels grows with context (their rounding is systematic while the output "
                     "averages out), the one against the half levels should stay at fp32 accuracy")
-    ap.add_argument("--only", default="", help="comma-separated paths to run: v4, mma2, mma, fused, four")
+    ap.add_argument("--only", default="", help="comma-separated paths to run: v5, v4, mma2, mma, fused, four")
+    ap.add_argument("--v5-configs", default="", help="extra attn_v5 configurations NTH:MINB[:PF[:VDEC[:STAGE]]] "
+                    "(threads per block, launch bound, load-ahead depth, value decode, copy-ring stages; e.g. 256:2,512:1:1), each checked on the main shape at "
+                    "513, 4096 and 32768 tokens")
+    ap.add_argument("--quick-v5", action="store_true", help="v5: 9 cases in 4 shape classes (short device runs)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import mlx.core as mx
@@ -312,6 +323,25 @@ def main() -> int:
     print(f"kernels_check: backend {K.backend()}, MLX {mx.__version__}")
     rng = np.random.default_rng(int(time.time()))
     cases = []
+    # v5: the single-launch kernel with warp-level streaming: v4's case list, plus extra configurations
+    for T in (1, 7, 511, 512, 513, 4096, 32768, 131072):
+        cases.append(dict(G=8, d=128, T=T, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3))
+    for G in (1, 4):
+        cases.append(dict(G=G, d=128, T=513, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=8, d=256, T=4097, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3))
+    cases.append(dict(G=8, d=64, T=2000, L=1, path="v5", strategy=None, causal=False, rot=3, bits=4))
+    cases.append(dict(G=8, d=128, T=4099, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3, qdtype="f16"))
+    cases.append(dict(G=8, d=128, T=4099, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3, qdtype="bf16"))
+    cases.append(dict(G=4, d=128, T=700, L=2, path="v5", strategy=None, causal=True, rot=3, bits=3))
+    cases.append(dict(G=8, d=128, T=3000, L=1, path="v5", strategy=None, causal=False, rot=0, bits=3))
+    cases.append(dict(G=8, d=128, T=3000, L=1, path="v5", strategy=None, causal=False, rot=4, bits=3))
+    cases.append(dict(G=8, d=128, T=1500, L=1, path="v5", strategy=None, causal=False, rot=3, bits=2))
+    cases.append(dict(G=8, d=128, T=40000, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3, repeat=3))
+    for cfg in [x for x in a.v5_configs.split(",") if x]:
+        v5cfg = tuple(int(v) for v in cfg.split(":"))
+        for T in (513, 4096, 32768):
+            cases.append(dict(G=8, d=128, T=T, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3,
+                              v5cfg=v5cfg))
     # v4: the single-launch kernel (first: it has never run on a GPU). Every context of the issue, the
     # other GQA groups / head dims it covers, query dtypes, causal, no rotation, the dense rotation, and
     # two launches in a row (the counters must come back zeroed: a stale counter gives NaN or garbage)
@@ -370,24 +400,30 @@ def main() -> int:
     if a.only:
         keep = set(a.only.split(","))
         cases = [cs for cs in cases if cs["path"] in keep]
+    if a.quick_v5:  # the v5 cases that need the fewest compiles: main shape at 6 contexts, G = 1, bf16, causal
+        cases = [cs for cs in cases if cs["path"] != "v5" or cs.get("v5cfg") or (
+            (cs["G"], cs["d"], cs["bits"], cs["rot"]) == (8, 128, 3, 3) and cs["T"] in (1, 7, 513, 4096, 32768, 131072)
+            and cs.get("qdtype", "f32") == "f32" and not cs["causal"] and "repeat" not in cs)
+            or (cs["G"] == 1) or cs.get("qdtype") == "bf16" or cs["causal"]]
     for cs in cases:
         c = make_case(rng, B=1, Hkv=2, G=cs["G"], L=cs["L"], d=cs["d"], T=cs["T"], bits=cs["bits"],
                       dense=bool(cs["rot"] & 4))
         offset = cs["T"] - cs["L"]
         t0 = time.time()
         try:
-            mma = cs["path"] in ("mma", "mma2", "v4")
+            mma = cs["path"] in ("mma", "mma2", "v4", "v5")
             err, nan, err_h = 0.0, 0, None
-            path = cs["path"] if cs["path"] in ("v4", "four") else "fused"
+            path = cs["path"] if cs["path"] in ("v4", "v5", "four") else "fused"
             for _ in range(cs.get("repeat", 1)):  # v4: later launches reuse counter slots left zeroed
                 e1, n1, h1 = run_case(K, mx, c, T=cs["T"], bits=cs["bits"], path=path, strategy=cs["strategy"],
                                       causal=cs["causal"], offset=offset, rot=cs["rot"], mma=mma,
-                                      qdtype=cs.get("qdtype", "f32"), variant=cs["path"] if mma else None)
+                                      qdtype=cs.get("qdtype", "f32"), variant=cs["path"] if mma else None,
+                                      v5cfg=cs.get("v5cfg"))
                 err, nan = max(err, e1), nan + n1
                 err_h = h1 if err_h is None or h1 is None else max(err_h, h1)
             if mma:
                 tol, tol_x = a.tol_half, a.tol_mma
-                if cs.get("qdtype") in ("f16", "bf16") and cs["path"] == "v4":  # output rounded to the query dtype
+                if cs.get("qdtype") in ("f16", "bf16") and cs["path"] in ("v4", "v5"):  # output in the query dtype
                     tol, tol_x = (1e-3, 4e-3) if cs["qdtype"] == "f16" else (8e-3, 1.6e-2)
                 ok = nan == 0 and (err_h < tol or err < tol_x)
             else:
@@ -400,6 +436,7 @@ def main() -> int:
         results.append(r)
         name = f"{cs['path']}{'/' + cs['strategy'] if cs['strategy'] else ''}"
         name += f"/{cs['qdtype']}q" if cs.get("qdtype", "f32") != "f32" else ""
+        name += "/" + ":".join(map(str, cs["v5cfg"])) if cs.get("v5cfg") else ""
         print(f"{'ok  ' if ok else 'FAIL'} {name:9s} G={cs['G']} d={cs['d']:3d} T={cs['T']:6d} L={cs['L']} "
               f"bits={cs['bits']} rot={cs['rot']} causal={int(cs['causal'])}  rel.err {err:.2e}"
               f"{'' if err_h is None else f' (half levels {err_h:.1e})'}  nan {nan}  "

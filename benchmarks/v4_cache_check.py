@@ -65,7 +65,7 @@ def main() -> int:
     scale = 1.0 / math.sqrt(D)
     fails = 0
     for label, cls in (("isoquant3", IsoQuantCache), ("turbo3", TurboQuantCache)):
-        for version in ("v3", "v3r", "v4"):
+        for version in [v for v in os.environ.get("RQ_CHECK_VERSIONS", "v3,v3r,v4,v5").split(",") if v]:
             os.environ["RQ_ATTN"] = version
             cache = cls(head_dim=D, n_kv_heads=HKV, layer=3)
             qp = mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16))

@@ -14,6 +14,7 @@ INLINE float to_float(__half x) { return __half2float(x); }
 INLINE float fmax_f(float a, float b) { return fmaxf(a, b); }
 INLINE float exp2_f(float x) { return exp2f(x); }
 INLINE float rsqrt_f(float x) { return rsqrtf(x); }
+INLINE float sqrt_f(float x) { return sqrtf(x); }  // IEEE (kv_append's norm, as MLX's sqrt)
 INLINE float simd_sum_f(float x) {
   UNROLL for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
   return x;
@@ -80,6 +81,37 @@ INLINE void atomic_zero_dev(DEV const uint* p) { atomicExch(const_cast<uint*>(p)
 // loads of data other blocks wrote in this launch: through L2, never a stale L1 line
 INLINE float ld_dev(DEV const float* p) { return __ldcg(p); }
 INLINE float4 ld_dev4(DEV const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+// ---- v5 (warp-level streaming): rows of a C fragment, warp sync and vote, a single half ----
+#define FRAG_C_NR 2  // distinct query rows (n) a thread holds in a C fragment: frag_c_n(lane, r), r < FRAG_C_NR
+INLINE int frag_c_r(int e) { return e & 1; }  // which of them element e belongs to
+// reduce over the lanes that hold the same rows (they differ in the m index: lane bits 2, 3, 4)
+INLINE float frag_c_red_max(float x) {
+  UNROLL for (int m = 4; m < 32; m <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
+  return x;
+}
+INLINE float frag_c_red_sum(float x) {
+  UNROLL for (int m = 4; m < 32; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+#define SYNCWARP() __syncwarp()
+INLINE bool simd_any_b(bool b) { return __any_sync(0xffffffffu, b) != 0; }
+typedef __half hf;
+INLINE hf hf_zero() { return __float2half_rn(0.0f); }
+// bytes of {b:a} picked by the 4 selector nibbles (low 3 bits each); a half2's bits and back
+INLINE uint byte_perm(uint a, uint b, uint s) { return __byte_perm(a, b, s); }
+INLINE uint h2_bits(h2 v) { return *reinterpret_cast<THR uint*>(&v); }
+INLINE h2 bits_h2(uint u) { return *reinterpret_cast<THR h2*>(&u); }
+// asynchronous 16-byte copies device -> threadgroup memory (cp.async, L2 only), committed as a group;
+// cp_async_wait<N>: until at most N of this thread's groups are pending
+INLINE void cp_async16(TG uint* dst, DEV const uint* src) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+}
+INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+INLINE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 //--- body ---
 const uint TID = threadIdx.x;
 const uint NT = blockDim.x;

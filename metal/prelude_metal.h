@@ -11,6 +11,7 @@ INLINE float to_float(half x) { return float(x); }
 INLINE float fmax_f(float a, float b) { return fmax(a, b); }
 INLINE float exp2_f(float x) { return exp2(x); }
 INLINE float rsqrt_f(float x) { return rsqrt(x); }
+INLINE float sqrt_f(float x) { return sqrt(x); }
 INLINE float simd_sum_f(float x) { return simd_sum(x); }
 INLINE float simd_max_f(float x) { return simd_max(x); }
 INLINE float shfl_xor_f(float x, int m) { return simd_shuffle_xor(x, ushort(m)); }
@@ -69,6 +70,43 @@ INLINE uint atomic_inc_dev(DEV const uint* p) {
 INLINE void atomic_zero_dev(DEV const uint* p) { atomic_store_explicit((DEV atomic_uint*)p, 0u, memory_order_relaxed); }
 INLINE float ld_dev(DEV const float* p) { return *((DEV const volatile float*)p); }
 INLINE float4 ld_dev4(DEV const float* p) { return float4(ld_dev(p), ld_dev(p + 1), ld_dev(p + 2), ld_dev(p + 3)); }
+// ---- v5 (warp-level streaming): rows of a C fragment, SIMD-group sync and vote, a single half ----
+#define FRAG_C_NR 2  // distinct query rows (n) a thread holds in a C fragment: frag_c_n(lane, r), r < FRAG_C_NR
+INLINE int frag_c_r(int e) { return e; }  // which of them element e belongs to
+// reduce over the lanes that hold the same rows (they differ in the m index: lane bits 1, 2, 4)
+INLINE float frag_c_red_max(float x) {
+  x = fmax(x, simd_shuffle_xor(x, ushort(2)));
+  x = fmax(x, simd_shuffle_xor(x, ushort(4)));
+  return fmax(x, simd_shuffle_xor(x, ushort(16)));
+}
+INLINE float frag_c_red_sum(float x) {
+  x += simd_shuffle_xor(x, ushort(2));
+  x += simd_shuffle_xor(x, ushort(4));
+  return x + simd_shuffle_xor(x, ushort(16));
+}
+#define SYNCWARP() simdgroup_barrier(mem_flags::mem_threadgroup)
+INLINE bool simd_any_b(bool b) { return simd_any(b); }
+typedef half hf;
+INLINE hf hf_zero() { return half(0.0f); }
+// bytes of {b:a} picked by the 4 selector nibbles (low 3 bits each); a half2's bits and back
+INLINE uint byte_perm(uint a, uint b, uint s) {
+  const ulong x = (ulong(b) << 32) | ulong(a);
+  uint r = 0u;
+  for (int n = 0; n < 4; ++n) r |= uint((x >> (8u * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+  return r;
+}
+INLINE uint h2_bits(h2 v) { return as_type<uint>(v); }
+INLINE h2 bits_h2(uint u) { return as_type<h2>(u); }
+// asynchronous 16-byte copies device -> threadgroup memory: plain copies on Metal (the group calls do nothing)
+INLINE void cp_async16(TG uint* dst, DEV const uint* src) {
+  dst[0] = src[0];
+  dst[1] = src[1];
+  dst[2] = src[2];
+  dst[3] = src[3];
+}
+INLINE void cp_async_commit() {}
+template <int N>
+INLINE void cp_async_wait() {}
 //--- body ---
 const uint TID = thread_position_in_threadgroup.x;
 const uint NT = threads_per_threadgroup.x;

@@ -13,10 +13,11 @@ Pipeline (docs/FORMAT.md, "Compressed KV cache layout"), each stage callable on 
   softmax          Kernel B: fp32, stable, masked
   value_accum      Kernel C: "word" (word-parallel) or "dim" (dimension-parallel) strategy
   rotate_inverse   Kernel D: o = R^T o~
-and the default fused path (v3): `attn_mma2` (rotation + A + online softmax + C over one context split
-on the matrix units) then `attn_merge` (merge the splits + D). v4 (`attn_v4`, selected with
-`variant="v4"` or RQ_ATTN=v4; NOT YET RUN ON A GPU) does all of it in one launch: the last block of
-each (batch, kv head) merges the splits and rotates back (docs/KERNEL_NOTES.md, "v4").
+and the v3 fused path: `attn_mma2` (rotation + A + online softmax + C over one context split
+on the matrix units) then `attn_merge` (merge the splits + D). v4 (`attn_v4`: `variant="v4"` or
+RQ_ATTN=v4, the default for IsoQuant rotations) does all of it in one launch: the last block of each
+(batch, kv head) merges the splits and rotates back (docs/KERNEL_NOTES.md, "v4"); v5 (`attn_v5`, `variant="v5"` or
+RQ_ATTN=v5, opt-in) keeps v4's contract with each warp streaming its own token steps ("v5").
 `packed_attention` follows the contract of
 `rq_core.attention.packed_attention` (queries already rotated; returns (o~, lse)).
 """
@@ -24,6 +25,7 @@ each (batch, kv head) merges the splits and rotates back (docs/KERNEL_NOTES.md, 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -53,6 +55,17 @@ ROT_WHT, ROT_SO4, ROT_DENSE = 1, 2, 4
 # v4: aim for about this many (kv head, split) blocks; the last block of each kv head merges all its
 # splits, so fewer splits make a shorter tail (2 per SM on the H200's 132 SMs). RQ_V4_BLOCKS tunes it.
 V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
+# v5: blocks of V5_NTH threads (each warp streams its own steps), about V5_BLOCKS blocks in all
+# (384 threads: 12 warps; nvcc 13 gives 165 registers without a bound, so one block per SM: 132 on the H200.
+# Measured there: correct, kernel 69 µs at 128K. 512 threads with PF 1 did not launch: NVRTC's build needs
+# more than the 128 registers nvcc reports, and 512 x 129+ exceeds the register file.)
+V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "132"))
+V5_NTH = int(os.environ.get("RQ_V5_NTH", "384"))
+V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets)
+V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "1"))  # 1: values decoded by byte permutes (<= 3 bits), 0: table
+# 0: code rows through registers (as measured on the H200); n > 0: an n-slot per-warp ring in threadgroup
+# memory filled by cp.async (PF must be 1; NOT YET RUN ON A GPU)
+V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "0"))
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,10 @@ SPECS: dict[str, Spec] = {
     "attn_v4": Spec("attn_v4.body",
                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter"),
                     ("out", "lse", "o_part", "ml_part"), contiguous=False),
+    # v5: v4's contract, warp-level streaming (docs/KERNEL_NOTES.md, "v5")
+    "attn_v5": Spec("attn_v5.body",
+                    ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter"),
+                    ("out", "lse", "o_part", "ml_part"), contiguous=False),
     "attn_combine": Spec("attn_combine.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "attn_merge": Spec("attn_merge.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "rotate_query": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
@@ -86,6 +103,9 @@ SPECS: dict[str, Spec] = {
     "value_dim": Spec("value_dim.body", ("probs", "levels", "v_codes", "v_norms", "prm"), ("part",)),
     "value_reduce": Spec("value_reduce.body", ("part", "prm"), ("out",)),
     "value_word": Spec("value_word.body", ("probs", "levels", "v_codes", "v_norms", "prm"), ("out",)),
+    # quantize + pack new K and V rows in one launch (IsoQuantCache's append); keys/values read through strides
+    "kv_append": Spec("kv_append.body", ("keys", "values", "mats", "consts"),
+                      ("k_codes", "k_norms", "v_codes", "v_norms"), contiguous=False),
 }
 
 
@@ -364,9 +384,10 @@ def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
     if mma is None:
         mma = os.environ.get("RQ_ATTN_MMA", "1") != "0"
     variant = variant or os.environ.get("RQ_ATTN_VARIANT", "mma2")
-    if variant == "v4":  # one launch; out comes back in q's dtype (float32 for float32 queries)
-        return attention_v4(q, mats, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
-                            valid_len=valid_len, offset=offset, causal=causal, rot=rot)
+    if variant in ("v4", "v5"):  # one launch; out comes back in q's dtype (float32 for float32 queries)
+        fn = attention_v4 if variant == "v4" else attention_v5
+        return fn(q, mats, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
+                  valid_len=valid_len, offset=offset, causal=causal, rot=rot)
     if not mma:
         variant = "fp32"
     if variant == "mma2" and _mma_smem(D, bits, R, True) > SMEM_LIMIT[be]:
@@ -481,6 +502,103 @@ def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     return out, lse
 
 
+V5_MAXNS = 128  # splits per (batch, kv head) attn_v5's last block merges (MAXNS in the body)
+
+
+# CUDA: blocks of attn_v5 resident per SM that the compiler must allow for (register cap through
+# __launch_bounds__); 0: no bound (the default; the bound is untested under NVRTC). nvcc 13, PF 2: 165
+# registers unbounded; with (256, 2) or (512, 1), 128 registers and ~200 bytes of spills.
+V5_MINB = int(os.environ.get("RQ_V5_MINB", "0"))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_v5(be: str, nth: int, minb: int):
+    """attn_v5 compiled with an optional launch bound. MLX builds `header` + `__global__ void name(...)`,
+    so on CUDA a header that redefines __global__ (as CUDA's host_defines.h spells it, with
+    __launch_bounds__ added) bounds this kernel only; the name carries the bound (MLX caches modules by
+    name and template)."""
+    header, source = render("attn_v5", be)
+    name = "rq_attn_v5"
+    if be == "cuda" and minb > 0:
+        header += f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({nth}, {minb})\n"
+        name += f"_lb{minb}"
+    spec = SPECS["attn_v5"]
+    make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
+    return make(name=name, input_names=list(spec.inputs), output_names=list(spec.outputs), source=source,
+                header=header, ensure_row_contiguous=False)
+
+
+def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
+    """Split count of attn_v5: about `blocks` (V5_BLOCKS) blocks in all, at least 128 tokens a split."""
+    target = V5_BLOCKS if blocks is None else blocks
+    return max(1, min(-(-T // 128), -(-target // max(1, n_groups)), V5_MAXNS))
+
+
+def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0) -> int:
+    """Threadgroup bytes of attn_v5 (the body's arrays)."""
+    step = 16 if be == "cuda" else 8
+    nwarp = nth // 32
+    np_ = 1 << (2 * bits)
+    luts = 32 if np_ * 32 * 4 <= 8192 else 1
+    pool = 2 * R * D + max(nwarp * R * (step + 4), R * V5_MAXNS)
+    ring = nwarp * stage * 2 * step * (D * bits // 32) if stage > 0 else 4
+    return 4 * np_ * luts + 4 * pool + 4 * (2 * nwarp * MMA_N + 2 * MMA_N + 1) + 4 * ring
+
+
+def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None) -> bool:
+    """Shapes attn_v5 covers: those of the matrix-unit kernels, within the threadgroup memory limit."""
+    nth = V5_NTH if nth is None else nth
+    stage = V5_STAGE if stage is None else stage
+    return (mma_ok(D, bits, R) and nth % 64 == 0 and stage >= 0
+            and _v5_smem(D, bits, R, nth, be, stage) <= SMEM_LIMIT[be])
+
+
+def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
+                 v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, valid_len: int, offset: int = 0,
+                 causal: bool = False, rot: int = ROT_WHT | ROT_SO4, blocks: int | None = None,
+                 nth: int | None = None, minb: int | None = None, pf: int | None = None,
+                 vdec: int | None = None, stage: int | None = None) -> tuple[mx.array, mx.array]:
+    """Single-launch attention, v5: attention_v4's contract (arguments, outputs, counter pool), a kernel
+    whose warps stream their own token steps (metal/attn_v5.body). blocks / nth / minb / pf / vdec / stage:
+    the grid's target block count, threads per block, the launch bound, the load-ahead depth, the value
+    decode and the copy ring (default V5_BLOCKS, V5_NTH, V5_MINB, V5_PF, V5_VDEC, V5_STAGE; stage > 0
+    forces pf = 1). Code rows must start 16-byte aligned for stage > 0 (whole cache buffers do)."""
+    if backend() is None:
+        raise KernelUnsupported("no GPU backend")
+    B, Hq, L, D = q.shape
+    Hkv = k_codes.shape[1]
+    R = (Hq // Hkv) * L
+    _check(D, bits, R)
+    be = backend() or "cuda"
+    nth = V5_NTH if nth is None else nth
+    stage = V5_STAGE if stage is None else stage
+    pf = 1 if stage > 0 else (V5_PF if pf is None else pf)
+    if rot not in (0, ROT_WHT, ROT_SO4, ROT_WHT | ROT_SO4, ROT_DENSE):
+        raise ValueError(f"rot={rot}: the dense rotation does not combine with the WHT or SO(4) blocks")
+    if not v5_ok(D, bits, R, be, nth, stage):
+        raise KernelUnsupported(f"v5: R={R}, head_dim {D}, {bits}-bit codes, {nth} threads, {stage} stages")
+    T = valid_len
+    if causal and offset + 1 >= T:
+        causal = False  # every query sees every valid key
+    if causal and offset != T - L:
+        raise KernelUnsupported("v5: causal offset other than valid_len - L")
+    qd = q if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else q.astype(mx.float32)
+    groups = B * Hkv
+    ns = v5_plan(T, groups, blocks)
+    k = _kernel_v5(be, nth, V5_MINB if minb is None else minb)
+    out, lse, _, _ = k(
+        inputs=[qd, _mats(mats), _consts(levels, scale), k_codes, k_norms[:, :, :T], v_codes, v_norms,
+                _counter(groups)],
+        template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv),
+                  ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("PF", pf),
+                  ("VDEC", V5_VDEC if vdec is None else vdec), ("STAGE", stage)],
+        grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
+        output_shapes=[(B, Hq, L, D), (B, Hq, L), (groups, ns, R, D), (groups, ns, R, 2)],
+        output_dtypes=[qd.dtype, mx.float32, mx.float32, mx.float32],
+        init_value=float("nan") if POISON else None)
+    return out, lse
+
+
 _ROT_ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -502,14 +620,15 @@ def rotation_args(rotation) -> tuple[int, mx.array | None]:
 
 
 def attn_version() -> str:
-    """Which GPU attention IsoQuantCache uses (env RQ_ATTN): "v3" (default: MLX-op query rotation, v3
-    split kernel + merge, MLX-op inverse rotation), "v3r" (the same two v3 kernels rotating in-kernel,
-    no rotation ops) or "v4" (one launch). v3r and v4 have not run on a GPU yet."""
-    v = os.environ.get("RQ_ATTN", "v3")
-    if v not in ("v3", "v3r", "v4"):
+    """Which GPU attention IsoQuantCache uses (env RQ_ATTN): "v4" (default: one launch; on the H200,
+    2026-11-29, correct against float64 and faster than v3 at 4K, 32K and 128K), "v3" (MLX-op query
+    rotation, v3 split kernel + merge, MLX-op inverse rotation), "v3r" (the same two v3 kernels rotating
+    in-kernel) or "v5" (one launch, warp-level streaming; opt-in: docs/KERNEL_NOTES.md)."""
+    v = os.environ.get("RQ_ATTN", "v4")
+    if v not in ("v3", "v3r", "v4", "v5"):
         from rq_core.errors import RQError
 
-        raise RQError(f"RQ_ATTN={v!r} is not a kernel version (choose v3, v3r or v4)")
+        raise RQError(f"RQ_ATTN={v!r} is not a kernel version (choose v3, v3r, v4 or v5)")
     return v
 
 
@@ -518,7 +637,7 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
                  valid_len: int) -> mx.array | None:
     """IsoQuantCache's whole attention over packed codes with the rotation done in-kernel, or None.
 
-    RQ_ATTN=v4: one launch. RQ_ATTN=v3r: attn_mma2 + attn_merge with ROT (2 launches; not for the
+    RQ_ATTN=v4 or v5: one launch. RQ_ATTN=v3r: attn_mma2 + attn_merge with ROT (2 launches; not for the
     dense rotation). None (the caller takes its usual path) for v3, without a GPU backend, or for
     shapes the kernels do not cover. The caller must have no fp16 segment to merge: the output is
     final, in the queries' dtype.
@@ -534,7 +653,11 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
         rot, mats = rotation_args(rotation)
         args = dict(bits=bits, scale=scale, valid_len=valid_len, offset=offset, causal=causal, rot=rot)
         if version == "v4":
+            if rot & ROT_DENSE and "RQ_ATTN" not in os.environ:
+                return None  # TurboQuant: v3 + the rotation as matmuls measured faster than in-kernel dense
             return attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, **args)[0]
+        if version == "v5":
+            return attention_v5(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, **args)[0]
         R = (Hq // Hkv) * L
         if rot & ROT_DENSE or not mma_ok(D, bits, R) or (causal and offset + 1 < valid_len
                                                         and offset != valid_len - L):
@@ -589,7 +712,8 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
         raise KernelUnsupported("causal offset other than valid_len - L")
     if path == "fused":
         R = (q_rot.shape[1] // k_codes.shape[1]) * q_rot.shape[2]
-        v4 = attn_version() == "v4" and v4_ok(q_rot.shape[3], bits, R, backend() or "cuda")
+        # the caller rotates (dense rotation or an fp16 segment to merge): v3 unless RQ_ATTN=v4 says so
+        v4 = os.environ.get("RQ_ATTN") == "v4" and v4_ok(q_rot.shape[3], bits, R, backend() or "cuda")
         o, lse = attention_split(q_rot, None, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
                                  valid_len=valid_len, offset=offset, causal=causal, rot=0,
                                  variant="v4" if v4 else None)
@@ -619,6 +743,91 @@ def can_dispatch(q_rot: mx.array, k_codes: mx.array, bits: int, mask, *, offset:
     except KernelUnsupported:
         return False
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# kv_append: the compressed cache's append (quantize + pack K and V) in one launch
+
+APPEND_DIMS = (32, 64, 128, 256, 512)
+# With POISON the outputs start as 3e9 (codes 0xB2D05E00, norms inf): NaN has no uint32 value.
+APPEND_POISON = 3.0e9
+_APPEND_CONSTS: dict = {}
+
+
+def append_mode() -> str:
+    """How IsoQuantCache quantizes appended tokens on a GPU (env RQ_APPEND): "kernel" (default: one
+    kv_append launch for K and V) or "ops" (quantize_kv's MLX ops, the reference). CPU always uses the ops."""
+    v = os.environ.get("RQ_APPEND", "kernel")
+    if v not in ("kernel", "ops"):
+        from rq_core.errors import RQError
+
+        raise RQError(f"RQ_APPEND={v!r} is not an append path (choose kernel or ops)")
+    return v
+
+
+def _append_consts(levels: mx.array, d: int) -> mx.array:
+    """[levels, thresholds, 1/sqrt(d), sqrt(d)] float32 on the device, once per (codebook array, d).
+    The thresholds and both scalars are rounded exactly as quantize_kv / Rotation.forward round them."""
+    key = (id(levels), d)
+    hit = _APPEND_CONSTS.get(key)
+    if hit is None or hit[0] is not levels:
+        lv = levels.astype(mx.float32).reshape(-1)
+        thr = (lv[1:] + lv[:-1]) / 2
+        arr = mx.concatenate([lv, thr, mx.array([1.0 / math.sqrt(d), math.sqrt(d)], dtype=mx.float32)])
+        mx.eval(arr)
+        if len(_APPEND_CONSTS) > 4096:  # one entry per cache layer's codebook array: keep every layer's
+            _APPEND_CONSTS.clear()
+        hit = _APPEND_CONSTS[key] = (levels, arr)
+    return hit[1]
+
+
+def kv_append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, bits: int, *,
+                    norm_correction: bool = False) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """quantize_kv of keys and of values [B, Hkv, T, d] in ONE kernel launch (metal/kv_append.body).
+
+    Returns (k_codes uint32 [B, Hkv, T, W], k_norms float16 [B, Hkv, T], v_codes, v_norms), equal to
+    quantize_kv's except for coordinates within float32 rounding of a codebook boundary. keys/values may
+    be any strided views (a slice of a cache buffer: no copy op). Every rotation variant is done in-kernel
+    (WHT, SO(4) blocks, dense). Raises KernelUnsupported for shapes it does not cover.
+    """
+    if keys.ndim != 4 or values.shape != keys.shape:
+        raise KernelUnsupported(f"keys {tuple(keys.shape)} / values {tuple(values.shape)}")
+    B, H, T, D = keys.shape
+    if D not in APPEND_DIMS:
+        raise KernelUnsupported(f"kv_append: head_dim {D}")
+    if not 1 <= bits <= 4 or levels.size != 1 << bits:
+        raise KernelUnsupported(f"kv_append: {bits}-bit codes with {levels.size} levels")
+    if rotation.d != D or rotation.n_heads != H:
+        raise KernelUnsupported(f"kv_append: rotation for d={rotation.d}, {rotation.n_heads} heads")
+    rows = B * H * T
+    if rows == 0 or rows * D >= 1 << 31:
+        raise KernelUnsupported(f"kv_append: {rows} rows")
+    be = backend()
+    if be is None:
+        raise KernelUnsupported("no GPU backend")
+    if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+    rot, mats = rotation_args(rotation)
+    W = (D * bits + 31) // 32
+    k = _kernel("kv_append", be)
+    return tuple(k(inputs=[keys, values, _mats(mats), _append_consts(levels, D)],
+                   template=[("TK", keys.dtype), ("D", D), ("BITS", bits), ("ROT", rot), ("NC", int(norm_correction))],
+                   grid=(rows * D, 2, 1), threadgroup=(D, 1, 1),
+                   output_shapes=[(B, H, T, W), (B, H, T), (B, H, T, W), (B, H, T)],
+                   output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16],
+                   init_value=APPEND_POISON if POISON else None))
+
+
+def append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, bits: int, *,
+                 norm_correction: bool = False) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+    """IsoQuantCache's append on a GPU: kv_append_codes, or None (the caller runs quantize_kv) on CPU,
+    with RQ_APPEND=ops, or for shapes the kernel does not cover."""
+    if append_mode() == "ops" or not available():
+        return None
+    try:
+        return kv_append_codes(keys, values, rotation, levels, bits, norm_correction=norm_correction)
+    except KernelUnsupported:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -230,6 +230,17 @@ class IsoQuantCache:
     def compress(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return quantize_kv(x, self.rotation, self.levels, self.bits, norm_correction=self.norm_correction)
 
+    def compress_kv(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """(k_codes, k_norms, v_codes, v_norms) of new tokens: on a GPU one kv_append launch for K and V
+        (RQ_APPEND=ops keeps quantize_kv's MLX ops there); on CPU quantize_kv, the reference."""
+        from rq_core import kernels
+
+        out = kernels.append_codes(keys, values, self.rotation, self.levels, self.bits,
+                                   norm_correction=self.norm_correction)
+        if out is not None:
+            return out
+        return (*self.compress(keys), *self.compress(values))
+
     def _spill(self, keep: int) -> None:
         """Compress the oldest fp16 tokens so that at most `keep` stay in fp16."""
         n = self.fp16_len - keep
@@ -237,8 +248,7 @@ class IsoQuantCache:
             return
         for a in range(0, n, self.compress_chunk):
             b = min(n, a + self.compress_chunk)
-            kc, kn = self.compress(self._fk[:, :, a:b])
-            vc, vn = self.compress(self._fv[:, :, a:b])
+            kc, kn, vc, vn = self.compress_kv(self._fk[:, :, a:b], self._fv[:, :, a:b])
             self._append_packed(kc, kn, vc, vn)
             if n > self.compress_chunk:
                 mx.eval(self.k_codes, self.k_norms, self.v_codes, self.v_norms)

@@ -473,7 +473,9 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
             measures[f"C_{alt}"] = (lambda fns=fns: [f() for f in fns], None)
         if all(hasattr(c.obj, "compress") for c in kv_calls):
             # Appending the new token: quantize + pack its K and V (inside `attend`, outside the stages).
-            measures["append"] = (lambda: [(c.obj.compress(c.args[1]), c.obj.compress(c.args[2]))
+            # compress_kv: one kv_append launch for K and V on a GPU (RQ_APPEND=ops: quantize_kv's ops)
+            measures["append"] = (lambda: [c.obj.compress_kv(c.args[1], c.args[2]) if hasattr(c.obj, "compress_kv")
+                                           else (c.obj.compress(c.args[1]), c.obj.compress(c.args[2]))
                                            for c in kv_calls], None)
         if staged[0]["path"] == "kernels":
             # The GPU default may be a fused single-pass kernel; the stages add up to the four-kernel path.

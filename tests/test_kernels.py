@@ -41,6 +41,9 @@ CASES = {
     "value_word": [("D", 128), ("BITS", 2), ("R", 8), ("NSL", 32)],
     "attn_v4": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
                 ("ROT", 3), ("NTH", 128), ("TILE", 128)],
+    "attn_v5": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
+                ("ROT", 3), ("NTH", 384), ("PF", 2), ("VDEC", 1), ("STAGE", 0)],
+    "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("ROT", 3), ("NC", 0)],  # more in test_kv_append_kernel
 }
 # more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
 EXTRA_CASES = {
@@ -48,6 +51,12 @@ EXTRA_CASES = {
                                        ("CAUSAL", 0), ("ROT", 4), ("NTH", 128), ("TILE", 128)]),
     "attn_v4/causal_f32": ("attn_v4", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
                                        ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("TILE", 128)]),
+    "attn_v5/dense_bf16": ("attn_v5", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
+                                       ("CAUSAL", 0), ("ROT", 4), ("NTH", 256), ("PF", 1),
+                                       ("VDEC", 0), ("STAGE", 2)]),
+    "attn_v5/causal_f32": ("attn_v5", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
+                                       ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("PF", 2),
+                                       ("VDEC", 1), ("STAGE", 0)]),
 }
 # identifiers (and two phrases) that belong to one backend: the shared sources must not name them
 BACKEND_IDS = {"__syncthreads", "__shfl_xor_sync", "threadgroup_barrier", "simd_sum", "simd_max", "simd_shuffle_xor",
@@ -135,7 +144,8 @@ def test_syntax_check(be, tmp_path):
     cases = [(n, n, t) for n, t in CASES.items()] + [(k, n, t) for k, (n, t) in EXTRA_CASES.items()]
     for label, name, template in cases:
         tq = dict(template).get("TQ", "f32")
-        types = {"q": tq, "out": tq} if name == "attn_v4" else {"q": tq} if name.startswith("attn_mma") else None
+        types = ({"q": tq, "out": tq} if name in ("attn_v4", "attn_v5") else {"q": tq} if name.startswith("attn_mma")
+                 else None)
         f = tmp_path / f"{label.replace('/', '_')}.cpp"
         f.write_text(prefix + K.full_source(name, be, template, types))
         cmd = [cc, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", f"-I{inc}",
@@ -265,11 +275,11 @@ def test_v4_split_plan_and_counter_pool(monkeypatch):
     assert K._POOL["pos"] == 16 and K._counter(4) is a  # wrapped: the first slot again, cached view
 
 
-def test_v4_is_selectable_and_not_default(monkeypatch):
+def test_v4_is_the_default_and_v3_selectable(monkeypatch):
     monkeypatch.delenv("RQ_ATTN", raising=False)
-    assert K.attn_version() == "v3"
-    monkeypatch.setenv("RQ_ATTN", "v4")
     assert K.attn_version() == "v4"
+    monkeypatch.setenv("RQ_ATTN", "v3")
+    assert K.attn_version() == "v3"
     if K.backend() is None:  # on CPU the caches keep the reference path whatever RQ_ATTN says
         q = K.mx.zeros((1, 4, 1, 64))
         from rq_core.rotation import Rotation
@@ -278,6 +288,8 @@ def test_v4_is_selectable_and_not_default(monkeypatch):
                               K.mx.zeros((1, 2, 8, 6), K.mx.uint32), K.mx.zeros((1, 2, 8)), K.mx.zeros((8,)), bits=3,
                               scale=0.125, offset=7, causal=False, valid_len=8) is None
     monkeypatch.setenv("RQ_ATTN", "v5")
+    assert K.attn_version() == "v5"
+    monkeypatch.setenv("RQ_ATTN", "v6")
     from rq_core.errors import RQError
 
     with pytest.raises(RQError):
@@ -364,3 +376,61 @@ def test_v4_cuda_source_runs_on_cpu_executor(case):
     r = EK.run_v4(np.random.default_rng(11), seed=3, **case)
     assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
     assert r["err_half"] < (8e-3 if case.get("qdtype") == "bf16" else 5e-5) and r["lse_err"] < 1e-3
+
+
+@pytest.mark.parametrize("case", [dict(G=8, d=128, T=300, nth=128), dict(G=2, d=128, T=300, L=2, causal=True, rot=4,
+                                                                            B=2, qdtype="bf16", nth=256, pf=1, stage=2)])
+def test_v5_cuda_source_runs_on_cpu_executor(case):
+    """attn_v5's CUDA rendering executed as host C++ (as the v4 test above): warps streaming their own steps,
+    per-warp softmax state, the in-block merge, the last block's merge; counters left zeroed. The second
+    case takes the code rows through the cp.async ring (STAGE 2; copies done at once by the executor)."""
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ and ucontext (Linux)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import emulate_kernel as EK
+
+    r = EK.run_v5(np.random.default_rng(13), seed=5, **case)
+    assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
+    assert r["err_half"] < (8e-3 if case.get("qdtype") == "bf16" else 5e-5) and r["lse_err"] < 1e-3
+
+
+def test_v5_plan_and_shapes():
+    for T in (1, 7, 511, 512, 513, 4096, 32768, 131072):
+        for groups in (1, 4, 32):
+            ns = K.v5_plan(T, groups)
+            assert 1 <= ns <= K.V5_MAXNS and (ns - 1) * 128 < T
+    assert K.v5_plan(131072, 4, 132) == 33 and K.v5_plan(131072, 4, 264) == 66 and K.v5_plan(4096, 4, 132) == 32
+    for be in ("cuda", "metal"):  # every head dim the kernels cover fits threadgroup memory at 512 threads
+        assert K.v5_ok(128, 3, 8, be, 512) and K.v5_ok(256, 3, 8, be, 512) and K.v5_ok(64, 4, 8, be, 512)
+    assert not K.v5_ok(128, 3, 16, "cuda") and not K.v5_ok(128, 3, 8, "cuda", 96)
+    # the copy ring: 2 slots of 8 warps fit CUDA's 48 KB (46,660 B by nvcc's report), 3 do not; Metal: no
+    assert K._v5_smem(128, 3, 8, 256, "cuda", 2) == 46660
+    assert K.v5_ok(128, 3, 8, "cuda", 256, 2) and not K.v5_ok(128, 3, 8, "cuda", 256, 3)
+    assert not K.v5_ok(128, 3, 8, "metal", 256, 2)
+
+
+def test_kernels_check_v5_plumbing(monkeypatch):
+    """kernels_check's v5 path (configuration passing, query dtype, comparison) with the float64 emulation
+    of the algorithm standing in for the kernel."""
+    import mlx.core as mx
+
+    from rq_core.packing import unpack
+
+    KC = _kc()
+    seen = []
+
+    def fake_v5(q, mats, k_codes, k_norms, v_codes, v_norms, levels, *, bits, scale, valid_len, offset, causal, rot,
+                nth=None, minb=None, pf=None, vdec=None, stage=None):
+        seen.append((nth, minb, pf))
+        d = q.shape[-1]
+        kidx, vidx = np.array(unpack(k_codes, bits, d)), np.array(unpack(v_codes, bits, d))
+        out, lse, _ = KC.emulate_v4(np.array(q.astype(mx.float32)), None if mats is None else np.array(mats), kidx,
+                                    np.array(k_norms), vidx, np.array(v_norms), np.array(levels), scale=scale,
+                                    T=valid_len, rot=rot, ns=K.v5_plan(valid_len, 2), causal=causal, half_levels=True)
+        return mx.array(out.astype(np.float32)).astype(q.dtype), mx.array(lse.astype(np.float32))
+
+    monkeypatch.setattr(K, "attention_v5", fake_v5)
+    c = KC.make_case(np.random.default_rng(6), B=1, Hkv=2, G=4, L=1, d=64, T=300, bits=3)
+    err, nan, err_h = KC.run_case(K, mx, c, T=300, bits=3, path="v5", strategy=None, causal=False, offset=299,
+                                  rot=3, mma=True, qdtype="f16", variant="v5", v5cfg=(512, 0, 1))
+    assert seen == [(512, 0, 1)] and nan == 0 and err_h < 1e-3

@@ -171,6 +171,23 @@ inline float __shfl_xor_sync(unsigned, float x, int m) {
   return y;
 }
 
+inline void __syncwarp() { emu::warp_barrier(); }  // attn_v5
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t v = ((uint64_t)y << 32) | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= (unsigned)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xffu) << (8 * n);
+  return r;
+}
+inline int __any_sync(unsigned, int b) {
+  const int base = emu::cur & ~31;
+  emu::warp_f[emu::cur] = b ? 1.0f : 0.0f;
+  emu::warp_barrier();
+  int any = 0;
+  for (int i = 0; i < std::min(32, emu::nthreads - base); ++i) any |= emu::warp_f[base + i] != 0.0f;
+  emu::warp_barrier();
+  return any;
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, from the PTX ISA's fragment layouts
 // (groupID = lane >> 2, tig = lane % 4):
 //   A 16x16: reg 0 = (g, 2t..2t+1), reg 1 = (g + 8, 2t..), reg 2 = (g, 2t + 8..), reg 3 = (g + 8, 2t + 8..)

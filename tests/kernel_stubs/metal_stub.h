@@ -32,6 +32,10 @@ inline void threadgroup_barrier(mem_flags) {}
 inline float simd_sum(float x) { return x; }
 inline float simd_max(float x) { return x; }
 inline float simd_shuffle_xor(float x, ushort) { return x; }
+inline void simdgroup_barrier(mem_flags) {}  // attn_v5
+inline bool simd_any(bool b) { return b; }
+typedef unsigned long ulong;
+template <class T, class U> T as_type(U u) { T t; __builtin_memcpy(&t, &u, sizeof(T)); return t; }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
 using std::exp2;
 using std::fmax;

@@ -20,6 +20,10 @@ __half2 __floats2half2_rn(float, float);
 unsigned __funnelshift_r(unsigned, unsigned, unsigned);
 float __shfl_xor_sync(unsigned, float, int);
 void __syncthreads();
+void __syncwarp();  // attn_v5
+int __any_sync(unsigned, int);
+unsigned __byte_perm(unsigned, unsigned, unsigned);
+size_t __cvta_generic_to_shared(const void*);  // attn_v5 (cp.async)
 float __int_as_float(int);
 inline float exp2f(float x) { return std::exp2(x); }
 inline float fmaxf(float a, float b) { return std::fmax(a, b); }

@@ -1,0 +1,45 @@
+"""The training script's needle rows use exactly `rq_core.eval`'s needle format, and the answer-digit
+loss weights sit on the answer targets (target t is predicted at position t - 1)."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("train_reference", ROOT / "scripts" / "train_reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_needle_rows_match_eval_format():
+    from tokenizers import Tokenizer
+
+    from rq_core.eval import QUESTION, needle_token_pieces, needle_trials
+
+    tok = Tokenizer.from_file(str(ROOT / "rq_core" / "assets" / "default_model" / "tokenizer.json"))
+    pieces = needle_token_pieces(tok)
+    ids = np.asarray(tok.encode("To be, or not to be, that is the question. " * 300).ids, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    T, B = 512, 6
+    rows = np.stack([ids[s : s + T + 1] for s in rng.integers(0, ids.size - T - 1, size=B)])
+    w = np.ones((B, T), np.float32)
+    _load().needle_batch_rows(rng, rows, pieces, w, 10.0, 4)
+    pairs = 0
+    for b in range(B):
+        text = tok.decode(rows[b].tolist())
+        needles = re.findall(r"\nThe secret number is (\d{5})\.\n", text)
+        answers = re.findall(re.escape(QUESTION) + r"(\d{5})", text)
+        assert needles and needles == answers  # each question answers the needle just before it
+        weighted = rows[b, 1:][w[b] != 1.0]
+        assert tok.decode(weighted.tolist()) == "".join(answers)
+        pairs += len(answers)
+    assert pairs > B  # several pairs per row
+    # eval's prompt ends with the same question tokens the training rows carry before the answer
+    t = needle_trials(ids, pieces, length=256, depth=0.5, trials=1)[0]
+    assert np.array_equal(t.prompt[-t.question_len :], pieces["question"])

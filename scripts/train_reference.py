@@ -159,9 +159,11 @@ def needle_batch_rows(rng: np.random.Generator, rows: np.ndarray, pieces: dict, 
 def copy_rows(rng: np.random.Generator, rows: np.ndarray, vocab: int) -> None:
     """Overwrite rows (in place) with a random token span of 16..256 tokens repeated to fill the row.
 
-    Measured 2026-11-29: needles alone (half the rows, answer digits weighted 10x, 3,568 steps) left the
-    model with no copying at all (needle accuracy 0, repeated random tokens not predicted), while a tiny
-    model trained on this copy task learns it in ~200 steps: a few such rows make the heads form."""
+    Measured 2026-11-29 on the H200: needles alone (half the rows, answer digits weighted 10x, 3,568
+    steps) left the model with no copying at all (needle accuracy 0, repeated random tokens not
+    predicted), while a tiny model (benchmarks/diag/copy_task.py) learns this copy task in ~200 steps.
+    With 2 of 16 rows of this kind (--copy-share 0.125, 2,268 steps) the full model still did not learn
+    it (loss on repeats stayed at ln(vocab)), so it is off by default until that is understood."""
     B, T = rows.shape
     for b in range(B):
         n = int(rng.integers(16, 257))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Optional
 
@@ -21,6 +22,28 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: Optional[str],
+              pager: Optional[str]) -> tuple:
+    """(KVSettings, memory budget, pager policy, where they came from): flags first, then the
+    checkpoint's recipe.toml, then the defaults (fp16, no window, everything resident, lru)."""
+    from rq_core.kv_cache import KVSettings
+
+    rec = None
+    if (path / "recipe.toml").is_file():
+        from rq_core import recipe as recipe_mod
+
+        rec = recipe_mod.load(path / "recipe.toml")
+    base = rec.kv if rec is not None else KVSettings()
+    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window)) if v is not None}
+    settings = dataclasses.replace(base, **over)
+    if rec is not None and memory_budget is None and rec.pager.memory_budget and \
+            (path / "experts" / "index.json").is_file():
+        memory_budget = rec.pager.memory_budget  # packed for paging: keep the recipe's budget
+    if pager is None:
+        pager = rec.pager.policy if rec is not None else "lru"
+    return settings, memory_budget, pager, "recipe.toml" if rec is not None else "defaults"
+
+
 @handle_errors
 def run(
     model: Optional[str] = typer.Argument(None, help="Checkpoint directory or Hugging Face hub id "
@@ -30,20 +53,28 @@ def run(
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
     seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
-    kv: str = typer.Option("fp16", "--kv", help="KV cache of full-attention layers: fp16, isoquant3 or turbo3."),
-    kv_window: int = typer.Option(0, "--kv-window", help="Newest tokens kept in fp16 beside a compressed KV cache "
-                                                         "(32 measured better quality for +6% KV bytes at 2K)."),
+    kv: Optional[str] = typer.Option(None, "--kv", help="KV cache of full-attention layers: fp16, isoquant3 or "
+                                                        "turbo3 (default: the checkpoint's recipe.toml, else fp16)."),
+    kv_window: Optional[int] = typer.Option(None, "--kv-window",
+                                            help="Newest tokens kept in fp16 beside a compressed KV cache (default: "
+                                                 "the recipe's fp16_window, else 0; 32 measured better quality for "
+                                                 "+6% KV bytes at 2K)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
                                                 help="Keep the run inside SIZE (e.g. 16GB): experts beyond what fits "
-                                                     "are paged from CKPT/experts (see `rq pack`)."),
-    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru or mmap."),
+                                                     "are paged from CKPT/experts (see `rq pack`). Default: the "
+                                                     "recipe's [pager] memory_budget when the checkpoint is packed."),
+    pager: Optional[str] = typer.Option(None, "--pager", help="Expert paging policy with --memory-budget: lru or "
+                                                              "mmap (default: the recipe's, else lru)."),
     plan_only: bool = typer.Option(False, "--plan", help="Print the memory plan for --memory-budget and exit."),
 ) -> None:
-    """Generate text; streams it to stdout, then a stats line (stderr)."""
-    if kv not in KV_CHOICES:
+    """Generate text; streams it to stdout, then a stats line (stderr).
+
+    KV and pager settings not given as flags come from the checkpoint's `recipe.toml` (written by
+    `rq quantize`), so a model quantized for 16 GB runs the way its recipe planned."""
+    if kv is not None and kv not in KV_CHOICES:
         raise RQError(f"unknown --kv {kv!r} (choose from: {', '.join(KV_CHOICES)})")
     if max_tokens < 0:
         raise RQError("--max-tokens must be >= 0")
@@ -51,7 +82,7 @@ def run(
         raise RQError("--temp must be >= 0")
     if not 0 < top_p <= 1:
         raise RQError("--top-p must be in (0, 1]")
-    if kv_window < 0:
+    if kv_window is not None and kv_window < 0:
         raise RQError("--kv-window must be >= 0")
     if prefill_chunk < 1:
         raise RQError("--prefill-chunk must be >= 1")
@@ -63,6 +94,8 @@ def run(
 
     # float32 on the CPU (small models); the pager casts pages to the model's dtype as it loads them.
     ckpt = load(model, cpu_float32=True)
+    settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager)
+    kv = settings.mode
     tok = ckpt.tokenizer
     if tok is None:
         raise RQError(f"{ckpt.path} has no tokenizer.json; `rq run --prompt` needs one")
@@ -93,15 +126,15 @@ def run(
             sys.stdout.flush()
 
     res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
-                   kv=KVSettings(mode=kv, fp16_window=kv_window), eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
+                   kv=settings, eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
                    context_length=ctx, on_token=None if json_out else on_token)
     text_out = tok.decode(res.tokens)
     if json_out:
         d = res.as_dict()
         if pager_obj is not None:
             d["pager"] = pager_obj.report().as_dict()
-        print_json({"text": text_out, **d, "kv_mode": kv, "model_type": ckpt.model_type,
-                    "model": str(ckpt.path)})
+        print_json({"text": text_out, **d, "kv_mode": kv, "kv_window": settings.fp16_window,
+                    "settings_from": source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
         return
     tail = stream.flush()
     sys.stdout.write(tail + "\n")

@@ -146,3 +146,33 @@ def test_weights_not_matching_config(tmp_path: Path) -> None:
     assert "does not match" in _error_line(_rq(str(model), "--prompt", "x"))
     (model / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 4}))
     assert "layer_types" in _error_line(_rq(str(model), "--prompt", "x"))
+
+
+def _with_recipe(tmp_path: Path, text: str) -> Path:
+    d = tmp_path / "m"
+    shutil.copytree(QWEN2, d)
+    (d / "recipe.toml").write_text(text)
+    return d
+
+
+def test_kv_settings_come_from_the_recipe_unless_flagged(tmp_path: Path) -> None:
+    d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\n')
+    r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert (out["kv_mode"], out["kv_window"], out["settings_from"]) == ("isoquant3", 0, "recipe.toml")
+    assert out["kv_bytes"] < out["kv_bytes_fp16"]  # compressed: the recipe's mode is in effect
+    r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--kv-window", "2", "--json")
+    out = json.loads(r.output)
+    assert (out["kv_mode"], out["kv_window"]) == ("isoquant3", 2)
+    r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--kv", "fp16", "--json")
+    out = json.loads(r.output)
+    assert out["kv_mode"] == "fp16" and out["kv_bytes"] >= out["kv_bytes_fp16"]
+    r = _rq(str(QWEN2), "--prompt", "hello", "--max-tokens", "1", "--json")  # no recipe.toml: defaults
+    out = json.loads(r.output)
+    assert (out["kv_mode"], out["settings_from"]) == ("fp16", "defaults")
+
+
+def test_bad_recipe_in_checkpoint_is_one_line(tmp_path: Path) -> None:
+    d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant9"\n')
+    assert "isoquant9" in _error_line(_rq(str(d), "--prompt", "hello"))

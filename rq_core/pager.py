@@ -236,13 +236,13 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     from the loaded model's arrays), the KV cache for `context` tokens and a prefill working reserve."""
     from mlx.utils import tree_flatten
 
-    from rq_core.planner import _moe_info, activation_bytes, kv_bytes
+    from rq_core.planner import _moe_info, activation_bytes, cache_tokens, kv_bytes
 
     banks = expert_banks(model)
     bank_ids = {id(v) for m in banks.values() for _, v in tree_flatten(m.parameters())}
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if id(v) not in bank_ids)
     per_tok, fixed = kv_bytes(config, kv_mode, kv_bits)
-    kvb = per_tok * context + fixed
+    kvb = per_tok * cache_tokens(context) + fixed
     act = activation_bytes(config, min(prefill_chunk, max(context, 1)))
     n_moe, E, k = _moe_info(config)
     if index is not None:  # in the dtype the model holds (pages are cast on load)

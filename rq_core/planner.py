@@ -135,6 +135,14 @@ def kv_bytes(config: dict, kv_mode: str = "fp16", kv_bits: int = 3) -> tuple[int
     return per_tok, fixed
 
 
+def cache_tokens(context: int) -> int:
+    """Tokens the KV caches hold room for at `context`: they grow in steps of 256 (kv_cache.FP16Cache.step)."""
+    from rq_core.kv_cache import FP16Cache
+
+    step = FP16Cache.step
+    return -(-max(context, 0) // step) * step
+
+
 def activation_bytes(config: dict, chunk: int) -> int:
     """A working-memory reserve for one prefill chunk: logits (fp32) and a few hidden-sized buffers
     per token, plus the routed experts' intermediate activations."""
@@ -177,7 +185,7 @@ def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context:
     resident = sum(role_bytes.values()) - routed_bytes
     per_tok, fixed = kv_bytes(config, recipe.kv.mode, recipe.kv.bits)
     ctx = recipe.pager.context if context is None else context
-    kvb = per_tok * ctx + fixed
+    kvb = per_tok * cache_tokens(ctx) + fixed
     act = activation_bytes(config, min(prefill_chunk, max(ctx, 1)))
     if budget is None and recipe.pager.memory_budget is not None:
         budget = parse_size(str(recipe.pager.memory_budget), "memory budget")

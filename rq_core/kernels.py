@@ -463,6 +463,20 @@ def v4_ok(D: int, bits: int, R: int, be: str) -> bool:
     return mma_ok(D, bits, R) and _mma_smem(D, bits, R, True) + 4 <= SMEM_LIMIT[be]
 
 
+def _one_launch_args(name: str, q: mx.array, Hkv: int, rot: int, valid_len: int, offset: int,
+                     causal: bool) -> tuple[int, bool, mx.array, int]:
+    """Checks shared by the single-launch kernels: (T, causal, queries in a kernel dtype, B * Hkv)."""
+    if rot not in (0, ROT_WHT, ROT_SO4, ROT_WHT | ROT_SO4, ROT_DENSE):
+        raise ValueError(f"rot={rot}: the dense rotation does not combine with the WHT or SO(4) blocks")
+    T, L = valid_len, q.shape[2]
+    if causal and offset + 1 >= T:
+        causal = False  # every query sees every valid key
+    if causal and offset != T - L:
+        raise KernelUnsupported(f"{name}: causal offset other than valid_len - L")
+    qd = q if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else q.astype(mx.float32)
+    return T, causal, qd, q.shape[0] * Hkv
+
+
 def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
                  v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, valid_len: int, offset: int = 0,
                  causal: bool = False, rot: int = ROT_WHT | ROT_SO4) -> tuple[mx.array, mx.array]:
@@ -480,17 +494,9 @@ def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     R = (Hq // Hkv) * L
     _check(D, bits, R)
     be = backend() or "cuda"
-    if rot not in (0, ROT_WHT, ROT_SO4, ROT_WHT | ROT_SO4, ROT_DENSE):
-        raise ValueError(f"rot={rot}: the dense rotation does not combine with the WHT or SO(4) blocks")
     if not v4_ok(D, bits, R, be):
         raise KernelUnsupported(f"v4: R={R}, head_dim {D}, {bits}-bit codes")
-    T = valid_len
-    if causal and offset + 1 >= T:
-        causal = False  # every query sees every valid key
-    if causal and offset != T - L:
-        raise KernelUnsupported("v4: causal offset other than valid_len - L")
-    qd = q if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else q.astype(mx.float32)
-    groups = B * Hkv
+    T, causal, qd, groups = _one_launch_args("v4", q, Hkv, rot, valid_len, offset, causal)
     ns = v4_plan(T, groups)
     out, lse, _, _ = _run(
         "attn_v4",
@@ -573,17 +579,9 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     nth = V5_NTH if nth is None else nth
     stage = V5_STAGE if stage is None else stage
     pf = 1 if stage > 0 else (V5_PF if pf is None else pf)
-    if rot not in (0, ROT_WHT, ROT_SO4, ROT_WHT | ROT_SO4, ROT_DENSE):
-        raise ValueError(f"rot={rot}: the dense rotation does not combine with the WHT or SO(4) blocks")
     if not v5_ok(D, bits, R, be, nth, stage):
         raise KernelUnsupported(f"v5: R={R}, head_dim {D}, {bits}-bit codes, {nth} threads, {stage} stages")
-    T = valid_len
-    if causal and offset + 1 >= T:
-        causal = False  # every query sees every valid key
-    if causal and offset != T - L:
-        raise KernelUnsupported("v5: causal offset other than valid_len - L")
-    qd = q if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else q.astype(mx.float32)
-    groups = B * Hkv
+    T, causal, qd, groups = _one_launch_args("v5", q, Hkv, rot, valid_len, offset, causal)
     ns = v5_plan(T, groups, blocks)
     k = _kernel_v5(be, nth, V5_MINB if minb is None else minb)
     out, lse, _, _ = k(

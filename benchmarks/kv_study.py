@@ -264,6 +264,9 @@ def main() -> None:
     ref_lp, _, ref_full = token_logprobs(em.model, wins, ref_set, prefill=prefill, step=args.step)
     print(f"fp16: ppl {math.exp(-ref_lp.mean()):.3f} on {ref_lp.size} tokens [{time.time() - t:.0f} s]", flush=True)
 
+    # rows from an earlier run are reused only for the same windows AND the same model: the fp16
+    # reference's mean log-prob identifies the weights (a retrained model must not mix with old rows)
+    tag += f"r{float(ref_lp.mean()):.6f}"
     prev = json.loads(path.read_text()) if path.is_file() else {}
     rows = {r["name"]: r for r in prev.get("rows", [])} if prev.get("tag") == tag else {}
     only = [s.strip() for s in args.only.split(",") if s.strip()]

@@ -323,40 +323,27 @@ def main() -> int:
     print(f"kernels_check: backend {K.backend()}, MLX {mx.__version__}")
     rng = np.random.default_rng(int(time.time()))
     cases = []
-    # v5: the single-launch kernel with warp-level streaming: v4's case list, plus extra configurations
-    for T in (1, 7, 511, 512, 513, 4096, 32768, 131072):
-        cases.append(dict(G=8, d=128, T=T, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3))
-    for G in (1, 4):
-        cases.append(dict(G=G, d=128, T=513, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3))
-    cases.append(dict(G=8, d=256, T=4097, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3))
-    cases.append(dict(G=8, d=64, T=2000, L=1, path="v5", strategy=None, causal=False, rot=3, bits=4))
-    cases.append(dict(G=8, d=128, T=4099, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3, qdtype="f16"))
-    cases.append(dict(G=8, d=128, T=4099, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3, qdtype="bf16"))
-    cases.append(dict(G=4, d=128, T=700, L=2, path="v5", strategy=None, causal=True, rot=3, bits=3))
-    cases.append(dict(G=8, d=128, T=3000, L=1, path="v5", strategy=None, causal=False, rot=0, bits=3))
-    cases.append(dict(G=8, d=128, T=3000, L=1, path="v5", strategy=None, causal=False, rot=4, bits=3))
-    cases.append(dict(G=8, d=128, T=1500, L=1, path="v5", strategy=None, causal=False, rot=3, bits=2))
-    cases.append(dict(G=8, d=128, T=40000, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3, repeat=3))
+    # the single-launch kernels: every context of the issue, the other GQA groups / head dims they cover,
+    # query dtypes, causal, no rotation, the dense rotation, and three launches in a row (the counters must
+    # come back zeroed: a stale counter gives NaN or garbage); v5 adds 2-bit codes and its configurations
+    def one_launch(path: str) -> list[dict]:
+        base = dict(G=8, d=128, L=1, path=path, strategy=None, causal=False, rot=3, bits=3)
+        out = [dict(base, T=T) for T in (1, 7, 511, 512, 513, 4096, 32768, 131072)]
+        out += [dict(base, G=G, T=513) for G in (1, 4)]
+        out += [dict(base, d=256, T=4097), dict(base, d=64, T=2000, bits=4),
+                dict(base, T=4099, qdtype="f16"), dict(base, T=4099, qdtype="bf16"),
+                dict(base, G=4, T=700, L=2, causal=True), dict(base, T=3000, rot=0), dict(base, T=3000, rot=4)]
+        if path == "v5":
+            out.append(dict(base, T=1500, bits=2))
+        return out + [dict(base, T=40000, repeat=3)]
+
+    cases += one_launch("v5")
     for cfg in [x for x in a.v5_configs.split(",") if x]:
         v5cfg = tuple(int(v) for v in cfg.split(":"))
         for T in (513, 4096, 32768):
             cases.append(dict(G=8, d=128, T=T, L=1, path="v5", strategy=None, causal=False, rot=3, bits=3,
                               v5cfg=v5cfg))
-    # v4: the single-launch kernel (first: it has never run on a GPU). Every context of the issue, the
-    # other GQA groups / head dims it covers, query dtypes, causal, no rotation, the dense rotation, and
-    # two launches in a row (the counters must come back zeroed: a stale counter gives NaN or garbage)
-    for T in (1, 7, 511, 512, 513, 4096, 32768, 131072):
-        cases.append(dict(G=8, d=128, T=T, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3))
-    for G in (1, 4):
-        cases.append(dict(G=G, d=128, T=513, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3))
-    cases.append(dict(G=8, d=256, T=4097, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3))
-    cases.append(dict(G=8, d=64, T=2000, L=1, path="v4", strategy=None, causal=False, rot=3, bits=4))
-    cases.append(dict(G=8, d=128, T=4099, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3, qdtype="f16"))
-    cases.append(dict(G=8, d=128, T=4099, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3, qdtype="bf16"))
-    cases.append(dict(G=4, d=128, T=700, L=2, path="v4", strategy=None, causal=True, rot=3, bits=3))
-    cases.append(dict(G=8, d=128, T=3000, L=1, path="v4", strategy=None, causal=False, rot=0, bits=3))
-    cases.append(dict(G=8, d=128, T=3000, L=1, path="v4", strategy=None, causal=False, rot=4, bits=3))
-    cases.append(dict(G=8, d=128, T=40000, L=1, path="v4", strategy=None, causal=False, rot=3, bits=3, repeat=3))
+    cases += one_launch("v4")
     # the matrix-unit fused kernel with double-buffered rows (the default)
     for T in (1, 7, 513, 4096, 131072):
         cases.append(dict(G=8, d=128, T=T, L=1, path="mma2", strategy=None, causal=False, rot=3, bits=3))

@@ -9,6 +9,7 @@
 #   4. attention.py: µs per layer with MLX's dispatch (16 layers per evaluation), then with --chain
 #      (each layer's query = the previous layer's output, as in a decode step)
 #   5. the caches' RQ_ATTN=v4 / v5 paths against float64 math (v4_cache_check.py)
+# SKIP="4" skips the independent-layers benchmark, "b" the chained one.
 # Env: V5_CFGS (NTH:MINB:BLOCKS:PF:VDEC:STAGE,...), CONTEXTS, SKIP (steps to skip, e.g. "3"),
 # CHECK_CFGS (NTH:MINB:PF:VDEC:STAGE,...).
 set -u
@@ -58,6 +59,8 @@ if [[ $SKIP != *4* ]]; then
   timeout ${T4:-150} python3 benchmarks/attention.py --skip-threshold --skip-stages --layers 16 --reps 20 \
     --contexts "${BENCH_CONTEXTS:-4096,32768,131072}" --methods "=IsoQuant-3 v4 (one launch),v5" --v5-configs "$CFGS" \
     --out "$OUT" 2>&1 | tee "$OUT/v5_bench.log" | grep -E "^\||FAILED|copy bandwidth"
+fi
+if [[ $SKIP != *b* ]]; then
   echo "== 4b. attention benchmark, chained layers ($(date -u +%T))"
   mkdir -p "$OUT/chain"
   timeout ${T4B:-120} python3 benchmarks/attention.py --skip-threshold --skip-stages --layers 16 --reps 20 --chain \

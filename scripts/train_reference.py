@@ -156,7 +156,7 @@ def needle_batch_rows(rng: np.random.Generator, rows: np.ndarray, pieces: dict, 
             weights[b, a0 - 1 : a0 - 1 + nd] = answer_weight
 
 
-def copy_rows(rng: np.random.Generator, rows: np.ndarray, vocab: int) -> None:
+def copy_rows(rng: np.random.Generator, rows: np.ndarray, vocab: int, max_span: int = 256) -> None:
     """Overwrite rows (in place) with a random token span of 16..256 tokens repeated to fill the row.
 
     Measured 2026-11-29 on the H200: needles alone (half the rows, answer digits weighted 10x, 3,568
@@ -166,7 +166,7 @@ def copy_rows(rng: np.random.Generator, rows: np.ndarray, vocab: int) -> None:
     it (loss on repeats stayed at ln(vocab)), so it is off by default until that is understood."""
     B, T = rows.shape
     for b in range(B):
-        n = int(rng.integers(16, 257))
+        n = int(rng.integers(16, max_span + 1))
         span = rng.integers(1, vocab, size=n)  # id 0 is the end-of-text token
         rows[b] = np.tile(span, T // n + 1)[:T]
 
@@ -239,7 +239,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     config = dict(MODEL_CONFIG)
     config["vocab_size"] = tok.get_vocab_size()
-    for k in ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size",
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_experts", "moe_intermediate_size",
               "shared_expert_intermediate_size"):
         if getattr(args, k, None):
             config[k] = getattr(args, k)
@@ -254,6 +254,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     from mlx.utils import tree_map_with_path
 
     model.update(tree_map_with_path(init, model.parameters()))
+    if args.init:  # continue from a checkpoint of this architecture (e.g. a copy-task phase 1)
+        from rq_core.checkpoint import load_weights
+
+        w = model.sanitize(load_weights(args.init))
+        model.load_weights([(k, v.astype(mx.float32)) for k, v in w.items()])
+        print(f"initialised from {args.init}", flush=True)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"parameters: {n_params:,}", flush=True)
 
@@ -318,7 +324,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             needle_batch_rows(rng, sub, pieces, w[:n_needle], args.answer_weight, args.needle_pairs)
         n_copy = int(round(B * args.copy_share))
         if n_copy:  # the last rows: random tokens, repeated (teaches the copy heads needles need)
-            copy_rows(rng, rows[B - n_copy :], config["vocab_size"])
+            copy_rows(rng, rows[B - n_copy :], args.copy_vocab or config["vocab_size"], args.copy_span)
         return mx.array(rows[:, :-1]), mx.array(rows[:, 1:]), mx.array(w)
 
     def heldout_nll(ids: np.ndarray, max_windows: int = 10**9) -> tuple[float, int]:
@@ -362,6 +368,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         s = float(s)
         if s < warm:
             return args.lr * (s + 1) / warm
+        if args.schedule == "constant":
+            return args.lr
         p = min(1.0, (s - warm) / max(1, total_steps - warm))
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
@@ -379,6 +387,9 @@ def cmd_train(args: argparse.Namespace) -> None:
             mx.eval(lm, aux)
             curve.append({"step": step, "loss": round(lm.item(), 4), "aux": round(aux.item(), 4),
                           "lr": cosine(step), "t": round(time.time() - t_start, 1)})
+            if args.stop_loss and step >= warm and curve[-1]["loss"] < args.stop_loss:
+                print(f"loss {curve[-1]['loss']} < {args.stop_loss} at step {step}: stopping", flush=True)
+                total_steps = step  # evaluates and keeps this step below, then leaves the loop
         if step % args.eval_every == 0 or step == total_steps:
             mx.eval(state)
             nll, _ = heldout_nll(val_ids)
@@ -388,7 +399,7 @@ def cmd_train(args: argparse.Namespace) -> None:
             print(f"step {step}/{total_steps} loss {curve[-1]['loss']:.3f} val ppl {math.exp(nll):.2f} "
                   f"needle {acc:.2f} ({time.time() - t_start:.0f}s)", flush=True)
             router_logits.clear()  # the eval forwards above recorded router logits too
-            if nll < best[0]:
+            if nll < best[0] or args.keep == "last":
                 best = (nll, step)
                 best_params = tree_map(lambda p: mx.array(p), dict(tree_flatten(model.parameters())))
                 mx.eval(best_params)
@@ -527,7 +538,19 @@ def main() -> None:
     r.add_argument("--needle-pairs", type=int, default=4, help="most needle/question pairs per needle row")
     r.add_argument("--copy-share", type=float, default=0.0,
                    help="share of rows that are a random token span repeated (induction/copy signal)")
+    r.add_argument("--copy-vocab", type=int, default=0,
+                   help="copy rows draw their tokens from ids 1..N-1 (0 = the whole vocabulary); a small "
+                        "alphabet makes the copy signal easy to pick up early")
+    r.add_argument("--copy-span", type=int, default=256, help="longest random span of a copy row")
     r.add_argument("--answer-weight", type=float, default=10.0, help="loss weight of needle answer digits")
+    r.add_argument("--init", type=Path, default=None, help="start from this checkpoint's weights")
+    r.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
+                   help="learning rate after warm-up (constant: the copy-task phase, whose induction step "
+                        "comes at an unknown point)")
+    r.add_argument("--keep", choices=["best", "last"], default="best",
+                   help="weights saved: best validation perplexity, or the last evaluated step (copy phase)")
+    r.add_argument("--stop-loss", type=float, default=0.0,
+                   help="stop once a logged training loss is below this (the copy phase: induction has formed)")
     r.add_argument("--warmup", type=int, default=50)
     r.add_argument("--probe-steps", type=int, default=12)
     r.add_argument("--steps", type=int, default=0, help="fixed step count (0 = fit --time-budget)")
@@ -540,6 +563,7 @@ def main() -> None:
     r.add_argument("--val-tokens", type=int, default=65536)
     r.add_argument("--hidden-size", dest="hidden_size", type=int, default=0)
     r.add_argument("--layers", dest="num_hidden_layers", type=int, default=0)
+    r.add_argument("--heads", dest="num_attention_heads", type=int, default=0)
     r.add_argument("--experts", dest="num_experts", type=int, default=0)
     r.add_argument("--moe-intermediate", dest="moe_intermediate_size", type=int, default=0)
     r.add_argument("--shared-intermediate", dest="shared_expert_intermediate_size", type=int, default=0)

@@ -22,6 +22,9 @@ ap.add_argument("--attn", choices=["sdpa", "manual"], default="sdpa")
 ap.add_argument("--compile", action="store_true")
 ap.add_argument("--real", action="store_true", help="the bundled model's sizes (hidden 256, 6 layers, head_dim 128)")
 ap.add_argument("--vocab", type=int, default=512)
+ap.add_argument("--vary", action="store_true",
+                help="spans of 16-64 tokens tiled over 128 (the offset varies per row: needs induction, "
+                     "not a fixed-offset positional head); loss on the second half")
 args = ap.parse_args()
 
 if args.attn == "manual":
@@ -51,7 +54,7 @@ rng = np.random.default_rng(0)
 
 
 def loss_fn(m, x, y):
-    return nn.losses.cross_entropy(m(x), y, reduction="none")[:, 32:].mean()
+    return nn.losses.cross_entropy(m(x), y, reduction="none")[:, x.shape[1] // 2:].mean()
 
 
 state = [model.state, opt.state]
@@ -66,8 +69,12 @@ def step(x, y):
 step_c = mx.compile(step, inputs=state, outputs=state) if args.compile else step
 t = time.time()
 for i in range(args.steps + 1):
-    s = rng.integers(0, args.vocab, size=(16, 32))
-    r = np.concatenate([s, s], 1).astype(np.int32)
+    if args.vary:
+        r = np.stack([np.tile(rng.integers(0, args.vocab, size=n), 129 // n + 1)[:129]
+                      for n in rng.integers(16, 65, size=16)]).astype(np.int32)
+    else:
+        s = rng.integers(0, args.vocab, size=(16, 32))
+        r = np.concatenate([s, s], 1).astype(np.int32)
     loss = step_c(mx.array(r[:, :-1]), mx.array(r[:, 1:]))
     mx.eval(state, loss)
     if i % 50 == 0:

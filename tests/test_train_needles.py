@@ -43,3 +43,17 @@ def test_needle_rows_match_eval_format():
     # eval's prompt ends with the same question tokens the training rows carry before the answer
     t = needle_trials(ids, pieces, length=256, depth=0.5, trials=1)[0]
     assert np.array_equal(t.prompt[-t.question_len :], pieces["question"])
+
+
+def test_copy_rows_alphabet_and_varying_offsets():
+    """Copy rows: a span of 16..max_span tokens from ids 1..vocab-1, tiled, so each row repeats at its own
+    offset (a fixed offset would be solved by a positional head, not an induction head)."""
+    rng = np.random.default_rng(0)
+    rows = np.zeros((32, 257), np.int32)
+    _load().copy_rows(rng, rows, 512, max_span=64)
+    assert rows.min() >= 1 and rows.max() < 512
+    periods = set()
+    for r in rows:
+        n = next(p for p in range(16, 65) if np.array_equal(r[p:], r[:-p]))
+        periods.add(n)
+    assert len(periods) > 8  # the offset varies between rows

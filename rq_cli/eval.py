@@ -36,6 +36,8 @@ def ppl(
     windows: Optional[int] = typer.Option(None, "--windows", help="Score at most this many windows."),
     step: int = typer.Option(32, "--step", help="Decode tokens per step while scoring (1 = token by token)."),
     text: Optional[str] = typer.Option(None, "--text", help="Text file to score (default: the bundled held-out plays)."),
+    fp16_window: int = typer.Option(0, "--fp16-window",
+                                    help="Newest tokens kept unquantized in a compressed cache (0 = none)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Perplexity over held-out text: each window's first half is prefilled, the second half is scored
@@ -46,7 +48,7 @@ def ppl(
     _positive("--step", step)
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
-    settings = kv_settings(kv, rotation)
+    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window))
     em = load_eval_model(model)
     ctx = check_context(em.context if context is None else context, em.context)
     res = perplexity(em.model, _ids(em, text), settings, context=ctx, step=step, max_windows=windows)
@@ -54,8 +56,15 @@ def ppl(
         print_json(res.as_dict())
         return
     rot = f" ({res.rotation})" if res.rotation else ""
+    rot += f", fp16 window {res.fp16_window}" if res.fp16_window else ""
     console.print(f"ppl [bold]{res.ppl:.3f}[/] over {res.tokens} decode-scored tokens, {res.windows} window(s) of "
                   f"{res.context}, KV {res.kv_mode}{rot}", highlight=False)
+
+
+def _window(n: int) -> int:
+    if n < 0:
+        raise RQError(f"--fp16-window must be >= 0 (got {n})")
+    return n
 
 
 def _parse_list(s: str, cast, name: str) -> list:
@@ -78,6 +87,8 @@ def niah_cmd(
     depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="Needle depths in [0, 1] (comma-separated)."),
     trials: int = typer.Option(4, "--trials", help="Needles per cell."),
     seed: int = typer.Option(0, "--seed"),
+    fp16_window: int = typer.Option(0, "--fp16-window",
+                                    help="Newest tokens kept unquantized in a compressed cache (0 = none)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end."""
@@ -89,7 +100,8 @@ def niah_cmd(
     if any(not 0 <= d <= 1 for d in Ds):
         raise RQError("--depths must lie in [0, 1]")
     modes = ["fp16"] + [m for m in _parse_list(kv, str, "--kv") if m != "fp16"]
-    settings = [kv_settings(m, rotation if m == "isoquant3" else None) for m in modes]
+    settings = [kv_settings(m, rotation if m == "isoquant3" else None, fp16_window=_window(fp16_window))
+                for m in modes]
     em = load_eval_model(model)
     too_long = [L for L in Ls if L > em.context]
     if too_long:
@@ -119,6 +131,8 @@ def gates_cmd(
     kv: str = typer.Option("isoquant3", "--kv", help="KV mode to gate against fp16."),
     rotation: Optional[str] = typer.Option(None, "--rotation", help="IsoQuant rotation (default wht_so4)."),
     gates_file: Optional[str] = typer.Option(None, "--gates", help="Thresholds TOML (default: the bundled gates.toml)."),
+    fp16_window: int = typer.Option(0, "--fp16-window",
+                                    help="Newest tokens kept unquantized in a compressed cache (0 = none)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Twelve quality gates of a KV mode against fp16; exits 1 if any gate fails."""
@@ -127,7 +141,7 @@ def gates_cmd(
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only")
     cfg = load_gates(gates_file)
-    settings = kv_settings(kv, rotation)
+    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window))
     em = load_eval_model(model)
     rep = GateRunner(em, cfg, _ids(em, None)).run(settings)
     if json_out:

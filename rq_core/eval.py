@@ -108,8 +108,9 @@ def rotation_of(kv: KVSettings) -> Optional[str]:
 
 
 def label(kv: KVSettings) -> str:
-    """A short name: fp16, turbo3, or isoquant3/<rotation>."""
-    return f"isoquant3/{kv.rotation}" if kv.mode == "isoquant3" else kv.mode
+    """A short name: fp16, turbo3, or isoquant3/<rotation>; "+w<N>" with an fp16 window of N tokens."""
+    name = f"isoquant3/{kv.rotation}" if kv.mode == "isoquant3" else kv.mode
+    return f"{name}+w{kv.fp16_window}" if kv.mode != "fp16" and kv.fp16_window else name
 
 
 # -------------------------------------------------------------------------------------- windows
@@ -164,10 +165,12 @@ class PPLResult:
     windows: int
     prefill: int
     nll: float
+    fp16_window: int = 0
 
     def as_dict(self) -> dict:
         return {"ppl": self.ppl, "tokens": self.tokens, "kv_mode": self.kv_mode, "rotation": self.rotation,
-                "context": self.context, "windows": self.windows, "prefill": self.prefill, "nll": self.nll}
+                "context": self.context, "windows": self.windows, "prefill": self.prefill, "nll": self.nll,
+                "fp16_window": self.fp16_window}
 
 
 def check_context(context: int, em_context: int) -> int:
@@ -192,7 +195,8 @@ def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, pre
         count += int(tgt.size)
     nll = total / count
     return PPLResult(ppl=math.exp(nll), tokens=count, kv_mode=kv.mode, rotation=rotation_of(kv), context=context,
-                     windows=len(wins), prefill=prefill, nll=nll)
+                     windows=len(wins), prefill=prefill, nll=nll,
+                     fp16_window=kv.fp16_window if kv.mode != "fp16" else 0)
 
 
 @dataclass

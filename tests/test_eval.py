@@ -133,7 +133,24 @@ def test_cli_ppl_json_on_bundled_model():
     assert 1 < d["ppl"] < 4096
 
 
-@pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--kv", "turbo3", "--rotation", "so3"],
+def test_cli_ppl_fp16_window():
+    """A window as long as the context keeps every token unquantized: exactly the fp16 perplexity; a short
+    one is measured (a different number) and reported."""
+    def ppl(*extra):
+        r = runner.invoke(app, ["eval", "ppl", "--context", "64", "--windows", "1", "--json", *extra])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    ref = ppl()
+    full = ppl("--kv", "isoquant3", "--fp16-window", "64")
+    short = ppl("--kv", "isoquant3", "--fp16-window", "4")
+    assert full["fp16_window"] == 64 and ref["fp16_window"] == 0
+    assert full["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
+    assert short["ppl"] != pytest.approx(ref["ppl"], rel=1e-5)
+    assert ev.label(ev.kv_settings("isoquant3", fp16_window=32)) == "isoquant3/wht_so4+w32"
+
+
+@pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--fp16-window", "-1"], ["eval", "ppl", "--kv", "turbo3", "--rotation", "so3"],
                                   ["eval", "ppl", "--context", "100000"], ["eval", "niah", "--depths", "1.5"],
                                   ["eval", "gates", "--rotation", "bogus"]])
 def test_cli_bad_input_is_one_line(argv):

@@ -185,6 +185,17 @@ def iso_v4(L, i, blocks=None):
         K.V4_BLOCKS = old
 
 
+def iso_v4_window(L, i, nw=32):
+    """v4 with the cache's fp16 window (the newest nw tokens unquantized) merged in the same launch."""
+    T = L["kc"][i].shape[2]
+    if "win" not in L:  # one fp16 window per layer, built outside the timed region
+        L["win"] = [(mx.random.normal((1, HKV, nw, D)).astype(mx.float16),
+                     mx.random.normal((1, HKV, nw, D)).astype(mx.float16)) for _ in range(len(L["kc"]))]
+        mx.eval(L["win"])
+    return K.attention_v4(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+                          bits=BITS, scale=SCALE, valid_len=T, window=L["win"][i])[0]
+
+
 def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=None):
     """v5: v4's single launch with warp-level streaming (threads per block, launch bound, block target,
     load-ahead depth, value decode, copy-ring stages)."""
@@ -288,6 +299,7 @@ def main() -> None:
             "IsoQuant-3 fused mma": lambda i: iso_fused(L, i, variant="mma"),
             "IsoQuant-3 fused": lambda i: iso_fused(L, i),
             "IsoQuant-3 v4 (one launch)": lambda i: iso_v4(L, i),
+            "IsoQuant-3 v4 + fp16 window 32 (one launch)": lambda i: iso_v4_window(L, i),
             "TurboQuant-3 v4 (dense, one launch)": lambda i: turbo_v4(L, i),
         }
         for nb in [int(x) for x in a.v4_blocks.split(",") if x]:

@@ -6,6 +6,13 @@ blocks run one after another in a shuffled order, __syncthreads / warp shuffles 
 kernel's logic (indexing, tiles, splits, online softmax, v4's last-block merge and counter reset) without
 a GPU; it says nothing about speed or about memory ordering between blocks.
 
+Memory checks, as the hardware faults ("misaligned address"): threadgroup arrays are laid out as the compiler
+places static __shared__ arrays (declaration order, each aligned only to its type; layout="worst": each at an
+odd multiple of its alignment), device buffers start 256-byte aligned (optionally offset, as a view's data
+pointer can be); every cp.async copy needs 16-byte aligned global source and threadgroup destination inside
+their buffers, and every vector reinterpretation in the prelude (uint4 / float4 loads, half2 <-> uint) the
+alignment of its type (tests/kernel_emu/cuda_emu.h: emu::check). Distinct faults are listed once each.
+
     python3 benchmarks/emulate_kernel.py            # v4 and v5 cases, plus v3 (attn_mma2 + attn_merge) as a control
 
 Exit status 1 if any case fails.
@@ -46,25 +53,51 @@ def _emu_source(name: str, template: list, types: dict) -> str:
     src, n = re.subn(re.escape(sig) + r" \{\n  asm volatile.*?\n\}\n", sig + " { emu::mma(c.x, a.x, b.x); }\n", src,
                      flags=re.S)
     assert n == 1, "mma_f16 not found in the CUDA prelude"
-    # attn_v5's asynchronous copies (inline PTX): done at once; the kernel's warp syncs order them
+    # attn_v5's asynchronous copies (inline PTX): done at once (the kernel's warp syncs order them), with
+    # the hardware's checks: 16-byte aligned global source, 16-byte aligned threadgroup destination
     for fn, emu in (("INLINE void cp_async16(TG uint* dst, DEV const uint* src)",
-                     "{ std::memcpy(dst, src, 16); }"),
+                     "{ emu::cp_async16(dst, src); }"),
                     ("INLINE void cp_async_commit()", "{}"),
                     ("INLINE void cp_async_wait()", "{}")):
         src, n = re.subn(re.escape(fn) + r" \{\n.*?\n\}\n", fn + " " + emu + "\n", src, count=1, flags=re.S)
         if n == 0 and fn in src:  # a one-line body
             src = re.sub(re.escape(fn) + r" \{[^\n]*\}\n", fn + " " + emu + "\n", src, count=1)
-    return src
+    # every reinterpret_cast of the prelude (vector loads uint4 / float4, half2 <-> uint) checks the
+    # alignment of the access it is made for (emu::checked_cast)
+    src = re.sub(r"reinterpret_cast<([^<>]*?\*)>\(", r"emu::checked_cast<\1>(__func__, ", src)
+    # threadgroup arrays: laid out by the executor as the compiler would (emu::shared_alloc), so their
+    # placement, and the alignment of accesses into them, are what the GPU sees
+    head, mark, body = src.partition("const uint TID = threadIdx.x;")
+    decl = re.compile(r"^(\s*)SHARED\s+(\w+)\s+(\w+)((?:\s*\[[^\]\n]*\])*)\s*;", re.M)
+    want = len(re.findall(r"^\s*SHARED\s", body, re.M))
+
+    def alloc(m):
+        dims = "".join(f"[({d})]" for d in re.findall(r"\[([^\]]*)\]", m.group(4)))
+        ty, name = m.group(2), m.group(3)
+        return f'{m.group(1)}static auto& {name} = emu::shared_alloc<{ty}{dims}>(alignof({ty}), "{name}");'
+
+    body, n = decl.subn(alloc, body)
+    assert n == want, f"{n} of {want} threadgroup declarations rewritten"
+    return head + mark + body
 
 
 def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[int, int], nth: int,
-            views: dict | None = None, types: dict | None = None, seed: int = 0, workdir: Path | None = None) -> dict:
+            views: dict | None = None, types: dict | None = None, seed: int = 0, workdir: Path | None = None,
+            offsets: dict | None = None, layout: str = "decl") -> dict:
     """Run kernel `name` on the CPU. inputs: name -> numpy array (a bf16 input: (uint16 array, "bf16"));
     views: name -> (shape, strides) passed as that input's _shape/_strides (else the array's own);
-    outputs: name -> (shape, dtype code), filled with NaN first. Returns name -> numpy array."""
+    outputs: name -> (shape, dtype code), filled with NaN first. Returns name -> numpy array, plus
+    "smem_bytes": the threadgroup memory the executor laid out.
+
+    Buffers start 256-byte aligned (as MLX's CUDA allocations of more than 8 bytes do); offsets: name ->
+    elements to start that input after (a view whose data pointer is offset into its buffer). layout:
+    "decl" places threadgroup arrays in declaration order, each aligned to its type; "worst" at an odd
+    multiple of that alignment. A misaligned vector access or cp.async copy, or one outside its buffer,
+    raises RuntimeError("... misaligned address ...") after the run (every distinct fault listed once)."""
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="rq_emu_") as d:
-            return emulate(name, template, inputs, outputs, grid, nth, views, types, seed, Path(d))
+            return emulate(name, template, inputs, outputs, grid, nth, views, types, seed, Path(d), offsets, layout)
+    offsets = offsets or {}
     spec = K.SPECS[name]
     types = dict(types or {})
     views = views or {}
@@ -72,12 +105,23 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
     src = _emu_source(name, template, types)
     body = K.render(name, "cuda")[1]
     lines = ['#include "mlx/backend/cuda/device/utils.cuh"', "#include <algorithm>", "#include <random>", src,
-             "template <class T> std::vector<T> load(const char* p, size_t n) {",
-             "  std::vector<T> v(n); FILE* f = std::fopen(p, \"rb\"); if (!f) std::abort();",
-             "  if (std::fread(v.data(), sizeof(T), n, f) != n) std::abort(); std::fclose(f); return v; }",
-             "template <class T> void save(const char* p, const std::vector<T>& v) {",
-             "  FILE* f = std::fopen(p, \"wb\"); std::fwrite(v.data(), sizeof(T), v.size(), f); std::fclose(f); }",
-             "int main() {", "  using namespace mlx::core::cu;"]
+             "// a device buffer: 256-byte aligned allocation, the array `off` elements in, registered for the checks",
+             "template <class T> struct Buf {",
+             "  T* p; size_t n;",
+             "  Buf(size_t n_, size_t off, const char* name) : n(n_) {",
+             "    char* raw = static_cast<char*>(std::aligned_alloc(256, ((n + off) * sizeof(T) + 255) / 256 * 256));",
+             "    p = reinterpret_cast<T*>(raw) + off;",
+             "    emu::regions.push_back({reinterpret_cast<const char*>(p), n * sizeof(T), name, false}); }",
+             "  T* data() { return p; } };",
+             "template <class T> Buf<T> load(const char* p, size_t n, size_t off, const char* name) {",
+             "  Buf<T> v(n, off, name); FILE* f = std::fopen(p, \"rb\"); if (!f) std::abort();",
+             "  if (std::fread(v.p, sizeof(T), n, f) != n) std::abort(); std::fclose(f); return v; }",
+             "template <class T> Buf<T> filled(size_t n, T x, const char* name) {",
+             "  Buf<T> v(n, 0, name); std::fill(v.p, v.p + n, x); return v; }",
+             "template <class T> void save(const char* p, const Buf<T>& v) {",
+             "  FILE* f = std::fopen(p, \"wb\"); std::fwrite(v.p, sizeof(T), v.n, f); std::fclose(f); }",
+             "int main() {", "  using namespace mlx::core::cu;",
+             f"  emu::worst_layout = {'true' if layout == 'worst' else 'false'};"]
     args = []
     for n in spec.inputs:
         a = inputs[n]
@@ -86,7 +130,8 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
         types.setdefault(n, code)
         (tmp / f"{n}.bin").write_bytes(np.ascontiguousarray(arr).tobytes())
         ct = CTYPE[code]
-        lines.append(f'  auto in_{n} = load<{ct}>("{tmp / (n + ".bin")}", {arr.size});')
+        off = int(offsets.get(n, 0))
+        lines.append(f'  auto in_{n} = load<{ct}>("{tmp / (n + ".bin")}", {arr.size}, {off}, "{n}");')
         args.append(f"in_{n}.data()")
         shape, strides = views.get(n, (arr.shape, tuple(s // arr.itemsize for s in arr.strides)))
         if f"{n}_shape" in body:
@@ -101,7 +146,7 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
         ct = CTYPE[code]
         nan = {"f32": "NAN", "f16": "__float2half_rn(NAN)", "bf16": "__nv_bfloat16{0x7fc0}",
                "u32": "0xB2D05E00u"}[code]  # u32: kernels.APPEND_POISON's value
-        lines.append(f"  std::vector<{ct}> out_{n}({size}, {nan});")
+        lines.append(f'  auto out_{n} = filled<{ct}>({size}, {nan}, "{n}");')
         args.append(f"out_{n}.data()")
     kname = f"custom_kernel_rq_{name}"
     lines += [
@@ -117,7 +162,9 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
         lines.append(f'  save("{tmp / (n + ".out")}", out_{n});')
     if "counter" in spec.inputs:  # v4 must leave its counters zeroed: read them back
         lines.append(f'  save("{tmp / "counter.out"}", in_counter);')
-    lines += ["  return 0;", "}"]
+    lines += [f'  {{ FILE* f = std::fopen("{tmp / "smem.txt"}", "w"); std::fprintf(f, "%zu\\n", emu::smem_top); '
+              "std::fclose(f); }",
+              "  return emu::report() ? 0 : 3;", "}"]
     cpp = tmp / f"{name}.cpp"
     cpp.write_text("\n".join(lines) + "\n")
     exe = tmp / f"{name}.exe"
@@ -126,9 +173,11 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
     if r.returncode:
         raise RuntimeError(f"compile failed:\n{r.stderr[:4000]}")
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    if r.returncode == 3:
+        raise RuntimeError(f"memory faults (a GPU stops at the first):\n{r.stderr[:4000]}")
     if r.returncode:
         raise RuntimeError(f"run failed ({r.returncode}): {r.stderr[:2000]}")
-    res = {}
+    res = {"smem_bytes": int((tmp / "smem.txt").read_text())}
     for n in spec.outputs:
         shape, code = outputs[n]
         raw = (tmp / f"{n}.out").read_bytes()
@@ -162,8 +211,9 @@ def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str):
 
 
 def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0,
-           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0):
-    """kernel="attn_v5" (run_v5) runs the v5 body with the same inputs and checks; nth: its threads per block."""
+           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl"):
+    """kernel="attn_v5" (run_v5) runs the v5 body with the same inputs and checks; nth: its threads per block.
+    offsets / layout: emulate's (inputs placed off their buffers' aligned start; threadgroup layout)."""
     c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4))
     scale = 1.0 / math.sqrt(d)
     qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype)
@@ -190,7 +240,8 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
                         v_norms=c["vnorm"], counter=counter),
                    dict(out=((B, G * Hkv, L, d), tq), lse=((B, G * Hkv, L), "f32"), o_part=((groups, ns, R, d), "f32"),
                         ml_part=((groups, ns, R, 2), "f32")),
-                   (groups, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed)
+                   (groups, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed, offsets=offsets,
+                   layout=layout)
     ref = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,
                        offset=T - L, causal=causal, T=T, rot=rot)
     got = outs["out"].astype(np.float64)
@@ -211,7 +262,7 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
     lse_err = float(np.abs(outs["lse"] - ref_lse).max())
     # every output written (no NaN left from the poison), and the counters left zeroed for the next launch
     return dict(err=err, err_half=err_half, lse_err=lse_err, nan=int(np.isnan(got).sum()), ns=ns,
-                counters=int(outs["counter_after"].sum()))
+                counters=int(outs["counter_after"].sum()), smem_bytes=outs["smem_bytes"])
 
 
 def run_v5(rng, **kw):
@@ -321,15 +372,31 @@ def main() -> int:
         ("v5 G=2 d=128 T=400 dense B=2", lambda: run_v5(rng, G=2, d=128, T=400, rot=4, B=2, nth=256)),
         ("v5 G=8 d=256 T=300 512 thr", lambda: run_v5(rng, G=8, d=256, T=300, nth=512)),
         ("v5 G=8 d=128 T=1000 cp.async ring 2", lambda: run_v5(rng, G=8, d=128, T=1000, nth=256, pf=1, stage=2)),
+        # the ring configurations that faulted on the H200 ("misaligned address"), and other row widths W
+        # (4, 8, 12, 32 words), with threadgroup arrays also at their worst legal alignment
+        ("v5 G=8 d=128 T=4100 ring 4 128 thr", lambda: run_v5(rng, G=8, d=128, T=4100, nth=128, pf=1, stage=4)),
+        ("v5 G=8 d=128 T=700 ring 2 worst layout", lambda: run_v5(rng, G=8, d=128, T=700, nth=256, pf=1, stage=2,
+                                                                  layout="worst")),
+        ("v5 G=8 d=64 2-bit T=530 ring 2 worst", lambda: run_v5(rng, G=8, d=64, T=530, bits=2, nth=256, pf=1,
+                                                                stage=2, layout="worst")),
+        ("v5 G=8 d=128 2-bit T=300 ring 3", lambda: run_v5(rng, G=8, d=128, T=300, bits=2, nth=128, pf=1, stage=3)),
+        ("v5 G=4 d=256 4-bit T=400 ring 2 f16", lambda: run_v5(rng, G=4, d=256, T=400, bits=4, nth=64, pf=1,
+                                                               stage=2, qdtype="f16", layout="worst")),
+        ("v4 G=8 d=128 T=300 worst layout", lambda: run_v4(rng, G=8, d=128, T=300, layout="worst")),
     ]
     for label, fn in cases:
-        r = fn()
+        try:
+            r = fn()
+        except RuntimeError as e:  # a memory fault (misaligned or out-of-bounds access), a deadlock, a crash
+            fails += 1
+            print(f"FAIL {label}: {e}", flush=True)
+            continue
         # the pass test of kernels_check.py: against float64 math with the levels rounded to half
         tol = 8e-3 if "bf16" in label else 1e-3 if "f16" in label else 5e-5
         ok = r["nan"] == 0 and r.get("err_half", r["err"]) < tol and r.get("lse_err", 0.0) < 1e-3 \
             and r.get("counters", 0) == 0
         fails += not ok
-        print(f"{'ok  ' if ok else 'FAIL'} {label:36s} splits {r['ns']:2d}  rel.err {r['err']:.2e}  "
+        print(f"{'ok  ' if ok else 'FAIL'} {label:40s} splits {r['ns']:2d}  rel.err {r['err']:.2e}  "
               f"vs half levels {r.get('err_half', float('nan')):.1e}  "
               f"lse err {r.get('lse_err', float('nan')):.1e}  nan {r['nan']}  counters left {r.get('counters', '-')}",
               flush=True)

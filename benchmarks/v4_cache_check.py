@@ -41,6 +41,9 @@ def reference(cache, q: np.ndarray, scale: float, half: bool = False) -> np.ndar
                                    cache.bits, D), dtype=np.float64)
         v = np.array(dequantize_kv(cache.v_codes[:, :, :n], cache.v_norms[:, :, :n], cache.rotation, lv,
                                    cache.bits, D), dtype=np.float64)
+    if cache.fp16_len:  # the fp16 window after the packed tokens, exact
+        k = np.concatenate([k, np.array(cache._fk[:, :, :cache.fp16_len].astype(mx.float32), dtype=np.float64)], 2)
+        v = np.concatenate([v, np.array(cache._fv[:, :, :cache.fp16_len].astype(mx.float32), dtype=np.float64)], 2)
     G = HQ // HKV
     k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
     s = np.einsum("bhld,bhtd->bhlt", q.astype(np.float64), k) * scale
@@ -53,10 +56,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=5000)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--window", type=int, default=0, help="the caches' fp16_window (v4 merges it in-kernel)")
     ap.add_argument("--tol", type=float, default=3e-3, help="against the exact or the half-rounded levels "
                     "(the GPU's matrix units see the latter); fp16 queries and output")
     a = ap.parse_args()
-    print(f"v4_cache_check: backend {K.backend()}, MLX {mx.__version__}, context {a.context}", flush=True)
+    print(f"v4_cache_check: backend {K.backend()}, MLX {mx.__version__}, context {a.context}, "
+          f"fp16 window {a.window}", flush=True)
     rng = np.random.default_rng(0)
     kp = rng.standard_normal((1, HKV, a.context, D)).astype(np.float16)
     vp = rng.standard_normal((1, HKV, a.context, D)).astype(np.float16)
@@ -67,7 +72,7 @@ def main() -> int:
     for label, cls in (("isoquant3", IsoQuantCache), ("turbo3", TurboQuantCache)):
         for version in [v for v in os.environ.get("RQ_CHECK_VERSIONS", "v3,v3r,v4,v5").split(",") if v]:
             os.environ["RQ_ATTN"] = version
-            cache = cls(head_dim=D, n_kv_heads=HKV, layer=3)
+            cache = cls(head_dim=D, n_kv_heads=HKV, layer=3, fp16_window=a.window)
             qp = mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16))
             mx.eval(cache.attend(qp, mx.array(kp), mx.array(vp), scale=scale, mask="causal"))  # prompt: fp16 SDPA
             cache.end_prefill()

@@ -64,7 +64,8 @@ V5_NTH = int(os.environ.get("RQ_V5_NTH", "384"))
 V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets)
 V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "1"))  # 1: values decoded by byte permutes (<= 3 bits), 0: table
 # 0: code rows through registers (as measured on the H200); n > 0: an n-slot per-warp ring in threadgroup
-# memory filled by cp.async (PF must be 1; NOT YET RUN ON A GPU)
+# memory filled by cp.async (PF must be 1; its first H200 run faulted, "misaligned address": the ring was only
+# 4-byte aligned; fixed and checked on the CPU executor, not yet re-run on a GPU: docs/KERNEL_NOTES.md)
 V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "0"))
 
 
@@ -74,6 +75,7 @@ class Spec:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     contiguous: bool = True  # False: the kernel reads views (shape/strides) as they are
+    defines: str = ""  # preprocessor lines put before the body (one body, several kernels)
 
 
 SPECS: dict[str, Spec] = {
@@ -90,6 +92,10 @@ SPECS: dict[str, Spec] = {
     "attn_v4": Spec("attn_v4.body",
                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter"),
                     ("out", "lse", "o_part", "ml_part"), contiguous=False),
+    # v4 plus the cache's fp16 window (wk / wv: its newest tokens, read through strides), merged in-kernel
+    "attn_v4w": Spec("attn_v4.body",
+                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "wk", "wv"),
+                     ("out", "lse", "o_part", "ml_part"), contiguous=False, defines="#define RQ_V4_WINDOW 1\n"),
     # v5: v4's contract, warp-level streaming (docs/KERNEL_NOTES.md, "v5")
     "attn_v5": Spec("attn_v5.body",
                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter"),
@@ -136,7 +142,8 @@ def render(name: str, backend: str) -> tuple[str, str]:
     header = head + "\n" + _read("common.h")
     if not header.endswith("\n"):
         header += "\n"  # cuda_kernel glues the next line to a header without a final newline
-    return header, start + "\n" + _read(SPECS[name].body)
+    spec = SPECS[name]
+    return header, start + "\n" + spec.defines + _read(spec.body)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,7 +486,8 @@ def _one_launch_args(name: str, q: mx.array, Hkv: int, rot: int, valid_len: int,
 
 def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
                  v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, valid_len: int, offset: int = 0,
-                 causal: bool = False, rot: int = ROT_WHT | ROT_SO4) -> tuple[mx.array, mx.array]:
+                 causal: bool = False, rot: int = ROT_WHT | ROT_SO4,
+                 window: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
     """Single-launch attention (v4): rotation + A + online softmax + C + merge + D in one kernel.
 
     q [B, Hq, L, D] (any strides; float16, bfloat16 or float32, else cast to float32) un-rotated;
@@ -487,6 +495,9 @@ def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     ROT_DENSE (mats [Hkv, D, D] with y = P u: TurboQuant). mats [Hkv, D/4, 4, 4] for ROT_SO4.
     k_codes / v_codes [B, Hkv, T_cap, W] and v_norms [B, Hkv, T_cap] are read through their strides (no
     copy op), so their last dims must be dense, as cache buffers and their slices along T are.
+    window: (keys, values) [B, Hkv, NW, D], 1 <= NW <= MMA_TILE, the cache's fp16 segment after the packed
+    tokens (any strides, last dim dense), attended exactly and merged in the same launch (kernel attn_v4w);
+    the queries are its last L tokens, so the packed part is seen whole and `causal` masks the window.
     Returns (out [B, Hq, L, D] in q's dtype, lse [B, Hq, L] float32, natural log).
     """
     B, Hq, L, D = q.shape
@@ -496,13 +507,23 @@ def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     be = backend() or "cuda"
     if not v4_ok(D, bits, R, be):
         raise KernelUnsupported(f"v4: R={R}, head_dim {D}, {bits}-bit codes")
+    name, extra, tmpl = "attn_v4", [], []
+    if window is not None:
+        wk, wv = window
+        nw = wk.shape[2]
+        if not 1 <= nw <= MMA_TILE or nw < L or wk.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+            raise KernelUnsupported(f"v4 window of {nw} tokens ({wk.dtype}) for {L} queries")
+        name, extra, tmpl = "attn_v4w", [wk, wv], [("WCAUSAL", int(causal and L > 1))]
+        causal = False  # every packed token precedes every query
+        offset = valid_len
     T, causal, qd, groups = _one_launch_args("v4", q, Hkv, rot, valid_len, offset, causal)
     ns = v4_plan(T, groups)
     out, lse, _, _ = _run(
-        "attn_v4",
-        [qd, _mats(mats), _consts(levels, scale), k_codes, k_norms[:, :, :T], v_codes, v_norms, _counter(groups)],
+        name,
+        [qd, _mats(mats), _consts(levels, scale), k_codes, k_norms[:, :, :T], v_codes, v_norms, _counter(groups)]
+        + extra,
         [("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
-         ("ROT", rot), ("NTH", NTH), ("TILE", MMA_TILE)],
+         ("ROT", rot), ("NTH", NTH), ("TILE", MMA_TILE)] + tmpl,
         (groups, ns), NTH, [(B, Hq, L, D), (B, Hq, L), (groups, ns, R, D), (groups, ns, R, 2)],
         [qd.dtype, mx.float32, mx.float32, mx.float32])
     return out, lse
@@ -568,7 +589,8 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     whose warps stream their own token steps (metal/attn_v5.body). blocks / nth / minb / pf / vdec / stage:
     the grid's target block count, threads per block, the launch bound, the load-ahead depth, the value
     decode and the copy ring (default V5_BLOCKS, V5_NTH, V5_MINB, V5_PF, V5_VDEC, V5_STAGE; stage > 0
-    forces pf = 1). Code rows must start 16-byte aligned for stage > 0 (whole cache buffers do)."""
+    forces pf = 1). Code rows must start 16-byte aligned (v4's uint4 loads need it too): buffers of more
+    than 8 bytes do, and so does every row of them, since the shapes taken have rows of 4k words."""
     if backend() is None:
         raise KernelUnsupported("no GPU backend")
     B, Hq, L, D = q.shape
@@ -632,16 +654,16 @@ def attn_version() -> str:
 
 def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
                  v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, offset: int, causal: bool,
-                 valid_len: int) -> mx.array | None:
+                 valid_len: int, window: tuple[mx.array, mx.array] | None = None) -> mx.array | None:
     """IsoQuantCache's whole attention over packed codes with the rotation done in-kernel, or None.
 
     RQ_ATTN=v4 or v5: one launch. RQ_ATTN=v3r: attn_mma2 + attn_merge with ROT (2 launches; not for the
     dense rotation). None (the caller takes its usual path) for v3, without a GPU backend, or for
-    shapes the kernels do not cover. The caller must have no fp16 segment to merge: the output is
-    final, in the queries' dtype.
+    shapes the kernels do not cover. The output is final, in the queries' dtype: an fp16 segment after
+    the packed tokens is passed as `window` (v4 only: attention_v4's; None from the other versions).
     """
     version = attn_version()
-    if version == "v3" or valid_len < 1 or not available():
+    if version == "v3" or valid_len < 1 or not available() or (window is not None and version != "v4"):
         return None
     B, Hq, L, D = queries.shape
     Hkv = k_codes.shape[1]
@@ -653,7 +675,8 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
         if version == "v4":
             if rot & ROT_DENSE and "RQ_ATTN" not in os.environ:
                 return None  # TurboQuant: v3 + the rotation as matmuls measured faster than in-kernel dense
-            return attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, **args)[0]
+            return attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, window=window,
+                                **args)[0]
         if version == "v5":
             return attention_v5(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, **args)[0]
         R = (Hq // Hkv) * L

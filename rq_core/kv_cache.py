@@ -278,12 +278,14 @@ class IsoQuantCache:
             m = None if (isinstance(mask, str) and L == 1) else mask
             return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
 
-        if self.fp16_len == 0 and arr_mask is None:
-            from rq_core import kernels  # RQ_ATTN=v4 on a GPU: the whole attention in one launch (else None)
+        if arr_mask is None and (self.fp16_len == 0 or (not self.prefilling and self.fp16_len >= L)):
+            from rq_core import kernels  # v4 on a GPU: the whole attention in one launch, window included (else None)
 
+            n = self.fp16_len
+            window = (self._fk[:, :, :n], self._fv[:, :, :n]) if n else None
             out = kernels.fused_attend(queries, self.rotation, self.k_codes, self.k_norms, self.v_codes, self.v_norms,
                                        self.levels, bits=self.bits, scale=scale, offset=q_pos0, causal=causal,
-                                       valid_len=self.packed_len)
+                                       valid_len=self.packed_len, window=window)
             if out is not None:
                 return out
         parts = []

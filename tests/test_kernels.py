@@ -43,6 +43,8 @@ CASES = {
                 ("ROT", 3), ("NTH", 128), ("TILE", 128)],
     "attn_v5": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
                 ("ROT", 3), ("NTH", 384), ("PF", 2), ("VDEC", 1), ("STAGE", 0)],
+    "attn_v4w": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
+                 ("ROT", 3), ("NTH", 128), ("TILE", 128), ("WCAUSAL", 1)],
     "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("ROT", 3), ("NC", 0)],  # more in test_kv_append_kernel
 }
 # more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
@@ -144,7 +146,8 @@ def test_syntax_check(be, tmp_path):
     cases = [(n, n, t) for n, t in CASES.items()] + [(k, n, t) for k, (n, t) in EXTRA_CASES.items()]
     for label, name, template in cases:
         tq = dict(template).get("TQ", "f32")
-        types = ({"q": tq, "out": tq} if name in ("attn_v4", "attn_v5") else {"q": tq} if name.startswith("attn_mma")
+        types = ({"q": tq, "out": tq, "wk": tq, "wv": tq} if name == "attn_v4w"
+                 else {"q": tq, "out": tq} if name in ("attn_v4", "attn_v5") else {"q": tq} if name.startswith("attn_mma")
                  else None)
         f = tmp_path / f"{label.replace('/', '_')}.cpp"
         f.write_text(prefix + K.full_source(name, be, template, types))
@@ -392,6 +395,49 @@ def test_v5_cuda_source_runs_on_cpu_executor(case):
     r = EK.run_v5(np.random.default_rng(13), seed=5, **case)
     assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
     assert r["err_half"] < (8e-3 if case.get("qdtype") == "bf16" else 5e-5) and r["lse_err"] < 1e-3
+
+
+@pytest.mark.parametrize("layout", ["decl", "worst"])
+def test_v5_copy_ring_is_16_byte_aligned(layout):
+    """The cp.async ring configuration that faulted on the H200 ("misaligned address": 128 threads, 4 stages,
+    G = 8, d = 128, 3-bit), on the executor that checks every copy's 16-byte alignment (global source and
+    threadgroup destination) against threadgroup arrays laid out as the compiler places them (declaration
+    order, each aligned to its type) and at their worst legal alignment; the layout's size is what the host
+    budgets (kernels._v5_smem, 45,380 B as nvcc reports)."""
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ and ucontext (Linux)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import emulate_kernel as EK
+
+    r = EK.run_v5(np.random.default_rng(17), G=8, d=128, T=200, nth=128, pf=1, stage=4, layout=layout)
+    assert r["nan"] == 0 and r["counters"] == 0 and r["err_half"] < 5e-5
+    if layout == "decl":
+        assert r["smem_bytes"] == K._v5_smem(128, 3, 8, 128, "cuda", 4) == 45380
+
+
+@pytest.mark.parametrize("kernel,offsets,fault", [("attn_v5", {"k_codes": 2}, "cp.async source (global)"),
+                                                  ("attn_v4", {"v_codes": 1}, "load_u4")])
+def test_emulator_faults_on_misaligned_access(kernel, offsets, fault):
+    """The executor's memory checks can fail: code rows starting 8 (4) bytes off a 16-byte boundary fault in
+    v5's cp.async copies (v4's uint4 loads), as on a GPU."""
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ and ucontext (Linux)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import emulate_kernel as EK
+
+    kw = dict(nth=128, pf=1, stage=2) if kernel == "attn_v5" else {}
+    with pytest.raises(RuntimeError, match=f"misaligned address: {re.escape(fault)}"):
+        EK.run_v4(np.random.default_rng(19), G=8, d=128, T=40, kernel=kernel, offsets=offsets, **kw)
+
+
+def test_code_rows_16_byte_aligned_for_every_kernel_shape():
+    """v4's uint4 row loads and v5's 16-byte row copies need each code row 16-byte aligned: true for every
+    shape the matrix-unit kernels take (W, the words of a row, a multiple of 4), given a buffer that starts
+    aligned (MLX's allocations above 8 bytes do). A shape with W % 4 != 0 would need a host-side check."""
+    for D in (32, 64, 96, 128, 256):
+        for bits in (1, 2, 3, 4):
+            if K.mma_ok(D, bits, 8):
+                assert (D * bits // 32) % 4 == 0, (D, bits)
 
 
 def test_v5_plan_and_shapes():

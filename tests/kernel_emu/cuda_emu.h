@@ -14,6 +14,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #define __global__
@@ -22,11 +25,13 @@
 #define __shared__ static
 #define __grid_constant__
 
-struct __half { _Float16 v; };
-struct __half2 { __half x, y; };
-struct __nv_bfloat16 { uint16_t v; };
-struct uint4 { unsigned x, y, z, w; };
-struct float4 { float x, y, z, w; };
+// alignments as CUDA's headers declare them (vector_types.h, cuda_fp16.hpp): the layout and the alignment
+// checks below depend on them
+struct alignas(2) __half { _Float16 v; };
+struct alignas(4) __half2 { __half x, y; };
+struct alignas(2) __nv_bfloat16 { uint16_t v; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float __half2float(__half h) { return (float)h.v; }
 inline __half __float2half_rn(float f) { return {(_Float16)f}; }
@@ -229,5 +234,104 @@ inline void mma(float c[4], const unsigned a[4], const unsigned b[2]) {
     for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
     c[e] = s;
   }
+}
+}  // namespace emu
+
+// ---------------------------------------------------------------------------------------------
+// Memory the hardware checks: a vector access (uint4, float4, half2 ... through a cast) and a cp.async
+// 16-byte copy fault on a GPU ("misaligned address") unless each address is aligned to the access size.
+// The executor runs every block to the end and reports each distinct fault once (emu::report).
+namespace emu {
+struct Region {
+  const char* base;
+  size_t bytes;
+  std::string name;
+  bool shared;
+};
+inline std::vector<Region> regions;  // global buffers (inputs, outputs) and threadgroup arrays
+inline std::map<std::string, std::pair<std::string, long>> faults;  // kind -> (first instance, count)
+enum Space { ANY, GLOBAL, SHARED };
+
+inline const Region* find_region(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  for (const auto& r : regions)
+    if (c >= r.base && c < r.base + r.bytes) return &r;
+  return nullptr;
+}
+
+inline void fault(const std::string& kind, const std::string& msg) {
+  auto& f = faults[kind];
+  if (f.second++ == 0) f.first = msg;
+}
+
+// threadgroup memory of a block, laid out as a compiler would place static __shared__ arrays: in
+// declaration order, each aligned only to its type (alignof). worst_layout: each array at an odd multiple
+// of its alignment (aligned to it and to nothing more), so no access may rely on accidental alignment.
+alignas(4096) inline unsigned char smem[232448];
+inline size_t smem_top = 0;
+inline bool worst_layout = false;
+template <class T>
+T& shared_alloc(size_t align, const char* name) {
+  size_t off = (smem_top + align - 1) / align * align;
+  if (worst_layout && align < 4096 && off % (2 * align) == 0) off += align;
+  if (off + sizeof(T) > sizeof(smem)) {
+    std::fprintf(stderr, "emu: threadgroup memory over %zu bytes\n", sizeof(smem));
+    std::abort();
+  }
+  smem_top = off + sizeof(T);
+  regions.push_back({reinterpret_cast<const char*>(smem + off), sizeof(T), name, true});
+  return *reinterpret_cast<T*>(smem + off);
+}
+
+inline std::string where(const void* p) {
+  const Region* r = find_region(p);
+  const size_t a = reinterpret_cast<uintptr_t>(p);
+  if (!r) return "thread-local or unknown memory (address % 16 = " + std::to_string(a % 16) + ")";
+  const size_t off = static_cast<const char*>(p) - r->base;
+  const size_t base = r->shared ? static_cast<size_t>(r->base - reinterpret_cast<const char*>(smem)) : 0;
+  return std::string(r->shared ? "threadgroup array " : "buffer ") + r->name + " + " + std::to_string(off) + " B" +
+         (r->shared ? " (threadgroup byte " + std::to_string(base + off) + ")" : "") +
+         " (address % 16 = " + std::to_string(a % 16) + ")";
+}
+
+// an access of n bytes at p that must be aligned to `align` and lie in one buffer of space `sp`
+inline void check(const void* p, size_t n, size_t align, const char* what, Space sp) {
+  const size_t a = reinterpret_cast<uintptr_t>(p);
+  if (a % align != 0) {
+    fault(std::string("misaligned ") + what + " @" + (find_region(p) ? find_region(p)->name : "?") + " %" +
+              std::to_string(a % align),
+          std::string("misaligned address: ") + what + " (" + std::to_string(n) + " B, needs " +
+              std::to_string(align) + "-byte alignment) at " + where(p));
+  }
+  if (sp == ANY && n < 8) return;  // scalar-sized reinterpretations of registers: alignment only
+  const Region* r = find_region(p);
+  const bool ok = r && static_cast<const char*>(p) + n <= r->base + r->bytes &&
+                  (sp == ANY || r->shared == (sp == SHARED));
+  if (!ok && !(sp == ANY && !r))
+    fault(std::string("out of bounds ") + what, std::string("out of bounds / wrong space: ") + what + " (" +
+                                                    std::to_string(n) + " B) at " + where(p));
+}
+
+// reinterpret_cast<P>(q) of the preludes, with the access it is made for checked (P's pointee)
+template <class P, class Q>
+inline P checked_cast(const char* fn, Q* q) {
+  using T = std::remove_cv_t<std::remove_pointer_t<P>>;
+  check(q, sizeof(T), alignof(T), fn, ANY);
+  return reinterpret_cast<P>(q);
+}
+
+// cp.async.cg.shared.global 16 bytes: source in global memory, destination in threadgroup memory,
+// both 16-byte aligned (PTX ISA: cp.async), completed at once here
+inline void cp_async16(void* dst, const void* src) {
+  check(src, 16, 16, "cp.async source (global)", GLOBAL);
+  check(dst, 16, 16, "cp.async destination (threadgroup)", SHARED);
+  std::memcpy(dst, src, 16);
+}
+
+// the distinct faults, once each; true if there were none
+inline bool report() {
+  for (const auto& [kind, f] : faults)
+    std::fprintf(stderr, "emu: %s [%ld times]\n", f.first.c_str(), f.second);
+  return faults.empty();
 }
 }  // namespace emu

@@ -74,6 +74,12 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a [settings] value of the gates file (sample sizes, not thresholds), "
                          "e.g. --set windows=2 --set 'niah_depths=[0.5]'")
+    ap.add_argument("--window-row", type=int, action="append", default=[], metavar="N",
+                    help="also a wht_so4 row whose cache keeps its newest N tokens in fp16")
+    ap.add_argument("--only", default="", help="comma-separated row labels to run (e.g. isoquant3/wht_so4+w32)")
+    ap.add_argument("--merge", default=None, metavar="JSON",
+                    help="add the rows run into this earlier results file (same model and settings required), "
+                         "replacing rows of the same label, instead of writing a new one")
     ap.add_argument("--readme", action="store_true", help="write the section of benchmarks/README.md")
     args = ap.parse_args()
 
@@ -91,12 +97,20 @@ def main() -> None:
 
     runner = ev.GateRunner(em, cfg, ids)
     rows = []
-    for mode, rot in MODES:
-        kv = ev.kv_settings(mode, rot)
+    settings = [ev.kv_settings(mode, rot) for mode, rot in MODES]
+    settings += [ev.kv_settings("isoquant3", "wht_so4", fp16_window=n) for n in args.window_row]
+    only = {x for x in args.only.split(",") if x}
+    unknown = only - {ev.label(kv) for kv in settings}
+    if unknown:
+        raise SystemExit(f"--only: no row labelled {sorted(unknown)} (add --window-row N for +wN rows)")
+    for kv in settings:
+        if only and ev.label(kv) not in only:
+            continue
         t = time.time()
         rep = runner.run(kv)
         d = rep.as_dict()
         d["seconds"] = round(time.time() - t, 1)
+        d["measured"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         rows.append(d)
         print(f"{rep.label}: {rep.passed}/{len(rep.gates)} gates, ΔPPL {rep.details['ppl'] / rep.details['ppl_fp16'] - 1:+.4%}, "
               f"needle {rep.details['needle_accuracy']:.2f} (fp16 {rep.details['needle_accuracy_fp16']:.2f}) "
@@ -113,6 +127,14 @@ def main() -> None:
     res_dir = ROOT / "benchmarks" / "results"
     res_dir.mkdir(parents=True, exist_ok=True)
     path = res_dir / f"quality-{now.strftime('%Y-%m-%d')}.json"
+    if args.merge:
+        path = Path(args.merge)
+        old = json.loads(path.read_text())
+        if old["settings"] != out["settings"] or abs(old["heldout"]["ppl"] - base["ppl"]) > 1e-6 * base["ppl"]:
+            raise SystemExit(f"--merge: {path} was measured with other settings or another model")
+        new_labels = {r["kv"] for r in rows}
+        out = dict(old, modes=[r for r in old["modes"] if r["kv"] not in new_labels] + rows,
+                   merged=old.get("merged", []) + [out["date"]])
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")
     os.replace(tmp, path)
@@ -151,6 +173,11 @@ def render(out: dict) -> str:
             f"| {d['needle_accuracy']:.2f} ({d['needle_accuracy_fp16']:.2f}) | {g['kv_bytes_ratio']['value']:.3f} "
             f"| {r['passed']}/{r['total']} | {failed} |")
     lines.append("")
+    if out.get("merged"):
+        lines.append(f"Rows added later with the same model and settings ({', '.join(out['merged'])}): "
+                     + ", ".join(f"`{r['kv']}` {r['measured']}" for r in modes if r.get("measured"))
+                     + ". `+wN`: the cache keeps its newest N tokens in fp16.")
+        lines.append("")
     lines.append("fp16 fails `kv_bytes_ratio` by construction (it does not compress). On the CPU the model runs "
                  "with float32 activations, so the fp16 cache holds float32 (ratio 2.0).")
     return "\n".join(lines) + "\n"

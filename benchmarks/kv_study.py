@@ -1,6 +1,7 @@
 """Paired study of IsoQuant-3 KV-cache settings on the bundled model (issue 6): is `wht_so4` within 1% ΔPPL and
 level with turbo3, and does a measured choice (norm correction, an fp16 window, codebook, 4-bit keys or values,
-first/last layer in fp16) change that, at what bytes?
+first/last layer in fp16, the first tokens ("sinks") in fp16, keys/values mean-centered before quantizing) change
+that, at what bytes?
 
     python benchmarks/kv_study.py [--windows 8] [--context 1024] [--only NAME,...] [--readme]
 
@@ -13,7 +14,8 @@ Settings the cache does not support per layer or per K/V (4-bit keys with 3-bit 
 built here: `LayerOverride` replaces chosen layers' caches, and `SplitBitsCache` stores keys and values at their own
 bit widths by quantize → dequantize (docs/FORMAT.md reconstruction) and attends densely. That is the same
 attention as the packed path up to float rounding (checked in tests/test_kv_study.py against IsoQuantCache at
-3/3 bits), so it measures quality, not speed.
+3/3 bits), so it measures quality, not speed. `StudyCache` (same emulation) adds fp16 sink tokens and K/V
+mean-centering (mu fixed at end_prefill from the prompt; exact for attention, only the quantization error changes).
 
 Writes benchmarks/results/kv-study-<date>.json; with --readme the `kv-study` section of benchmarks/README.md.
 """
@@ -70,12 +72,18 @@ class SplitBitsCache(IsoQuantCache):
         codes, norms = quantize_kv(x, self.rotation, levels, bits, norm_correction=self.norm_correction)
         return dequantize_kv(codes, norms, self.rotation, levels, bits, self.head_dim)
 
+    def _qdq_k(self, x: mx.array) -> mx.array:
+        return self._qdq(x, self.k_levels, self.key_bits)
+
+    def _qdq_v(self, x: mx.array) -> mx.array:
+        return self._qdq(x, self.v_levels, self.value_bits)
+
     def _spill(self, keep: int) -> None:
         n = self.fp16_len - keep
         if n <= 0:
             return
-        dk = self._qdq(self._fk[:, :, :n], self.k_levels, self.key_bits)
-        dv = self._qdq(self._fv[:, :, :n], self.v_levels, self.value_bits)
+        dk = self._qdq_k(self._fk[:, :, :n])
+        dv = self._qdq_v(self._fv[:, :, :n])
         self._dk = dk if self._dk is None else mx.concatenate([self._dk, dk], axis=2)
         self._dv = dv if self._dv is None else mx.concatenate([self._dv, dv], axis=2)
         self.packed_len += n
@@ -108,6 +116,93 @@ class SplitBitsCache(IsoQuantCache):
                         + self.fp16_len * 2 * self.head_dim * 2)
 
 
+class StudyCache(SplitBitsCache):
+    """SplitBitsCache plus two cheap, exact-or-free changes (study only; rq_core is unchanged):
+
+    - `sink`: the first `sink` tokens of the sequence stay fp16 for good (attention-sink tokens), on top of the
+      `fp16_window` newest ones. Tokens become sinks as they leave the prompt/decode fp16 segment, oldest first.
+    - `center` "k" / "kv": at end_prefill, mu = mean of the prompt's keys (values) per batch row and kv head; every
+      key (value) is quantized as x - mu. Softmax is invariant to one vector subtracted from all keys, and the
+      attention weights sum to 1, so adding mu back after dequantization (what this does) is the same attention as
+      a cache that stores centered keys and adds mu_v to the output; only the quantization error changes.
+    """
+
+    def __init__(self, *, sink: int = 0, center: str = "", **kw: Any) -> None:
+        super().__init__(**kw)
+        if sink < 0 or center not in ("", "k", "kv"):
+            raise ValueError(f"sink {sink} must be >= 0 and center one of '', 'k', 'kv' (got {center!r})")
+        self.sink, self.center = int(sink), center
+        self.sink_len = 0
+        self._sk: mx.array | None = None  # [B, H, sink_len, d], model dtype
+        self._sv: mx.array | None = None
+        self._mk: mx.array | None = None  # centering vectors [B, H, 1, d] float32
+        self._mv: mx.array | None = None
+
+    @property
+    def offset(self) -> int:
+        return self.sink_len + self.packed_len + self.fp16_len
+
+    def _qdq_k(self, x: mx.array) -> mx.array:
+        if self._mk is None:
+            return super()._qdq_k(x)
+        return super()._qdq_k(x.astype(mx.float32) - self._mk) + self._mk
+
+    def _qdq_v(self, x: mx.array) -> mx.array:
+        if self._mv is None:
+            return super()._qdq_v(x)
+        return super()._qdq_v(x.astype(mx.float32) - self._mv) + self._mv
+
+    def _take_sinks(self) -> None:
+        """Move the oldest fp16-segment tokens into the sink until it holds `sink` tokens (before any spill,
+        so only the sequence's first tokens can be sinks)."""
+        s = min(self.sink - self.sink_len, self.fp16_len)
+        if s <= 0 or self.packed_len:
+            return
+        sk, sv = self._fk[:, :, :s], self._fv[:, :, :s]
+        self._sk = sk if self._sk is None else mx.concatenate([self._sk, sk], axis=2)
+        self._sv = sv if self._sv is None else mx.concatenate([self._sv, sv], axis=2)
+        self._fk, self._fv = self._fk[:, :, s:], self._fv[:, :, s:]
+        self.fp16_len -= s
+        self.sink_len += s
+        mx.eval(self._sk, self._sv, self._fk, self._fv)
+
+    def end_prefill(self) -> None:
+        self.prefilling = False
+        n = self.fp16_len
+        if self.center and n:
+            self._mk = self._fk[:, :, :n].astype(mx.float32).mean(axis=2, keepdims=True)
+            if self.center == "kv":
+                self._mv = self._fv[:, :, :n].astype(mx.float32).mean(axis=2, keepdims=True)
+        self._take_sinks()
+        self._spill(self.fp16_window)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask=None) -> mx.array:
+        L = queries.shape[2]
+        self._append_fp16(keys, values)
+        if not self.prefilling:
+            self._take_sinks()
+            self._spill(self.fp16_window)
+        fk, fv = self._fk[:, :, : self.fp16_len], self._fv[:, :, : self.fp16_len]
+        ks, vs = [], []
+        if self.sink_len:
+            ks.append(self._sk), vs.append(self._sv)
+        if self.packed_len:
+            ks.append(self._dk.astype(fk.dtype)), vs.append(self._dv.astype(fv.dtype))
+        ks.append(fk), vs.append(fv)
+        k = ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=2)  # positions in order: sink, packed, window
+        v = vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=2)
+        m = None if (isinstance(mask, str) and L == 1) else mask
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=m)
+
+    @property
+    def nbytes(self) -> int:
+        if self._fk is None:
+            return 0
+        B, H = self._fk.shape[:2]
+        mu = (self._mk is not None) + (self._mv is not None)
+        return super().nbytes + B * H * (self.sink_len * 2 * self.head_dim * 2 + mu * self.head_dim * 2)
+
+
 def packed_bytes(key_bits: int, value_bits: int, d: int) -> int:
     """Bytes per token per kv head of the packed layout: uint32 code words + a float16 norm, for K and V."""
     return sum(4 * ((d * b + 31) // 32) + 2 for b in (key_bits, value_bits))
@@ -121,17 +216,25 @@ class Setting:
     value_bits: Optional[int] = None
     fp16_layers: tuple = ()  # layers whose cache is a plain FP16Cache
     note: str = ""
+    sink: int = 0  # first tokens kept fp16 (StudyCache)
+    center: str = ""  # "k" | "kv": mean-centering before quantization (StudyCache)
+
+    @property
+    def emulated(self) -> bool:
+        return self.key_bits is not None or bool(self.sink) or bool(self.center)
 
     def make_cache(self, model: Any) -> list:
         caches = model.make_cache(self.kv)
         for i, c in enumerate(caches):
             if i in self.fp16_layers:
                 caches[i] = FP16Cache()
-            elif self.key_bits is not None and isinstance(c, IsoQuantCache):
-                caches[i] = SplitBitsCache(
-                    key_bits=self.key_bits, value_bits=self.value_bits, head_dim=c.head_dim, n_kv_heads=c.n_kv_heads,
-                    layer=i, rotation=c.rotation.variant, codebook=self.kv.codebook,
-                    fp16_window=self.kv.fp16_window, norm_correction=self.kv.norm_correction, seed=self.kv.seed)
+            elif self.emulated and isinstance(c, IsoQuantCache):
+                kw = dict(key_bits=self.key_bits or self.kv.bits, value_bits=self.value_bits or self.kv.bits,
+                          head_dim=c.head_dim, n_kv_heads=c.n_kv_heads, layer=i, rotation=c.rotation.variant,
+                          codebook=self.kv.codebook, fp16_window=self.kv.fp16_window,
+                          norm_correction=self.kv.norm_correction, seed=self.kv.seed)
+                caches[i] = (StudyCache(sink=self.sink, center=self.center, **kw) if self.sink or self.center
+                             else SplitBitsCache(**kw))
         return caches
 
     def bytes_ratio(self, n_layers: int, d: int, tokens: int) -> float:
@@ -140,8 +243,8 @@ class Setting:
             return 1.0
         kb = self.key_bits or self.kv.bits
         vb = self.value_bits or self.kv.bits
-        win = min(self.kv.fp16_window, tokens)
-        per_layer = (tokens - win) * packed_bytes(kb, vb, d) + win * 4 * d
+        win = min(self.kv.fp16_window + self.sink, tokens)  # fp16 tokens: sinks + newest window
+        per_layer = (tokens - win) * packed_bytes(kb, vb, d) + win * 4 * d + len(self.center) * 2 * d  # + mu
         fp16 = tokens * 4 * d
         total = sum(fp16 if i in self.fp16_layers else per_layer for i in range(n_layers))
         return total / (n_layers * fp16)
@@ -222,7 +325,28 @@ def all_settings(n_layers: int) -> list[Setting]:
         Setting("wht_so4 norm_corr s1", iso(norm_correction=True, seed=1)),
         Setting("wht_so4 K4V3 s1", iso(seed=1), key_bits=4, value_bits=3),
         Setting("wht_so4 K3V3-emul s0", iso(), key_bits=3, value_bits=3, note="emulation check"),
+        # cheap exact-or-nearly-free changes (issue 6, ≤ 1% ΔPPL): smaller windows, sink tokens, mean-centering
+        Setting("wht_so4 win16 s0", iso(fp16_window=16)),
+        Setting("wht_so4 win8 s0", iso(fp16_window=8)),
+        Setting("wht_so4 kcenter s0", iso(), center="k"),
+        Setting("wht_so4 kvcenter s0", iso(), center="kv"),
+        Setting("wht_so4 sink4 s0", iso(), sink=4),
+        Setting("wht_so4 sink1 s0", iso(), sink=1),
+        Setting("wht_so4 sink4+win16 s0", iso(fp16_window=16), sink=4),
+        Setting("wht_so4 kvcenter+win16 s0", iso(fp16_window=16), center="kv"),
+        Setting("wht_so4 kvcenter+sink4 s0", iso(), center="kv", sink=4),
     ]
+    for seed in (1, 2):  # seed repeats of the new settings (run with --only)
+        S += [Setting(f"wht_so4 win32 s{seed}", iso(fp16_window=32, seed=seed)) if seed == 2 else None,
+              Setting(f"wht_so4 win16 s{seed}", iso(fp16_window=16, seed=seed)),
+              Setting(f"wht_so4 win8 s{seed}", iso(fp16_window=8, seed=seed)),
+              Setting(f"wht_so4 kcenter s{seed}", iso(seed=seed), center="k"),
+              Setting(f"wht_so4 kvcenter s{seed}", iso(seed=seed), center="kv"),
+              Setting(f"wht_so4 sink4 s{seed}", iso(seed=seed), sink=4),
+              Setting(f"wht_so4 sink4+win16 s{seed}", iso(fp16_window=16, seed=seed), sink=4),
+              Setting(f"wht_so4 kvcenter+win16 s{seed}", iso(fp16_window=16, seed=seed), center="kv"),
+              Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]
+    S = [s for s in S if s is not None]
     return S
 
 
@@ -268,7 +392,11 @@ def main() -> None:
     # reference's mean log-prob identifies the weights (a retrained model must not mix with old rows)
     tag += f"r{float(ref_lp.mean()):.6f}"
     prev = json.loads(path.read_text()) if path.is_file() else {}
-    rows = {r["name"]: r for r in prev.get("rows", [])} if prev.get("tag") == tag else {}
+    same = prev.get("tag") == tag or (  # a file written before the tag carried the reference: same fp16 ppl
+        prev.get("tag") == tag.split("r")[0] and abs(prev.get("ppl_fp16", 0) / math.exp(-ref_lp.mean()) - 1) < 1e-6)
+    rows = {r["name"]: r for r in prev.get("rows", [])} if same else {}
+    if prev and not same:
+        print(f"note: {path} holds rows of other windows or another model; they are replaced", flush=True)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     known = {s.name: s for s in all_settings(n_layers)}
     if unknown := [n for n in only if n not in known]:
@@ -282,7 +410,7 @@ def main() -> None:
                         "bits": s.kv.bits, "key_bits": s.key_bits or s.kv.bits, "value_bits": s.value_bits or s.kv.bits,
                         "codebook": s.kv.codebook, "fp16_window": s.kv.fp16_window,
                         "norm_correction": s.kv.norm_correction, "fp16_layers": list(s.fp16_layers),
-                        "emulated": s.key_bits is not None, "note": s.note,
+                        "emulated": s.emulated, "sink": s.sink, "center": s.center, "note": s.note,
                         "bytes_ratio": s.bytes_ratio(n_layers, d, ctx), "ppl": math.exp(-lp.mean()),
                         "mean_kl": float(kl.mean()), "seconds": round(time.time() - t, 1), **st,
                         "window_d_nll": [float(x) for x in (ref_lp - lp).mean(axis=1)],
@@ -333,12 +461,18 @@ PAIRS = [("wht_so4 s0", "turbo3 s0"), ("wht_so4 s1", "turbo3 s1"), ("wht_so4 s2"
          ("wht_so4 K3V3-emul s0", "wht_so4 s0"), ("wht_so4 L0-fp16 s0", "wht_so4 s0"),
          ("wht_so4 L5-fp16 s0", "wht_so4 s0"), ("wht_so4 K4V3 s0", "turbo3 K4V3 s0"),
          ("wht_so4 K4V3 s1", "wht_so4 s1"), ("wht_so4 4bit s0", "turbo3 4bit s0")]
+PAIRS += [(f"wht_so4 {x} s{i}", f"wht_so4 s{i}") for i in range(3)
+          for x in ("win16", "win8", "kcenter", "kvcenter", "sink4", "sink1", "sink4+win16", "kvcenter+win16",
+                    "kvcenter+sink4")]
+PAIRS += [(f"wht_so4 {x} s{i}", f"wht_so4 win32 s{i}") for i in range(3) for x in ("win16", "win8")]
+PAIRS += [(f"wht_so4 win32 s{i}", f"turbo3 win32 s{i}") for i in (1, 2)]
 
 
 def row_bytes(r: dict, n_layers: int, d: int, tokens: int) -> float:
     """KV bytes / fp16 of a results row at `tokens` tokens (the same formula as Setting.bytes_ratio)."""
     s = Setting(r["name"], KVSettings(mode=r["mode"], bits=r["bits"], fp16_window=r["fp16_window"]),
-                key_bits=r["key_bits"], value_bits=r["value_bits"], fp16_layers=tuple(r["fp16_layers"]))
+                key_bits=r["key_bits"], value_bits=r["value_bits"], fp16_layers=tuple(r["fp16_layers"]),
+                sink=r.get("sink", 0), center=r.get("center", ""))
     return s.bytes_ratio(n_layers, d, tokens)
 
 
@@ -355,9 +489,12 @@ def render(out: dict) -> str:
         f"the same tokens for every row; fp16 PPL {out['ppl_fp16']:.3f}. ΔPPL = exp(mean per-token ΔNLL) − 1; "
         "± is 1.96 × the paired standard error over windows (per-window mean ΔNLL, so within-window correlation "
         "is counted). Rows marked *emul.* store K and V at their own bit widths by quantize→dequantize and attend "
-        "densely (same math as the packed path; its 3/3-bit row checks that against the real cache). "
-        f"Bytes: KV bytes / fp16 bytes of the packed layout (codes + fp16 norms; fp16 window and fp16 layers at 2 "
-        f"bytes) at the window's {out['context']} tokens and at the model's full {full}. The seed-0 turbo3 and "
+        "densely (same math as the packed path; its 3/3-bit row checks that against the real cache); *sinkS* keeps the "
+        "sequence's first S tokens fp16, *kcenter*/*kvcenter* quantize keys (and values) minus their prompt mean per "
+        "layer and kv head, exact for attention (softmax is shift-invariant over keys; weights sum to 1 for values). "
+        "Bytes: KV bytes / fp16 bytes of the packed layout (codes + fp16 norms; fp16 window, sinks and fp16 layers "
+        "at 2 bytes; a centering mean adds d fp16 per layer and head) "
+        f"at the window's {out['context']} tokens and at the model's full {full}. The seed-0 turbo3 and "
         "wht_so4 rows are exactly what `rq eval ppl --context 1024 --windows 8` measures.", "",
         f"| setting | ΔPPL | 95% CI | ΔNLL SE (window / token) | mean KL | KV bytes / fp16 @{out['context']} | @{full} |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -369,8 +506,12 @@ def render(out: dict) -> str:
                      f"| {row_bytes(r, n_layers, d, full):.3f} |")
     by = {r["name"]: r for r in rows}
     seeds = []
-    for fam in ("turbo3", "wht_so4"):
-        rs = [r for r in rows if r["name"].startswith(fam + " s") and r["name"][len(fam) + 2 :].isdigit()]
+    fams: dict = {}  # setting family (the name without its " s<seed>") → rows over seeds
+    for r in rows:
+        fam, _, sd = r["name"].rpartition(" s")
+        if fam and sd.isdigit():
+            fams.setdefault(fam, []).append(r)
+    for fam, rs in fams.items():
         if len(rs) > 1:
             w = np.mean([r["window_d_nll"] for r in rs], axis=0)  # seed-averaged per-window ΔNLL
             m = float(w.mean())

@@ -10,8 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kv_study import SplitBitsCache, Setting, packed_bytes, paired_stats, pairwise  # noqa: E402
-from rq_core.kv_cache import IsoQuantCache, KVSettings, dequantize_kv, quantize_kv  # noqa: E402
+from benchmarks.kv_study import (SplitBitsCache, Setting, StudyCache, all_settings, packed_bytes,  # noqa: E402
+                                 paired_stats, pairwise)
+from rq_core.kv_cache import FP16Cache, IsoQuantCache, KVSettings, dequantize_kv, quantize_kv  # noqa: E402
 
 B, HQ, HKV, D = 1, 4, 2, 32
 SCALE = 1 / math.sqrt(D)
@@ -87,3 +88,80 @@ def test_paired_stats_and_pairwise():
     p = pairwise(ra, rb)
     assert p["d_nll"] == pytest.approx((a - b).mean())
     assert p["se"] == pytest.approx(paired_stats(a - b)["se"])
+
+
+KW = dict(key_bits=3, value_bits=3, head_dim=D, n_kv_heads=HKV, layer=1, seed=2)
+
+
+def test_study_cache_without_sink_or_center_is_split_bits():
+    a, b = _run(SplitBitsCache(fp16_window=3, **KW)), _run(StudyCache(fp16_window=3, **KW))
+    assert mx.array_equal(a, b)
+
+
+def test_sinks_covering_every_token_equal_fp16():
+    c = StudyCache(sink=100, **KW)  # 12 prompt + 6 decoded tokens, all sinks: nothing is quantized
+    out = _run(c)
+    assert mx.abs(out - _run(FP16Cache())).max().item() < 1e-5
+    assert c.sink_len == 18 and c.packed_len == 0 and c.offset == 18
+
+
+def test_sinks_are_the_first_tokens_and_the_rest_is_quantized():
+    c = StudyCache(sink=4, fp16_window=2, **KW)
+    out = _run(c)
+    assert (c.sink_len, c.packed_len, c.fp16_len, c.offset) == (4, 12, 2, 18)
+    k = _rand((B, HKV, 12, D), 1)
+    assert mx.array_equal(c._sk, k[:, :, :4])  # the prompt's first 4 keys, untouched
+    assert mx.abs(out - _run(SplitBitsCache(fp16_window=2, **KW))).max().item() > 1e-4  # sinks change the output
+
+
+def test_centering_adds_the_mean_back_exactly(monkeypatch):
+    """With a lossless quantizer, centered K (and V) attention is plain attention (softmax shift-invariance)."""
+    monkeypatch.setattr(SplitBitsCache, "_qdq", lambda self, x, levels, bits: x.astype(mx.float32))
+    ref = _run(FP16Cache())
+    for center in ("k", "kv"):
+        c = StudyCache(center=center, **KW)
+        assert mx.abs(_run(c) - ref).max().item() < 1e-5
+        k = _rand((B, HKV, 12, D), 1)
+        assert mx.abs(c._mk - k.mean(axis=2, keepdims=True)).max().item() < 1e-6
+        assert (c._mv is None) == (center == "k")
+
+
+def test_centering_reduces_error_for_keys_with_a_common_offset():
+    """Keys/values sharing a large mean vector: quantizing x - mu is much closer to fp16 than quantizing x."""
+    def run(cache):
+        off = 4.0 * _rand((1, HKV, 1, D), 7)
+        q, k, v = _rand((B, HQ, 12, D), 0), _rand((B, HKV, 12, D), 1) + off, _rand((B, HKV, 12, D), 2) + off
+        cache.attend(q, k, v, scale=SCALE, mask="causal")
+        cache.end_prefill()
+        q, k, v = _rand((B, HQ, 2, D), 3), _rand((B, HKV, 2, D), 4) + off, _rand((B, HKV, 2, D), 5) + off
+        return cache.attend(q, k, v, scale=SCALE, mask="causal")
+    ref = run(FP16Cache())
+    err = {c: mx.abs(run(StudyCache(center=c, **KW)) - ref).mean().item() for c in ("", "k", "kv")}
+    assert err["kv"] < err["k"] < err[""]
+    assert err["kv"] < 0.5 * err[""]
+
+
+def test_bytes_ratio_counts_sinks_and_centering():
+    s = Setting("x", KVSettings(mode="isoquant3", fp16_window=16), sink=4, center="kv")
+    per = 80 * packed_bytes(3, 3, 128) + 20 * 4 * 128 + 2 * 2 * 128
+    assert s.bytes_ratio(1, 128, 100) == pytest.approx(per / (100 * 4 * 128))
+    assert s.emulated and not Setting("y", KVSettings(mode="isoquant3", fp16_window=16)).emulated
+    c = StudyCache(sink=4, fp16_window=16, center="kv", **{**KW, "head_dim": 128})
+    c.attend(_rand((1, 4, 100, 128), 0).astype(mx.float16), _rand((1, 2, 100, 128), 1).astype(mx.float16),
+             _rand((1, 2, 100, 128), 2).astype(mx.float16), scale=0.1, mask="causal")
+    c.end_prefill()
+    assert c.nbytes == 2 * per  # two kv heads
+
+
+def test_new_settings_build_study_caches():
+    by = {s.name: s for s in all_settings(2)}
+    assert isinstance(by["wht_so4 kvcenter s0"].make_cache(_FakeModel())[0], StudyCache)
+    assert type(by["wht_so4 win16 s0"].make_cache(_FakeModel())[0]) is IsoQuantCache
+    c = by["wht_so4 sink4+win16 s1"].make_cache(_FakeModel())[1]
+    assert (c.sink, c.fp16_window, c.center, c.rotation.variant) == (4, 16, "", "wht_so4")
+
+
+class _FakeModel:
+    def make_cache(self, kv):
+        from rq_core.kv_cache import make_kv_cache
+        return [make_kv_cache(kv, layer=i, n_kv_heads=HKV, head_dim=D) for i in range(2)]

@@ -223,12 +223,7 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
         ns = K.v5_plan(T, groups, blocks)
         nth = nth or K.V5_NTH
     else:
-        old = K.V4_BLOCKS
-        K.V4_BLOCKS = blocks
-        try:
-            ns = K.v4_plan(T, groups)
-        finally:
-            K.V4_BLOCKS = old
+        ns = K.v4_plan(T, groups, blocks)
         nth = K.NTH
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     counter = np.zeros(groups, np.uint32)

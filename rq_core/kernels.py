@@ -459,9 +459,10 @@ def _counter(n: int) -> mx.array:
     return view
 
 
-def v4_plan(T: int, n_groups: int) -> int:
-    """Split count of attn_v4: about V4_BLOCKS blocks in all, at most MMA_TILE splits (merge weights in smem)."""
-    ns, _ = split_plan(T, n_groups, MMA_TILE, target=min(V4_BLOCKS, n_groups * MMA_TILE))
+def v4_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
+    """Split count of attn_v4: about `blocks` (default V4_BLOCKS) blocks in all, at most MMA_TILE splits
+    (merge weights in smem)."""
+    ns, _ = split_plan(T, n_groups, MMA_TILE, target=min(blocks or V4_BLOCKS, n_groups * MMA_TILE))
     return ns
 
 

@@ -34,12 +34,7 @@ def run_v4w(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = 
     for n in ("wk", "wv"):
         views[n] = ((B, Hkv, NW, d), (Hkv * wcap * d, wcap * d, d, 1))
     R, groups = G * L, B * Hkv
-    old = K.V4_BLOCKS
-    K.V4_BLOCKS = blocks
-    try:
-        ns = K.v4_plan(T, groups)
-    finally:
-        K.V4_BLOCKS = old
+    ns = K.v4_plan(T, groups, blocks)
     template = [("TQ", "f32"), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
                 ("ROT", rot), ("NTH", K.NTH), ("TILE", K.MMA_TILE), ("WCAUSAL", int(causal and L > 1))]
     outs = EK.emulate("attn_v4w", template,

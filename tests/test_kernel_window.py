@@ -69,6 +69,7 @@ def run_v4w(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = 
 @pytest.mark.parametrize("case", [
     dict(G=4, d=128, T=300, NW=5),  # several splits merged, then a short window
     dict(G=2, d=64, T=130, NW=17, L=2, causal=True, bits=4),  # two queries, causal inside the window
+    dict(G=4, d=256, T=40, NW=37, L=2, causal=True),  # window past one pass of the token loops, D = 256
 ])
 def test_v4_window_matches_float64(case):
     r = run_v4w(np.random.default_rng(7), **case)

@@ -37,7 +37,8 @@ def _marker(mx):
 
 def methods(K, A, L, v5cfgs):
     """name -> fn(i) of one layer, as benchmarks/attention.py builds them."""
-    m = {"fp16 SDPA": lambda i: A.fp16_sdpa(L, i), "v4": lambda i: A.iso_v4(L, i)}
+    m = {"fp16 SDPA": lambda i: A.fp16_sdpa(L, i), "v4": lambda i: A.iso_v4(L, i),
+         "v4 + window 32": lambda i: A.iso_v4_window(L, i)}
     for cfg in v5cfgs:
         m["v5 " + "/".join(map(str, cfg))] = lambda i, c=cfg: A.iso_v5(L, i, *c)
     return m

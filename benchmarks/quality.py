@@ -75,7 +75,7 @@ def main() -> None:
                     help="override a [settings] value of the gates file (sample sizes, not thresholds), "
                          "e.g. --set windows=2 --set 'niah_depths=[0.5]'")
     ap.add_argument("--window-row", type=int, action="append", default=[], metavar="N",
-                    help="also a wht_so4 row whose cache keeps its newest N tokens in fp16")
+                    help="also turbo3 and wht_so4 rows whose caches keep their newest N tokens in fp16")
     ap.add_argument("--only", default="", help="comma-separated row labels to run (e.g. isoquant3/wht_so4+w32)")
     ap.add_argument("--merge", default=None, metavar="JSON",
                     help="add the rows run into this earlier results file (same model and settings required), "
@@ -97,8 +97,11 @@ def main() -> None:
 
     runner = ev.GateRunner(em, cfg, ids)
     rows = []
-    settings = [ev.kv_settings(mode, rot) for mode, rot in MODES]
-    settings += [ev.kv_settings("isoquant3", "wht_so4", fp16_window=n) for n in args.window_row]
+    # the rotation ablation compares bare caches (no fp16 window, as the paper); --window-row adds the
+    # default configuration (a window of N newest tokens in fp16) for TurboQuant-3 and IsoQuant-3 wht_so4
+    settings = [ev.kv_settings(mode, rot, fp16_window=0) for mode, rot in MODES]
+    settings += [ev.kv_settings(m, r, fp16_window=n) for n in args.window_row
+                 for m, r in (("turbo3", None), ("isoquant3", "wht_so4"))]
     only = {x for x in args.only.split(",") if x}
     unknown = only - {ev.label(kv) for kv in settings}
     if unknown:

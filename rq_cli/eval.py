@@ -36,8 +36,9 @@ def ppl(
     windows: Optional[int] = typer.Option(None, "--windows", help="Score at most this many windows."),
     step: int = typer.Option(32, "--step", help="Decode tokens per step while scoring (1 = token by token)."),
     text: Optional[str] = typer.Option(None, "--text", help="Text file to score (default: the bundled held-out plays)."),
-    fp16_window: int = typer.Option(0, "--fp16-window",
-                                    help="Newest tokens kept unquantized in a compressed cache (0 = none)."),
+    fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
+                                              help="Newest tokens kept unquantized in a compressed cache "
+                                                   "(default 32, as `rq run`; 0 = none)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Perplexity over held-out text: each window's first half is prefilled, the second half is scored
@@ -61,7 +62,11 @@ def ppl(
                   f"{res.context}, KV {res.kv_mode}{rot}", highlight=False)
 
 
-def _window(n: int) -> int:
+def _window(n: Optional[int]) -> int:
+    if n is None:
+        from rq_core.kv_cache import DEFAULT_FP16_WINDOW
+
+        return DEFAULT_FP16_WINDOW
     if n < 0:
         raise RQError(f"--fp16-window must be >= 0 (got {n})")
     return n
@@ -87,8 +92,9 @@ def niah_cmd(
     depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="Needle depths in [0, 1] (comma-separated)."),
     trials: int = typer.Option(4, "--trials", help="Needles per cell."),
     seed: int = typer.Option(0, "--seed"),
-    fp16_window: int = typer.Option(0, "--fp16-window",
-                                    help="Newest tokens kept unquantized in a compressed cache (0 = none)."),
+    fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
+                                              help="Newest tokens kept unquantized in a compressed cache "
+                                                   "(default 32, as `rq run`; 0 = none)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end."""
@@ -131,8 +137,9 @@ def gates_cmd(
     kv: str = typer.Option("isoquant3", "--kv", help="KV mode to gate against fp16."),
     rotation: Optional[str] = typer.Option(None, "--rotation", help="IsoQuant rotation (default wht_so4)."),
     gates_file: Optional[str] = typer.Option(None, "--gates", help="Thresholds TOML (default: the bundled gates.toml)."),
-    fp16_window: int = typer.Option(0, "--fp16-window",
-                                    help="Newest tokens kept unquantized in a compressed cache (0 = none)."),
+    fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
+                                              help="Newest tokens kept unquantized in a compressed cache "
+                                                   "(default 32, as `rq run`; 0 = none)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Twelve quality gates of a KV mode against fp16; exits 1 if any gate fails."""

@@ -485,7 +485,8 @@ class GateRunner:
         gate("eos_honoured", *self._eos(kv, prompts[0], own[0]), "stops at the first EOS, EOS not emitted")
         gate("deterministic", *self._determinism(kv, prompts[0]), "same seed, same sampled tokens")
 
-        ratio = self._kv_ratio(kv, prompts[0])
+        # bytes at the scored context (prompt + 16 decoded tokens), where a fixed fp16 window is a share a user sees
+        ratio = self._kv_ratio(kv, self.ids[: max(1, self.context - 16)].astype(np.int32))
         gate("kv_bytes_ratio", ratio, ratio <= th["kv_bytes_ratio"], f"<= {th['kv_bytes_ratio']}")
         return rep
 

@@ -18,9 +18,18 @@ from rq_core.errors import RQError
 Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask [.., L, T]
 
 
+# Newest tokens a compressed cache keeps in fp16 unless a recipe or flag says otherwise: on the bundled model
+# 32 brought IsoQuant-3 wht_so4 from +2.24% to -0.30% ΔPPL (3 seeds; 16: +0.20%, 8: +2.44%) for ~0.013 of
+# fp16's bytes (benchmarks/README.md, kv-study); on a GPU it is attended inside v4's launch (attn_v4w).
+DEFAULT_FP16_WINDOW = 32
+
+
 @dataclass
 class KVSettings:
-    """How full-attention layers store K/V. Sliding-window and Mamba layers ignore this."""
+    """How full-attention layers store K/V. Sliding-window and Mamba layers ignore this.
+
+    The dataclass default is the bare cache (no fp16 window); recipes, `rq run` and `rq eval` default to
+    DEFAULT_FP16_WINDOW."""
 
     mode: str = "fp16"  # fp16 | isoquant3 | turbo3
     bits: int = 3
@@ -315,14 +324,16 @@ class IsoQuantCache:
 
     @property
     def nbytes(self) -> int:
-        """Codes + norms of the packed tokens, plus the fp16 segment (tokens held, not capacity)."""
+        """Codes + norms of the packed tokens, plus the fp16 segment (tokens held, not capacity) at 2 bytes an
+        element, as fp16_nbytes counts the reference: the CPU holds both in float32 activations, fp16 and
+        bf16 models on a GPU hold 2 bytes."""
         total = 0
         if self.k_codes is not None:
             B, H = self.k_codes.shape[:2]
             total += 2 * B * H * self.packed_len * (4 * self.words + 2)
         if self._fk is not None:
             B, H, _, D = self._fk.shape
-            total += B * H * self.fp16_len * D * (self._fk.itemsize + self._fv.itemsize)
+            total += B * H * self.fp16_len * D * 2 * 2
         return total
 
     @property

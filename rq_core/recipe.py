@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings
+from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings
 from rq_core.roles import FAMILIES, ROLES
 
 VERSION = 1
@@ -190,7 +190,7 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
         roles[role] = _role_spec(src, role, roles_t.get(role, {}), base)
 
     kv_t = _check_keys("kv", data.get("kv", {}), tuple(f.name for f in dataclasses.fields(KVSettings)), src)
-    kv = KVSettings(**kv_t)
+    kv = KVSettings(**{"fp16_window": DEFAULT_FP16_WINDOW, **kv_t})
     if kv.mode not in KV_MODES:
         raise RQError(f"{src}: kv.mode = {kv.mode!r} is not one of {', '.join(KV_MODES)}")
     if kv.rotation not in ROTATIONS:

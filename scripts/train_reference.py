@@ -7,7 +7,9 @@ Stages (each reads what the one before wrote under --data, default `.train/`, gi
     python scripts/train_reference.py train --out DIR --time-budget 540 --reserve 40   # one H200
     rq quantize DIR --recipe shakespeare-moe --out rq_core/assets/default_model
 
-(the shipped model: exactly these commands, seed 0, on one H200 with MLX 0.32.4's CUDA build;
+The shipped model (2026-11-30) was trained in two phases by `scripts/train_two_phase_gpu.sh` (a copy-task
+phase until induction forms, then text + needles), then continued for 4,186 steps: its lineage and logs are
+in rq_core/assets/default_model/train_log.md and docs/TRAINING_NOTES.md (H200, MLX 0.32.4's CUDA build;
 training fits the budget from the measured step time, so a different machine runs other step counts).
 
 `train` writes a Hugging Face-format checkpoint to DIR (config.json with model_type qwen2_moe,

@@ -145,6 +145,7 @@ def test_cli_ppl_fp16_window():
     full = ppl("--kv", "isoquant3", "--fp16-window", "64")
     short = ppl("--kv", "isoquant3", "--fp16-window", "4")
     assert full["fp16_window"] == 64 and ref["fp16_window"] == 0
+    assert ppl("--kv", "isoquant3")["fp16_window"] == 32  # the default, as `rq run`'s
     assert full["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
     assert short["ppl"] != pytest.approx(ref["ppl"], rel=1e-5)
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32)) == "isoquant3/wht_so4+w32"
@@ -165,7 +166,8 @@ def test_cli_gates_tiny_settings(tmp_path):
                 "prompt_len = 32\ngen_tokens = 8\nniah_lengths = [64]\nniah_depths = [0.5]\nniah_trials = 1\nseed = 0\n")
     g = tmp_path / "gates.toml"
     g.write_text(settings + text[text.index("[gates]"):])
-    r = runner.invoke(app, ["eval", "gates", "--kv", "isoquant3", "--rotation", "so4", "--gates", str(g), "--json"])
+    r = runner.invoke(app, ["eval", "gates", "--kv", "isoquant3", "--rotation", "so4", "--gates", str(g), "--json",
+                            "--fp16-window", "0"])  # 64 tokens: the default 32-token window would be half of them
     d = json.loads(r.stdout)
     assert [x["name"] for x in d["gates"]] == list(ev.GATES)
     assert d["passed"] == sum(x["passed"] for x in d["gates"])

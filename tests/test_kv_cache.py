@@ -94,7 +94,7 @@ def test_fp16_window_and_multi_token_decode():
     K, V = mx.concatenate([Kp, fk], axis=2), mx.concatenate([Vp, fv], axis=2)
     want = reference_attention(q2, K, V, scale=SCALE, offset=12, causal=True)
     np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
-    assert c.nbytes == 2 * 11 * 2 * (12 + 2) + 2 * 4 * D * 2 * 4  # fp32 test tensors in the window
+    assert c.nbytes == 2 * 11 * 2 * (12 + 2) + 2 * 4 * D * 2 * 2  # the window counted at fp16's 2 bytes
 
 
 def test_trim_and_bytes():

@@ -171,6 +171,10 @@ def test_kv_settings_come_from_the_recipe_unless_flagged(tmp_path: Path) -> None
     r = _rq(str(QWEN2), "--prompt", "hello", "--max-tokens", "1", "--json")  # no recipe.toml: defaults
     out = json.loads(r.output)
     assert (out["kv_mode"], out["settings_from"]) == ("fp16", "defaults")
+    r = _rq(str(QWEN2), "--prompt", "hello", "--max-tokens", "1", "--kv", "isoquant3", "--json")
+    assert json.loads(r.output)["kv_window"] == 32  # a compressed cache keeps 32 tokens in fp16 by default
+    d2 = _with_recipe(tmp_path / "b", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\n')
+    assert json.loads(_rq(str(d2), "--prompt", "hi", "--max-tokens", "1", "--json").output)["kv_window"] == 32
 
 
 def test_bad_recipe_in_checkpoint_is_one_line(tmp_path: Path) -> None:

@@ -66,10 +66,10 @@ def test_bytes_ratio_matches_real_cache():
              mask="causal")
     c.end_prefill()
     s = Setting("x", KVSettings(mode="isoquant3", fp16_window=16))
-    # the real cache holds float32 fp16-window rows here (the inputs' dtype), the study counts them as fp16
+    # the cache and the study both count the fp16-window rows at 2 bytes (the CPU holds them in float32)
     fp16_seg = 16 * 2 * 128 * 2 * 2  # tokens * heads * d * (K, V) * 2 bytes
-    assert c.nbytes - fp16_seg * 2 == 84 * 2 * packed_bytes(3, 3, 128)
-    assert s.bytes_ratio(1, 128, 100) == pytest.approx((c.nbytes - fp16_seg) / c.fp16_nbytes)
+    assert c.nbytes - fp16_seg == 84 * 2 * packed_bytes(3, 3, 128)
+    assert s.bytes_ratio(1, 128, 100) == pytest.approx(c.nbytes / c.fp16_nbytes)
     assert packed_bytes(4, 3, 128) == 66 + 50
     assert Setting("y", KVSettings(mode="isoquant3"), fp16_layers=(0,)).bytes_ratio(2, 128, 10) == pytest.approx(
         (1 + 100 / 512) / 2)

@@ -185,15 +185,17 @@ def iso_v4(L, i, blocks=None):
         K.V4_BLOCKS = old
 
 
-def iso_v4_window(L, i, nw=32):
-    """v4 with the cache's fp16 window (the newest nw tokens unquantized) merged in the same launch."""
+def iso_v4_window(L, i, nw=32, version="v4", key="win"):
+    """v4 (or v5) with the cache's fp16 window (the newest nw tokens unquantized) as one more split of the
+    same launch."""
     T = L["kc"][i].shape[2]
-    if "win" not in L:  # one fp16 window per layer, built outside the timed region
-        L["win"] = [(mx.random.normal((1, HKV, nw, D)).astype(mx.float16),
-                     mx.random.normal((1, HKV, nw, D)).astype(mx.float16)) for _ in range(len(L["kc"]))]
-        mx.eval(L["win"])
-    return K.attention_v4(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-                          bits=BITS, scale=SCALE, valid_len=T, window=L["win"][i])[0]
+    if key not in L:  # one fp16 window per layer, built outside the timed region
+        L[key] = [(mx.random.normal((1, HKV, nw, D)).astype(mx.float16),
+                   mx.random.normal((1, HKV, nw, D)).astype(mx.float16)) for _ in range(len(L["kc"]))]
+        mx.eval(L[key])
+    f = K.attention_v5 if version == "v5" else K.attention_v4
+    return f(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+             bits=BITS, scale=SCALE, valid_len=T, window=L[key][i])[0]
 
 
 def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=None):
@@ -300,6 +302,7 @@ def main() -> None:
             "IsoQuant-3 fused": lambda i: iso_fused(L, i),
             "IsoQuant-3 v4 (one launch)": lambda i: iso_v4(L, i),
             "IsoQuant-3 v4 + fp16 window 32 (one launch)": lambda i: iso_v4_window(L, i),
+            "IsoQuant-3 v5 + fp16 window 32 (one launch)": lambda i: iso_v4_window(L, i, version="v5"),
             "TurboQuant-3 v4 (dense, one launch)": lambda i: turbo_v4(L, i),
         }
         for nb in [int(x) for x in a.v4_blocks.split(",") if x]:

@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("--only", choices=("dense", "full"), default=None,
+                    help="run one comparison (the other's rows are left out of the JSON and table)")
     a = ap.parse_args()
 
     from rq_core import recipe
@@ -83,9 +85,10 @@ def main() -> None:
                 spec.method = method
         return r
 
+    halves = [h for h in (True, False) if a.only is None or h == (a.only == "dense")]
     tmp = Path(tempfile.mkdtemp(prefix="rq-ppl-"))
     try:
-        for dense_only in (True, False):
+        for dense_only in halves:
             for method in ("rtn", "gptq"):
                 key = f"{'dense roles only' if dense_only else 'full recipe'} / {method}"
                 out = tmp / key.replace(" ", "_").replace("/", "")
@@ -100,7 +103,8 @@ def main() -> None:
             "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__} ({mx.default_device()})",
             "model": str(src), "eval_tokens": len(ids) - 1, "seq": a.seq, "calib": a.calib or ".train/train.txt[:200000]",
             "calib_tokens": a.calib_tokens}
-    (ROOT / "benchmarks" / "results" / f"calib-ppl-{dt.date.today().isoformat()}.json").write_text(
+    tag = f"-{a.only}" if a.only else ""
+    (ROOT / "benchmarks" / "results" / f"calib-ppl-{dt.date.today().isoformat()}{tag}.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1))
     f = results["float"]
     lines = ["## Calibrated 4-bit (GPTQ) against round-to-nearest (`python benchmarks/calib_ppl.py`)", "",
@@ -109,7 +113,7 @@ def main() -> None:
              "training text (no held-out play).", "",
              "| variant | 4-bit method | perplexity | vs float | weights MB |", "| --- | --- | --- | --- | --- |",
              f"| float (bf16) | - | {f:.3f} | - | - |"]
-    for dense_only in (True, False):
+    for dense_only in halves:
         for method in ("rtn", "gptq"):
             key = f"{'dense roles only' if dense_only else 'full recipe'} / {method}"
             lines.append(f"| {key.split(' / ')[0]} | {method.upper()} | {results[key]:.3f} | "

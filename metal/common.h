@@ -128,3 +128,101 @@ INLINE void accum_chunk32(THR const uint* w, float wt, TG const float* lv, THR f
     acc[i] += wt * lv[c & MASK];
   }
 }
+
+// attn_v4w / attn_v5w: the cache's fp16 window (its newest NW <= 128 tokens, unquantized, in the model's
+// space) as ONE MORE SPLIT: split 0, the first dispatched, done by its own block beside the packed splits
+// (v4w's first design attended it in the merging block's tail: +18 us a layer on the H200, constant in
+// context). Writes this split's partials in the packed splits' convention, so the last block merges it like
+// any other and rotates back: m, l of 2^(score) with scores in log2 units; o = sum_j 2^(s_j - m) * sqrt(D) *
+// Rot(v_j) (packed values decode to sqrt(D)-scaled rotated vectors; Rot as the query's: WHT, then the SO(4)
+// blocks or the dense P). q: this group's first query row at qb, strides qsh (head), qsl (query), qsd (dim);
+// window rows at wkb / wvb, row strides wks / wvs, element strides wkd / wvd. WCAUSAL: query row n sees
+// window token j <= NW - LQ + n % LQ. qw, ow: R*D floats, sc: R*128 floats of threadgroup memory; every
+// thread of the block calls it (barriers).
+template <int D, int R, int LQ, int ROT, int WCAUSAL, int NTH, typename TQ, typename TW>
+INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV const TW* wk, int wkb, int wks,
+                         int wkd, DEV const TW* wv, int wvb, int wvs, int wvd, int NW, float wscale,
+                         DEV const float* mats, TG float* qw, TG float* sc, TG float* ow, DEV float* o_part,
+                         DEV float* ml_part, int pbase, uint tid) {
+  constexpr int NWARP = NTH / 32;
+  constexpr int WT = 128;  // sc's row stride
+  constexpr int WJ = 4;    // window tokens a warp holds per round
+  constexpr int DL = D / 32;
+  constexpr int WV = 32;   // window tokens a thread holds per round (values)
+  const int lane = (int)(tid & 31u);
+  const int warp = (int)(tid >> 5);
+  // the first round's keys are requested together with the query rows. Registers are the constraint here, not
+  // latency (the block runs beside the packed splits): holding the first values too (32 more) and 8 tokens a warp
+  // raised the whole kernel to 167 registers (nvcc 13, sm_90: v5 127, v4 128), one v5 block per SM instead of two
+  float kv[WJ][DL];
+  UNROLL for (int t = 0; t < WJ; ++t) {
+    const int j = warp + t * NWARP;
+    UNROLL for (int u = 0; u < DL; ++u) kv[t][u] = j < NW ? to_float(wk[wkb + j * wks + (lane + 32 * u) * wkd]) : 0.0f;
+  }
+  for (int e = (int)tid; e < R * D; e += NTH) {
+    const int n = e / D;
+    qw[e] = wscale * to_float(q[qb + (n / LQ) * qsh + (n % LQ) * qsl + (e % D) * qsd]);
+  }
+  BARRIER();
+  // scores: a warp per window token, lanes across the head dim (coalesced rows), a warp sum per query row
+  for (int jb = warp; jb < NW; jb += NWARP * WJ) {
+    if (jb != warp) {
+      UNROLL for (int t = 0; t < WJ; ++t) {
+        const int j = jb + t * NWARP;
+        UNROLL for (int u = 0; u < DL; ++u) kv[t][u] = j < NW ? to_float(wk[wkb + j * wks + (lane + 32 * u) * wkd]) : 0.0f;
+      }
+    }
+    UNROLL for (int t = 0; t < WJ; ++t) {
+      const int j = jb + t * NWARP;
+      UNROLL for (int r = 0; r < R; ++r) {
+        float s = 0.0f;
+        UNROLL for (int u = 0; u < DL; ++u) s += qw[r * D + lane + 32 * u] * kv[t][u];
+        s = simd_sum_f(s);
+        const bool ok = WCAUSAL == 0 || j <= NW - LQ + (r % LQ);
+        if (lane == 0 && j < NW) sc[r * WT + j] = ok ? s : NEG_BIG;
+      }
+    }
+  }
+  BARRIER();
+  // per query row: the max m and the sum l of 2^(s - m); sc becomes the weights
+  for (int r = warp; r < R; r += NWARP) {
+    float mloc = NEG_BIG;
+    for (int j = lane; j < NW; j += 32) mloc = fmax_f(mloc, sc[r * WT + j]);
+    const float m = simd_max_f(mloc);
+    float l = 0.0f;
+    for (int j = lane; j < NW; j += 32) {
+      const float s = sc[r * WT + j];
+      const float p = s > 0.5f * NEG_BIG ? exp2_f(s - m) : 0.0f;
+      sc[r * WT + j] = p;
+      l += p;
+    }
+    l = simd_sum_f(l);
+    if (lane == 0) {
+      ml_part[(pbase + r) * 2] = m;
+      ml_part[(pbase + r) * 2 + 1] = l;
+    }
+  }
+  BARRIER();
+  // values: a thread per head dim (coalesced across threads), all R rows at once
+  const float sd = sqrt_f((float)D);
+  for (int c = (int)tid; c < D; c += NTH) {
+    float a[R];
+    UNROLL for (int r = 0; r < R; ++r) a[r] = 0.0f;
+    for (int jb = 0; jb < NW; jb += WV) {
+      float vv[WV];
+      UNROLL for (int u = 0; u < WV; ++u) vv[u] = jb + u < NW ? to_float(wv[wvb + (jb + u) * wvs + c * wvd]) : 0.0f;
+      UNROLL for (int u = 0; u < WV; ++u) {
+        UNROLL for (int r = 0; r < R; ++r) a[r] += (jb + u < NW ? sc[r * WT + jb + u] : 0.0f) * vv[u];
+      }
+    }
+    UNROLL for (int r = 0; r < R; ++r) ow[r * D + c] = sd * a[r];
+  }
+  BARRIER();
+  // into the packed values' space, as the query was rotated: WHT, then the SO(4) blocks (or the dense P)
+  if ((ROT & 1) != 0) wht_rows_lean<D>(ow, R, tid, NTH);
+  for (int e = (int)tid; e < R * D; e += NTH) {
+    o_part[pbase * D + e] = ((ROT & 4) != 0)   ? dense_elem<D, false>(mats, ow + (e / D) * D, e % D)
+                            : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + (e / D) * D, e % D)
+                                               : ow[e];
+  }
+}

@@ -55,18 +55,18 @@ ROT_WHT, ROT_SO4, ROT_DENSE = 1, 2, 4
 # v4: aim for about this many (kv head, split) blocks; the last block of each kv head merges all its
 # splits, so fewer splits make a shorter tail (2 per SM on the H200's 132 SMs). RQ_V4_BLOCKS tunes it.
 V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
-# v5: blocks of V5_NTH threads (each warp streams its own steps), about V5_BLOCKS blocks in all
-# (384 threads: 12 warps; nvcc 13 gives 165 registers without a bound, so one block per SM: 132 on the H200.
-# Measured there: correct, kernel 69 µs at 128K. 512 threads with PF 1 did not launch: NVRTC's build needs
-# more than the 128 registers nvcc reports, and 512 x 129+ exceeds the register file.)
-V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "132"))
-V5_NTH = int(os.environ.get("RQ_V5_NTH", "384"))
-V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets)
+# v5: blocks of V5_NTH threads (each warp streams its own steps), about V5_BLOCKS blocks in all.
+# Default: 256 threads, code rows through a 2-slot cp.async ring (STAGE 2, PF 1), 264 blocks: on the H200
+# (2026-11-30) the fastest configuration measured at 4K, 32K and 128K (docs/KERNEL_NOTES.md). Shapes whose
+# ring does not fit threadgroup memory (head_dim 256 at 3 bits) take STAGE 0 (rows through registers, PF 2).
+# 384 threads x ~165 registers did not launch at head_dim 256; 512 threads with PF 1 did not launch at all.
+V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "264"))
+V5_NTH = int(os.environ.get("RQ_V5_NTH", "256"))
+V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets; STAGE 0)
 V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "1"))  # 1: values decoded by byte permutes (<= 3 bits), 0: table
-# 0: code rows through registers (as measured on the H200); n > 0: an n-slot per-warp ring in threadgroup
-# memory filled by cp.async (PF must be 1; its first H200 run faulted, "misaligned address": the ring was only
-# 4-byte aligned; fixed and checked on the CPU executor, not yet re-run on a GPU: docs/KERNEL_NOTES.md)
-V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "0"))
+# 0: code rows through registers; n > 0: an n-slot per-warp ring in threadgroup memory filled by cp.async
+# (PF 1; correct on the H200 since its ring is 16-byte aligned, 2026-11-30)
+V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "2"))
 
 
 @dataclass(frozen=True)
@@ -95,11 +95,15 @@ SPECS: dict[str, Spec] = {
     # v4 plus the cache's fp16 window (wk / wv: its newest tokens, read through strides), merged in-kernel
     "attn_v4w": Spec("attn_v4.body",
                      ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "wk", "wv"),
-                     ("out", "lse", "o_part", "ml_part"), contiguous=False, defines="#define RQ_V4_WINDOW 1\n"),
+                     ("out", "lse", "o_part", "ml_part"), contiguous=False, defines="#define RQ_WINDOW 1\n"),
     # v5: v4's contract, warp-level streaming (docs/KERNEL_NOTES.md, "v5")
     "attn_v5": Spec("attn_v5.body",
                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter"),
                     ("out", "lse", "o_part", "ml_part"), contiguous=False),
+    # v5 plus the fp16 window as one more split (common.h, window_split)
+    "attn_v5w": Spec("attn_v5.body",
+                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "wk", "wv"),
+                     ("out", "lse", "o_part", "ml_part"), contiguous=False, defines="#define RQ_WINDOW 1\n"),
     "attn_combine": Spec("attn_combine.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "attn_merge": Spec("attn_merge.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "rotate_query": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
@@ -497,7 +501,7 @@ def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     k_codes / v_codes [B, Hkv, T_cap, W] and v_norms [B, Hkv, T_cap] are read through their strides (no
     copy op), so their last dims must be dense, as cache buffers and their slices along T are.
     window: (keys, values) [B, Hkv, NW, D], 1 <= NW <= MMA_TILE, the cache's fp16 segment after the packed
-    tokens (any strides, last dim dense), attended exactly and merged in the same launch (kernel attn_v4w);
+    tokens (any strides, last dim dense), attended exactly by one more block of the same launch (attn_v4w);
     the queries are its last L tokens, so the packed part is seen whole and `causal` masks the window.
     Returns (out [B, Hq, L, D] in q's dtype, lse [B, Hq, L] float32, natural log).
     """
@@ -518,7 +522,10 @@ def attention_v4(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
         causal = False  # every packed token precedes every query
         offset = valid_len
     T, causal, qd, groups = _one_launch_args("v4", q, Hkv, rot, valid_len, offset, causal)
-    ns = v4_plan(T, groups)
+    if window is None:
+        ns = v4_plan(T, groups)
+    else:  # the window's split first, its blocks taken from the plan's target; the merge takes <= MMA_TILE
+        ns = min(v4_plan(T, groups, max(groups, V4_BLOCKS - groups)), MMA_TILE - 1) + 1
     out, lse, _, _ = _run(
         name,
         [qd, _mats(mats), _consts(levels, scale), k_codes, k_norms[:, :, :T], v_codes, v_norms, _counter(groups)]
@@ -540,17 +547,18 @@ V5_MINB = int(os.environ.get("RQ_V5_MINB", "0"))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_v5(be: str, nth: int, minb: int):
+def _kernel_v5(be: str, nth: int, minb: int, window: bool = False):
     """attn_v5 compiled with an optional launch bound. MLX builds `header` + `__global__ void name(...)`,
     so on CUDA a header that redefines __global__ (as CUDA's host_defines.h spells it, with
     __launch_bounds__ added) bounds this kernel only; the name carries the bound (MLX caches modules by
     name and template)."""
-    header, source = render("attn_v5", be)
-    name = "rq_attn_v5"
+    kname = "attn_v5w" if window else "attn_v5"
+    header, source = render(kname, be)
+    name = "rq_" + kname
     if be == "cuda" and minb > 0:
         header += f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({nth}, {minb})\n"
         name += f"_lb{minb}"
-    spec = SPECS["attn_v5"]
+    spec = SPECS[kname]
     make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
     return make(name=name, input_names=list(spec.inputs), output_names=list(spec.outputs), source=source,
                 header=header, ensure_row_contiguous=False)
@@ -585,13 +593,15 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
                  v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, valid_len: int, offset: int = 0,
                  causal: bool = False, rot: int = ROT_WHT | ROT_SO4, blocks: int | None = None,
                  nth: int | None = None, minb: int | None = None, pf: int | None = None,
-                 vdec: int | None = None, stage: int | None = None) -> tuple[mx.array, mx.array]:
+                 vdec: int | None = None, stage: int | None = None,
+                 window: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
     """Single-launch attention, v5: attention_v4's contract (arguments, outputs, counter pool), a kernel
     whose warps stream their own token steps (metal/attn_v5.body). blocks / nth / minb / pf / vdec / stage:
     the grid's target block count, threads per block, the launch bound, the load-ahead depth, the value
     decode and the copy ring (default V5_BLOCKS, V5_NTH, V5_MINB, V5_PF, V5_VDEC, V5_STAGE; stage > 0
     forces pf = 1). Code rows must start 16-byte aligned (v4's uint4 loads need it too): buffers of more
-    than 8 bytes do, and so does every row of them, since the shapes taken have rows of 4k words."""
+    than 8 bytes do, and so does every row of them, since the shapes taken have rows of 4k words.
+    window: the cache's fp16 segment after the packed tokens, as attention_v4's (attn_v5w: one more split)."""
     if backend() is None:
         raise KernelUnsupported("no GPU backend")
     B, Hq, L, D = q.shape
@@ -600,19 +610,33 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     _check(D, bits, R)
     be = backend() or "cuda"
     nth = V5_NTH if nth is None else nth
-    stage = V5_STAGE if stage is None else stage
+    if stage is None:  # the default ring where it fits, else rows through registers
+        stage = V5_STAGE if v5_ok(D, bits, R, be, nth, V5_STAGE) else 0
     pf = 1 if stage > 0 else (V5_PF if pf is None else pf)
     if not v5_ok(D, bits, R, be, nth, stage):
         raise KernelUnsupported(f"v5: R={R}, head_dim {D}, {bits}-bit codes, {nth} threads, {stage} stages")
+    extra, wt = [], []
+    if window is not None:
+        wk, wv = window
+        nw = wk.shape[2]
+        if not 1 <= nw <= MMA_TILE or nw < L or wk.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+            raise KernelUnsupported(f"v5 window of {nw} tokens ({wk.dtype}) for {L} queries")
+        extra, wt = [wk, wv], [("WCAUSAL", int(causal and L > 1))]
+        causal, offset = False, valid_len  # every packed token precedes every query
     T, causal, qd, groups = _one_launch_args("v5", q, Hkv, rot, valid_len, offset, causal)
-    ns = v5_plan(T, groups, blocks)
-    k = _kernel_v5(be, nth, V5_MINB if minb is None else minb)
+    target = V5_BLOCKS if blocks is None else blocks
+    if window is None:
+        ns = v5_plan(T, groups, target)
+    else:  # the window's split first, its blocks taken from the target (264 = 2 waves of one per SM on the H200:
+        # 4 more blocks made a third, +35 us at 128K on 2026-11-30)
+        ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
+    k = _kernel_v5(be, nth, V5_MINB if minb is None else minb, window is not None)
     out, lse, _, _ = k(
         inputs=[qd, _mats(mats), _consts(levels, scale), k_codes, k_norms[:, :, :T], v_codes, v_norms,
-                _counter(groups)],
+                _counter(groups)] + extra,
         template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv),
                   ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("PF", pf),
-                  ("VDEC", V5_VDEC if vdec is None else vdec), ("STAGE", stage)],
+                  ("VDEC", V5_VDEC if vdec is None else vdec), ("STAGE", stage)] + wt,
         grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
         output_shapes=[(B, Hq, L, D), (B, Hq, L), (groups, ns, R, D), (groups, ns, R, 2)],
         output_dtypes=[qd.dtype, mx.float32, mx.float32, mx.float32],
@@ -641,11 +665,11 @@ def rotation_args(rotation) -> tuple[int, mx.array | None]:
 
 
 def attn_version() -> str:
-    """Which GPU attention IsoQuantCache uses (env RQ_ATTN): "v4" (default: one launch; on the H200,
-    2026-11-29, correct against float64 and faster than v3 at 4K, 32K and 128K), "v3" (MLX-op query
-    rotation, v3 split kernel + merge, MLX-op inverse rotation), "v3r" (the same two v3 kernels rotating
-    in-kernel) or "v5" (one launch, warp-level streaming; opt-in: docs/KERNEL_NOTES.md)."""
-    v = os.environ.get("RQ_ATTN", "v4")
+    """Which GPU attention IsoQuantCache uses (env RQ_ATTN): "v5" (default: one launch, warp-level
+    streaming; shapes it does not cover take v4), "v4" (one launch, block-level tiles), "v3" (MLX-op query
+    rotation, v3 split kernel + merge, MLX-op inverse rotation) or "v3r" (the same two v3 kernels rotating
+    in-kernel). Measurements behind the default: docs/KERNEL_NOTES.md."""
+    v = os.environ.get("RQ_ATTN", "v5")
     if v not in ("v3", "v3r", "v4", "v5"):
         from rq_core.errors import RQError
 
@@ -658,13 +682,13 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
                  valid_len: int, window: tuple[mx.array, mx.array] | None = None) -> mx.array | None:
     """IsoQuantCache's whole attention over packed codes with the rotation done in-kernel, or None.
 
-    RQ_ATTN=v4 or v5: one launch. RQ_ATTN=v3r: attn_mma2 + attn_merge with ROT (2 launches; not for the
+    RQ_ATTN=v5 (default) or v4: one launch. RQ_ATTN=v3r: attn_mma2 + attn_merge with ROT (2 launches; not for the
     dense rotation). None (the caller takes its usual path) for v3, without a GPU backend, or for
     shapes the kernels do not cover. The output is final, in the queries' dtype: an fp16 segment after
-    the packed tokens is passed as `window` (v4 only: attention_v4's; None from the other versions).
+    the packed tokens is passed as `window` (v4 and v5: one more split of the launch; None from v3r).
     """
     version = attn_version()
-    if version == "v3" or valid_len < 1 or not available() or (window is not None and version != "v4"):
+    if version == "v3" or valid_len < 1 or not available() or (window is not None and version == "v3r"):
         return None
     B, Hq, L, D = queries.shape
     Hkv = k_codes.shape[1]
@@ -673,13 +697,17 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
     try:
         rot, mats = rotation_args(rotation)
         args = dict(bits=bits, scale=scale, valid_len=valid_len, offset=offset, causal=causal, rot=rot)
-        if version == "v4":
+        if version in ("v4", "v5"):
             if rot & ROT_DENSE and "RQ_ATTN" not in os.environ:
                 return None  # TurboQuant: v3 + the rotation as matmuls measured faster than in-kernel dense
+            if version == "v5":
+                try:
+                    return attention_v5(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, window=window,
+                                        **args)[0]
+                except KernelUnsupported:
+                    pass  # v4 covers more shapes (threadgroup memory)
             return attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, window=window,
                                 **args)[0]
-        if version == "v5":
-            return attention_v5(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, **args)[0]
         R = (Hq // Hkv) * L
         if rot & ROT_DENSE or not mma_ok(D, bits, R) or (causal and offset + 1 < valid_len
                                                         and offset != valid_len - L):

@@ -1,4 +1,5 @@
-"""attn_v4w (v4 with the cache's fp16 window merged in-kernel) executed on the CPU by the kernel emulator
+"""attn_v4w / attn_v5w (v4 / v5 with the cache's fp16 window as one more split of the same launch) executed
+on the CPU by the kernel emulator
 (benchmarks/emulate_kernel.py: the CUDA rendering compiled as host C++) against float64 math: packed
 tokens dequantized, then the window's exact keys/values, one softmax over both."""
 
@@ -21,9 +22,10 @@ import rq_core.kernels as K  # noqa: E402
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel emulator needs g++")
 
 
-def run_v4w(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = False, bits: int = 3,
-            rot: int = 3, B: int = 1, Hkv: int = 2, blocks: int = 8) -> dict:
-    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits)
+def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = False, bits: int = 3,
+               rot: int = 3, B: int = 1, Hkv: int = 2, blocks: int = 8, kernel: str = "attn_v4w",
+               nth: int = 128, stage: int = 0) -> dict:
+    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4))
     scale = 1.0 / math.sqrt(d)
     qin, q64, kc, vc, consts, views = EK._case_inputs(c, T, bits, scale, "f32")
     wcap = NW + 3  # a cache buffer: rows past the window hold junk the kernel must not read
@@ -34,15 +36,22 @@ def run_v4w(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = 
     for n in ("wk", "wv"):
         views[n] = ((B, Hkv, NW, d), (Hkv * wcap * d, wcap * d, d, 1))
     R, groups = G * L, B * Hkv
-    ns = K.v4_plan(T, groups, blocks)
-    template = [("TQ", "f32"), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
-                ("ROT", rot), ("NTH", K.NTH), ("TILE", K.MMA_TILE), ("WCAUSAL", int(causal and L > 1))]
-    outs = EK.emulate("attn_v4w", template,
-                      dict(q=qin, mats=c["mats"].astype(np.float32), consts=consts, k_codes=kc, k_norms=c["knorm"],
+    if kernel == "attn_v4w":
+        ns = min(K.v4_plan(T, groups, blocks), K.MMA_TILE - 1) + 1  # as attention_v4: the window's split last
+        nth = K.NTH
+        shape_t = [("TILE", K.MMA_TILE)]
+    else:
+        ns = min(K.v5_plan(T, groups, blocks), K.V5_MAXNS - 1) + 1
+        shape_t = [("PF", 1 if stage else 2), ("VDEC", 1), ("STAGE", stage)]
+    mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
+    template = ([("TQ", "f32"), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
+                 ("ROT", rot), ("NTH", nth)] + shape_t + [("WCAUSAL", int(causal and L > 1))])
+    outs = EK.emulate(kernel, template,
+                      dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"],
                            v_codes=vc, v_norms=c["vnorm"], counter=np.zeros(groups, np.uint32), wk=wk, wv=wv),
                       dict(out=((B, G * Hkv, L, d), "f32"), lse=((B, G * Hkv, L), "f32"),
                            o_part=((groups, ns, R, d), "f32"), ml_part=((groups, ns, R, 2), "f32")),
-                      (groups, ns), K.NTH, views=views, types={"q": "f32", "out": "f32", "wk": "f16", "wv": "f16"})
+                      (groups, ns), nth, views=views, types={"q": "f32", "out": "f32", "wk": "f16", "wv": "f16"})
     # float64 reference in the rotated space (scores and weights are rotation-invariant), rotated back
     hk = np.arange(G * Hkv) // G
     lv = KC.half_levels(c["levels"]).astype(np.float64)  # the levels as the matrix units see them
@@ -70,9 +79,25 @@ def run_v4w(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = 
     dict(G=4, d=128, T=300, NW=5),  # several splits merged, then a short window
     dict(G=2, d=64, T=130, NW=17, L=2, causal=True, bits=4),  # two queries, causal inside the window
     dict(G=4, d=256, T=40, NW=37, L=2, causal=True),  # window past one pass of the token loops, D = 256
+    dict(G=8, d=128, T=200, NW=32, rot=0),  # no rotation: the window's output is not rotated either
+    dict(G=2, d=128, T=150, NW=3, rot=4),  # the dense rotation (TurboQuant): forward P on the window's output
 ])
 def test_v4_window_matches_float64(case):
-    r = run_v4w(np.random.default_rng(7), **case)
+    r = run_window(np.random.default_rng(7), **case)
+    assert r["nan"] == 0 and r["counters"] == 0
+    assert r["err"] < 1e-5, r
+    assert r["lse_err"] < 1e-4, r
+
+
+@pytest.mark.parametrize("case", [
+    dict(G=8, d=128, T=300, NW=32, nth=128),  # the default window on the default shape class
+    dict(G=2, d=64, T=130, NW=17, L=2, causal=True, bits=4, nth=64),
+    dict(G=4, d=128, T=700, NW=9, nth=128, stage=2),  # the copy-ring configuration
+    dict(G=2, d=128, T=150, NW=3, rot=4, nth=64),
+    dict(G=4, d=256, T=60, NW=37, L=2, causal=True, nth=64),  # head_dim 256: rows through registers (STAGE 0)
+])
+def test_v5_window_matches_float64(case):
+    r = run_window(np.random.default_rng(11), kernel="attn_v5w", **case)
     assert r["nan"] == 0 and r["counters"] == 0
     assert r["err"] < 1e-5, r
     assert r["lse_err"] < 1e-4, r

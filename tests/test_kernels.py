@@ -45,6 +45,8 @@ CASES = {
                 ("ROT", 3), ("NTH", 384), ("PF", 2), ("VDEC", 1), ("STAGE", 0)],
     "attn_v4w": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
                  ("ROT", 3), ("NTH", 128), ("TILE", 128), ("WCAUSAL", 1)],
+    "attn_v5w": [("TQ", "bf16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
+                 ("ROT", 4), ("NTH", 256), ("PF", 1), ("VDEC", 1), ("STAGE", 2), ("WCAUSAL", 1)],
     "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("ROT", 3), ("NC", 0)],  # more in test_kv_append_kernel
 }
 # more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
@@ -146,7 +148,7 @@ def test_syntax_check(be, tmp_path):
     cases = [(n, n, t) for n, t in CASES.items()] + [(k, n, t) for k, (n, t) in EXTRA_CASES.items()]
     for label, name, template in cases:
         tq = dict(template).get("TQ", "f32")
-        types = ({"q": tq, "out": tq, "wk": tq, "wv": tq} if name == "attn_v4w"
+        types = ({"q": tq, "out": tq, "wk": tq, "wv": tq} if name in ("attn_v4w", "attn_v5w")
                  else {"q": tq, "out": tq} if name in ("attn_v4", "attn_v5") else {"q": tq} if name.startswith("attn_mma")
                  else None)
         f = tmp_path / f"{label.replace('/', '_')}.cpp"
@@ -280,7 +282,7 @@ def test_v4_split_plan_and_counter_pool(monkeypatch):
 
 def test_v4_is_the_default_and_v3_selectable(monkeypatch):
     monkeypatch.delenv("RQ_ATTN", raising=False)
-    assert K.attn_version() == "v4"
+    assert K.attn_version() == "v5"
     monkeypatch.setenv("RQ_ATTN", "v3")
     assert K.attn_version() == "v3"
     if K.backend() is None:  # on CPU the caches keep the reference path whatever RQ_ATTN says
@@ -447,8 +449,11 @@ def test_v5_plan_and_shapes():
             assert 1 <= ns <= K.V5_MAXNS and (ns - 1) * 128 < T
     assert K.v5_plan(131072, 4, 132) == 33 and K.v5_plan(131072, 4, 264) == 66 and K.v5_plan(4096, 4, 132) == 32
     for be in ("cuda", "metal"):  # every head dim the kernels cover fits threadgroup memory at 512 threads
-        assert K.v5_ok(128, 3, 8, be, 512) and K.v5_ok(256, 3, 8, be, 512) and K.v5_ok(64, 4, 8, be, 512)
+        assert K.v5_ok(128, 3, 8, be, 512, 0) and K.v5_ok(256, 3, 8, be, 512, 0) and K.v5_ok(64, 4, 8, be, 512, 0)
     assert not K.v5_ok(128, 3, 16, "cuda") and not K.v5_ok(128, 3, 8, "cuda", 96)
+    # the default (256 threads, 2-slot ring) fits CUDA at head_dim 128; head_dim 256 and Metal take STAGE 0
+    assert K.v5_ok(128, 3, 8, "cuda", K.V5_NTH, K.V5_STAGE) or "RQ_V5_NTH" in __import__("os").environ
+    assert not K.v5_ok(256, 3, 8, "cuda", 256, 2) and K.v5_ok(256, 3, 8, "cuda", 256, 0)
     # the copy ring: 2 slots of 8 warps fit CUDA's 48 KB (46,660 B by nvcc's report), 3 do not; Metal: no
     assert K._v5_smem(128, 3, 8, 256, "cuda", 2) == 46660
     assert K.v5_ok(128, 3, 8, "cuda", 256, 2) and not K.v5_ok(128, 3, 8, "cuda", 256, 3)

@@ -26,7 +26,7 @@ python3 benchmarks/kernel_time.py --parse "$L/ncu128k.csv" --schedule "$L/schedu
   --json "$OUT/kernel_time_128k.json" 2>&1 | tail -2 | tee -a "$OUT/kernel_time.md"
 gzip -f "$L"/*.csv
 M="=fp16 SDPA,=IsoQuant-3 v4 (one launch),=IsoQuant-3 v4 + fp16 window 32 (one launch),=IsoQuant-3 v5 (one launch),=IsoQuant-3 v5 + fp16 window 32 (one launch)"
-for nl_ctx in 16:4096,32768,131072 64:32768,131072; do
+for nl_ctx in ${CHAINS:-16:4096,32768,131072 64:4096,32768,131072}; do
   nl=${nl_ctx%%:*}; ctx=${nl_ctx#*:}
   echo "== 3. chained, $nl layers ($(date -u +%T))"
   mkdir -p "$L/chain$nl"

@@ -206,6 +206,16 @@ def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=Non
                           bits=BITS, scale=SCALE, valid_len=T, nth=nth, minb=minb, blocks=blocks, pf=pf, vdec=vdec, stage=stage)[0]
 
 
+def iso_v5_sacc(L, i, sacc: int):
+    """v5 (defaults) with SACC score accumulators per warp step (read while the graph is built)."""
+    old = K.V5_SACC
+    K.V5_SACC = sacc
+    try:
+        return iso_v5(L, i)
+    finally:
+        K.V5_SACC = old
+
+
 def turbo_v4(L, i):
     """TurboQuant-3 through v4: the dense rotation applied in-kernel (ROT_DENSE), one launch."""
     T = L["kc"][i].shape[2]
@@ -308,6 +318,7 @@ def main() -> None:
         for nb in [int(x) for x in a.v4_blocks.split(",") if x]:
             methods[f"IsoQuant-3 v4 {nb} blocks"] = lambda i, nb=nb: iso_v4(L, i, nb)
         methods["IsoQuant-3 v5 (one launch)"] = lambda i: iso_v5(L, i)
+        methods["IsoQuant-3 v5, one score accumulator"] = lambda i: iso_v5_sacc(L, i, 1)
         for cfg in [tuple(int(v) for v in x.split(":")) for x in a.v5_configs.split(",") if x]:
             methods["IsoQuant-3 v5 " + "/".join(map(str, cfg))] = lambda i, cfg=cfg: iso_v5(L, i, *cfg)
         methods = {k: f for k, f in methods.items() if wanted(k)}

@@ -67,6 +67,8 @@ V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "1"))  # 1: values decoded by byte pe
 # 0: code rows through registers; n > 0: an n-slot per-warp ring in threadgroup memory filled by cp.async
 # (PF 1; correct on the H200 since its ring is 16-byte aligned, 2026-11-30)
 V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "2"))
+# score accumulators per warp step: 2 splits the hi / lo halves of the query into two dependent chains
+V5_SACC = int(os.environ.get("RQ_V5_SACC", "2"))
 
 
 @dataclass(frozen=True)
@@ -541,9 +543,15 @@ V5_MAXNS = 128  # splits per (batch, kv head) attn_v5's last block merges (MAXNS
 
 
 # CUDA: blocks of attn_v5 resident per SM that the compiler must allow for (register cap through
-# __launch_bounds__); 0: no bound (the default; the bound is untested under NVRTC). nvcc 13, PF 2: 165
-# registers unbounded; with (256, 2) or (512, 1), 128 registers and ~200 bytes of spills.
-V5_MINB = int(os.environ.get("RQ_V5_MINB", "0"))
+# __launch_bounds__); -1 (default): 2 at 256 threads (the default configuration: two blocks per SM need <= 128
+# registers, and nvcc 13 gives the window variant 167-180 without the bound, 128 with it and <= 24 bytes of
+# spills), else none; 0: no bound.
+V5_MINB = int(os.environ.get("RQ_V5_MINB", "-1"))
+
+
+def _v5_minb(nth: int, minb: int | None) -> int:
+    minb = V5_MINB if minb is None else minb
+    return (2 if nth == 256 else 0) if minb < 0 else minb
 
 
 @functools.lru_cache(maxsize=None)
@@ -630,12 +638,12 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     else:  # the window's split first, its blocks taken from the target (264 = 2 waves of one per SM on the H200:
         # 4 more blocks made a third, +35 us at 128K on 2026-11-30)
         ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
-    k = _kernel_v5(be, nth, V5_MINB if minb is None else minb, window is not None)
+    k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None)
     out, lse, _, _ = k(
         inputs=[qd, _mats(mats), _consts(levels, scale), k_codes, k_norms[:, :, :T], v_codes, v_norms,
                 _counter(groups)] + extra,
         template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv),
-                  ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("PF", pf),
+                  ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
                   ("VDEC", V5_VDEC if vdec is None else vdec), ("STAGE", stage)] + wt,
         grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
         output_shapes=[(B, Hq, L, D), (B, Hq, L), (groups, ns, R, D), (groups, ns, R, 2)],

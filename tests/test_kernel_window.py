@@ -42,7 +42,7 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
         shape_t = [("TILE", K.MMA_TILE)]
     else:
         ns = min(K.v5_plan(T, groups, blocks), K.V5_MAXNS - 1) + 1
-        shape_t = [("PF", 1 if stage else 2), ("VDEC", 1), ("STAGE", stage)]
+        shape_t = [("SACC", 2), ("PF", 1 if stage else 2), ("VDEC", 1), ("STAGE", stage)]
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     template = ([("TQ", "f32"), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
                  ("ROT", rot), ("NTH", nth)] + shape_t + [("WCAUSAL", int(causal and L > 1))])

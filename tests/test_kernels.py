@@ -42,11 +42,11 @@ CASES = {
     "attn_v4": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
                 ("ROT", 3), ("NTH", 128), ("TILE", 128)],
     "attn_v5": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
-                ("ROT", 3), ("NTH", 384), ("PF", 2), ("VDEC", 1), ("STAGE", 0)],
+                ("ROT", 3), ("NTH", 384), ("SACC", 2), ("PF", 2), ("VDEC", 1), ("STAGE", 0)],
     "attn_v4w": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
                  ("ROT", 3), ("NTH", 128), ("TILE", 128), ("WCAUSAL", 1)],
     "attn_v5w": [("TQ", "bf16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
-                 ("ROT", 4), ("NTH", 256), ("PF", 1), ("VDEC", 1), ("STAGE", 2), ("WCAUSAL", 1)],
+                 ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1), ("VDEC", 1), ("STAGE", 2), ("WCAUSAL", 1)],
     "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("ROT", 3), ("NC", 0)],  # more in test_kv_append_kernel
 }
 # more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
@@ -56,10 +56,10 @@ EXTRA_CASES = {
     "attn_v4/causal_f32": ("attn_v4", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
                                        ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("TILE", 128)]),
     "attn_v5/dense_bf16": ("attn_v5", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
-                                       ("CAUSAL", 0), ("ROT", 4), ("NTH", 256), ("PF", 1),
+                                       ("CAUSAL", 0), ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1),
                                        ("VDEC", 0), ("STAGE", 2)]),
     "attn_v5/causal_f32": ("attn_v5", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
-                                       ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("PF", 2),
+                                       ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("SACC", 2), ("PF", 2),
                                        ("VDEC", 1), ("STAGE", 0)]),
 }
 # identifiers (and two phrases) that belong to one backend: the shared sources must not name them
@@ -383,8 +383,9 @@ def test_v4_cuda_source_runs_on_cpu_executor(case):
     assert r["err_half"] < (8e-3 if case.get("qdtype") == "bf16" else 5e-5) and r["lse_err"] < 1e-3
 
 
-@pytest.mark.parametrize("case", [dict(G=8, d=128, T=300, nth=128), dict(G=2, d=128, T=300, L=2, causal=True, rot=4,
-                                                                            B=2, qdtype="bf16", nth=256, pf=1, stage=2)])
+@pytest.mark.parametrize("case", [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128, sacc=1),
+                                  dict(G=2, d=128, T=300, L=2, causal=True, rot=4, B=2, qdtype="bf16", nth=256, pf=1,
+                                       stage=2)])
 def test_v5_cuda_source_runs_on_cpu_executor(case):
     """attn_v5's CUDA rendering executed as host C++ (as the v4 test above): warps streaming their own steps,
     per-warp softmax state, the in-block merge, the last block's merge; counters left zeroed. The second

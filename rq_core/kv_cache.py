@@ -20,7 +20,7 @@ Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask
 
 # Newest tokens a compressed cache keeps in fp16 unless a recipe or flag says otherwise: on the bundled model
 # 32 brought IsoQuant-3 wht_so4 from +2.24% to -0.30% ΔPPL (3 seeds; 16: +0.20%, 8: +2.44%) for ~0.013 of
-# fp16's bytes (benchmarks/README.md, kv-study); on a GPU it is attended inside v4's launch (attn_v4w).
+# fp16's bytes (benchmarks/README.md, kv-study); on a GPU it is one more split of the attention launch (attn_v5w).
 DEFAULT_FP16_WINDOW = 32
 
 

@@ -288,7 +288,7 @@ class IsoQuantCache:
             return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
 
         if arr_mask is None and (self.fp16_len == 0 or (not self.prefilling and self.fp16_len >= L)):
-            from rq_core import kernels  # v4 on a GPU: the whole attention in one launch, window included (else None)
+            from rq_core import kernels  # one launch on a GPU (v5 or v4), window included; else None
 
             n = self.fp16_len
             window = (self._fk[:, :, :n], self._fv[:, :, :n]) if n else None

@@ -346,6 +346,9 @@ def all_settings(n_layers: int) -> list[Setting]:
               Setting(f"wht_so4 sink4+win16 s{seed}", iso(fp16_window=16, seed=seed), sink=4),
               Setting(f"wht_so4 kvcenter+win16 s{seed}", iso(fp16_window=16, seed=seed), center="kv"),
               Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]
+    for seed in (3, 4, 5):  # more rotation draws of the two default configurations (session 6)
+        S += [Setting(f"wht_so4 win32 s{seed}", iso(fp16_window=32, seed=seed)),
+              Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]
     S = [s for s in S if s is not None]
     return S
 

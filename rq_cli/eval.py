@@ -128,6 +128,11 @@ def niah_cmd(
     for name, r in res["modes"].items():
         t.add_row(name, *[f"{c['accuracy']:.2f}" for c in r["cells"]], f"{r['accuracy']:.2f}")
     console.print(t)
+    for name, r in res["modes"].items():
+        if "paired" in r:
+            pr = r["paired"]
+            console.print(f"{name} against fp16, same needles: {pr['lost']} lost, {pr['gained']} gained "
+                          f"(McNemar exact p = {pr['mcnemar_p']:.3f})")
 
 
 @app.command("gates")

@@ -305,18 +305,41 @@ def answer_needle(model: Any, trial: NeedleTrial, kv: KVSettings, prefill_chunk:
 
 def niah(model: Any, ids: np.ndarray, pieces: dict, kvs: Sequence[KVSettings], *, lengths: Sequence[int],
          depths: Sequence[float], trials: int, seed: int = 0) -> dict:
-    """Accuracy (exact match of all digits) per (length, depth) cell for each KV mode, same needles for all."""
+    """Accuracy (exact match of all digits) per (length, depth) cell for each KV mode, same needles for all.
+
+    Each cell also lists its needles' outcomes (`hits`, 1 = retrieved, in the same order for every mode), and
+    every mode after the first gets `paired` against the first (fp16 in `rq eval niah`): needles only the
+    reference retrieved (`lost`), only this mode retrieved (`gained`), and McNemar's exact two-sided p."""
     result: dict[str, Any] = {"lengths": list(lengths), "depths": list(depths), "trials": trials, "modes": {}}
+    ref_hits: list[int] | None = None
     for kv in kvs:
-        cells = []
+        cells, hits_all = [], []
         for L in lengths:
             for d in depths:
                 ts = needle_trials(ids, pieces, length=L, depth=d, trials=trials, seed=seed)
-                ok = sum(bool(np.array_equal(answer_needle(model, t, kv), t.answer)) for t in ts)
-                cells.append({"length": L, "depth": d, "accuracy": ok / trials})
+                hits = [int(np.array_equal(answer_needle(model, t, kv), t.answer)) for t in ts]
+                cells.append({"length": L, "depth": d, "accuracy": sum(hits) / trials, "hits": hits})
+                hits_all += hits
         acc = float(np.mean([c["accuracy"] for c in cells])) if cells else 0.0
-        result["modes"][label(kv)] = {"cells": cells, "accuracy": acc}
+        entry: dict[str, Any] = {"cells": cells, "accuracy": acc}
+        if ref_hits is None:
+            ref_hits = hits_all
+        else:
+            lost = sum(r and not h for r, h in zip(ref_hits, hits_all))
+            gained = sum(h and not r for r, h in zip(ref_hits, hits_all))
+            entry["paired"] = {"lost": lost, "gained": gained, "mcnemar_p": mcnemar_p(lost, gained)}
+        result["modes"][label(kv)] = entry
     return result
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value for b and c discordant pairs (binomial, p = 1/2)."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0**n
+    return min(1.0, 2.0 * tail)
 
 
 # ------------------------------------------------------------------------------------------ gates

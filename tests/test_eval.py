@@ -112,6 +112,19 @@ def test_niah_structure(tiny):
     assert set(res["modes"]) == {"fp16", "isoquant3/so3"}
     for r in res["modes"].values():
         assert len(r["cells"]) == 2 and all(0 <= c["accuracy"] <= 1 for c in r["cells"])
+        assert all(c["accuracy"] == sum(c["hits"]) / 1 and set(c["hits"]) <= {0, 1} for c in r["cells"])
+    ref = [h for c in res["modes"]["fp16"]["cells"] for h in c["hits"]]
+    got = [h for c in res["modes"]["isoquant3/so3"]["cells"] for h in c["hits"]]
+    pr = res["modes"]["isoquant3/so3"]["paired"]
+    assert "paired" not in res["modes"]["fp16"]
+    assert pr["lost"] == sum(r and not g for r, g in zip(ref, got)) and pr["gained"] == sum(g and not r for r, g in zip(ref, got))
+
+
+def test_mcnemar_exact():
+    assert ev.mcnemar_p(0, 0) == 1.0 and ev.mcnemar_p(3, 3) == 1.0
+    assert abs(ev.mcnemar_p(0, 5) - 2 / 32) < 1e-12  # all 5 discordant pairs one way: 2 * (1/2)^5
+    assert abs(ev.mcnemar_p(1, 9) - 2 * 11 / 1024) < 1e-12
+    assert ev.mcnemar_p(9, 1) == ev.mcnemar_p(1, 9)
 
 
 def test_gates_file_validation(tmp_path):

@@ -31,3 +31,5 @@ timeout 200 python3 benchmarks/attention.py --skip-threshold --skip-stages --lay
 grep -E "^\||FAILED|Error" "$L/chain64.log"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"
 echo "== done ($(date -u +%T))"
+# 4. (if time is left) which part of a custom kernel's launch costs in a chain: inputs, outputs or the slice view
+# timeout 120 python3 benchmarks/diag/launch_cost.py --context 32768 --layers 64 --out "$OUT/launch_cost.json"

@@ -1,9 +1,11 @@
 """What a chained decode layer costs outside the attention kernel (docs/KERNEL_NOTES.md, "Session 6").
 
 One process on the GPU, Qwen3-30B-A3B attention shape, 64 chained layers a evaluation (as attention.py
---chain): fp16 SDPA and v5 at one context, then two custom kernels that only copy the query to the output
-(one block): one with attn_v5's 8 inputs and their shape/strides parameters, one with the query alone.
-SM clocks are sampled with nvidia-smi while each method runs.
+--chain): fp16 SDPA and v5 at one context, then custom kernels that only copy the query to the output (one
+block) with attn_v5's 8 inputs (their shape/strides parameters, the k_norms slice view) and 4 outputs, with
+either side cut to the query / the output alone, and with no slice view: which part of the launch costs.
+SM clocks are sampled with nvidia-smi while each method runs. Session 6 (2026-11-30, 32K): fp16 42.0, v5 64.4,
+null with attn_v5's arguments 18.7, null with the query only 9.7 µs a layer; clocks at 1980 MHz throughout.
 
     python3 benchmarks/diag/launch_cost.py [--context 131072] [--layers 64]
 """
@@ -33,13 +35,17 @@ WIDE = ("if (q_strides[0] == -7 && k_codes_strides[0] == -7 && v_codes_strides[0
         " && counter[0] == 7u) return;\n") + COPY
 
 
+INPUTS = ["q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter"]
+OUTPUTS = ["out", "lse", "o_part", "ml_part"]
+
+
 def null_kernels():
-    wide = mx.fast.cuda_kernel(name="rq_null_wide", input_names=["q", "mats", "consts", "k_codes", "k_norms", "v_codes",
-                                                                "v_norms", "counter"],
-                               output_names=["out", "lse", "o_part", "ml_part"], source=WIDE,
-                               ensure_row_contiguous=False)
-    narrow = mx.fast.cuda_kernel(name="rq_null_narrow", input_names=["q"], output_names=["out"], source=COPY)
-    return wide, narrow
+    """(8 inputs, 4 outputs), (1 input, 1 output), (8 inputs, 1 output), (1 input, 4 outputs)."""
+    def make(name, ins, outs, src):
+        return mx.fast.cuda_kernel(name=name, input_names=ins, output_names=outs, source=src,
+                                   ensure_row_contiguous=False)
+    return (make("rq_null_wide", INPUTS, OUTPUTS, WIDE), make("rq_null_narrow", ["q"], ["out"], COPY),
+            make("rq_null_in8", INPUTS, ["out"], WIDE), make("rq_null_out4", ["q"], OUTPUTS, COPY))
 
 
 def main() -> int:
@@ -55,23 +61,26 @@ def main() -> int:
 
     nl, T = a.layers, a.context
     L = A.build(T, nl, np.random.default_rng(0), qmm=False)
-    wide, narrow = null_kernels()
+    wide, narrow, in8, out4 = null_kernels()
+    ns = K.v5_plan(T, A.HKV)
+    o_shapes = [(1, A.HQ, 1, A.D), (1, A.HQ, 1), (A.HKV, ns, 8, A.D), (A.HKV, ns, 8, 2)]
+    o_types = [mx.float16, mx.float32, mx.float32, mx.float32]
 
-    def null_wide(i):
-        ns = K.v5_plan(T, A.HKV)
-        return wide(inputs=[L["q"][i], L["mats"][i], K._consts(L["levels"], A.SCALE), L["kc"][i], L["kn"][i][:, :, :T],
-                            L["vc"][i], L["vn"][i], K._counter(A.HKV)],
-                    grid=(256, 1, 1), threadgroup=(256, 1, 1),
-                    output_shapes=[(1, A.HQ, 1, A.D), (1, A.HQ, 1), (A.HKV, ns, 8, A.D), (A.HKV, ns, 8, 2)],
-                    output_dtypes=[mx.float16, mx.float32, mx.float32, mx.float32])[0]
+    def ins8(i, sliced=True):
+        return [L["q"][i], L["mats"][i], K._consts(L["levels"], A.SCALE), L["kc"][i],
+                L["kn"][i][:, :, :T] if sliced else L["kn"][i], L["vc"][i], L["vn"][i], K._counter(A.HKV)]
 
-    def null_narrow(i):
-        return narrow(inputs=[L["q"][i]], grid=(256, 1, 1), threadgroup=(256, 1, 1),
-                      output_shapes=[(1, A.HQ, 1, A.D)], output_dtypes=[mx.float16])[0]
+    def launch(k, inputs, n_out):
+        return k(inputs=inputs, grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=o_shapes[:n_out],
+                 output_dtypes=o_types[:n_out])[0]
 
     methods = {"fp16 SDPA": lambda i: A.fp16_sdpa(L, i), "v5": lambda i: A.iso_v5(L, i),
                "v5 + window 32": lambda i: A.iso_v4_window(L, i, version="v5"),
-               "null kernel, attn_v5's arguments": null_wide, "null kernel, query only": null_narrow}
+               "null kernel, attn_v5's arguments": lambda i: launch(wide, ins8(i), 4),
+               "null kernel, attn_v5's arguments, no slice view": lambda i: launch(wide, ins8(i, False), 4),
+               "null kernel, 8 inputs, 1 output": lambda i: launch(in8, ins8(i), 1),
+               "null kernel, 1 input, 4 outputs": lambda i: launch(out4, [L["q"][i]], 4),
+               "null kernel, query only": lambda i: launch(narrow, [L["q"][i]], 1)}
     res = {}
     for rnd in range(2):
         for name, f in methods.items():

@@ -280,7 +280,7 @@ def test_v4_split_plan_and_counter_pool(monkeypatch):
     assert K._POOL["pos"] == 16 and K._counter(4) is a  # wrapped: the first slot again, cached view
 
 
-def test_v4_is_the_default_and_v3_selectable(monkeypatch):
+def test_v5_is_the_default_and_v3_selectable(monkeypatch):
     monkeypatch.delenv("RQ_ATTN", raising=False)
     assert K.attn_version() == "v5"
     monkeypatch.setenv("RQ_ATTN", "v3")
@@ -299,6 +299,49 @@ def test_v4_is_the_default_and_v3_selectable(monkeypatch):
 
     with pytest.raises(RQError):
         K.attn_version()
+
+
+def test_fused_attend_dispatch(monkeypatch):
+    """Which single-launch kernel fused_attend calls (kernels stubbed: no GPU here): v5 by default, with the
+    cache's window; v4 when v5 does not take the shape; v4 when asked; TurboQuant's dense rotation to the
+    caller's path unless RQ_ATTN is set; v3r never takes a window."""
+    from rq_core.rotation import Rotation
+
+    calls = []
+
+    def fake(name, fail=False):
+        def f(q, mats, *a, window=None, **kw):
+            calls.append((name, window is not None))
+            if fail:
+                raise K.KernelUnsupported("stub")
+            return (K.mx.full(q.shape, 1.0 if name == "v5" else 2.0), None)
+        return f
+
+    monkeypatch.setattr(K, "available", lambda: True)
+    monkeypatch.setattr(K, "attention_v4", fake("v4"))
+    monkeypatch.setattr(K, "attention_v5", fake("v5"))
+    monkeypatch.delenv("RQ_ATTN", raising=False)
+    q = K.mx.zeros((1, 4, 1, 64))
+    codes, norms = K.mx.zeros((1, 2, 8, 6), K.mx.uint32), K.mx.zeros((1, 2, 8))
+    win = (K.mx.zeros((1, 2, 4, 64)), K.mx.zeros((1, 2, 4, 64)))
+
+    def attend(rot, window=None):
+        return K.fused_attend(q, rot, codes, norms, codes, norms, K.mx.zeros((8,)), bits=3, scale=0.125, offset=11,
+                              causal=False, valid_len=8, window=window)
+
+    iso = Rotation(64, 2, variant="wht_so4")
+    assert float(attend(iso, win)[0, 0, 0, 0]) == 1.0 and calls == [("v5", True)]
+    calls.clear()
+    monkeypatch.setattr(K, "attention_v5", fake("v5", fail=True))
+    assert float(attend(iso, win)[0, 0, 0, 0]) == 2.0 and calls == [("v5", True), ("v4", True)]
+    calls.clear()
+    monkeypatch.setenv("RQ_ATTN", "v4")
+    assert float(attend(iso)[0, 0, 0, 0]) == 2.0 and calls == [("v4", False)]
+    calls.clear()
+    monkeypatch.delenv("RQ_ATTN")
+    assert attend(Rotation(64, 2, variant="dense")) is None and calls == []
+    monkeypatch.setenv("RQ_ATTN", "v3r")
+    assert attend(iso, win) is None and calls == []
 
 
 def test_rotation_args():

@@ -127,11 +127,19 @@ class StudyCache(SplitBitsCache):
       a cache that stores centered keys and adds mu_v to the output; only the quantization error changes.
     """
 
-    def __init__(self, *, sink: int = 0, center: str = "", **kw: Any) -> None:
+    def __init__(self, *, sink: int = 0, center: str = "", signs: bool = False, **kw: Any) -> None:
         super().__init__(**kw)
         if sink < 0 or center not in ("", "k", "kv"):
             raise ValueError(f"sink {sink} must be >= 0 and center one of '', 'k', 'kv' (got {center!r})")
         self.sink, self.center = int(sink), center
+        # signs: random ±1 per (kv head, dim) before the rotation, R' = R ∘ D (a randomized Hadamard, as QuaRot's);
+        # D is orthogonal, so quantizing D x and multiplying back by D after dequantization is exactly the cache
+        # with rotation R ∘ D (the query needs no change here: this cache attends over dequantized keys)
+        self._signs: mx.array | None = None
+        if signs:
+            rng = np.random.default_rng([int(kw.get("seed", 0)), int(kw.get("layer", 0)), 0x5195])
+            d, h = int(kw["head_dim"]), int(kw["n_kv_heads"])
+            self._signs = mx.array(np.where(rng.random((1, h, 1, d)) < 0.5, -1.0, 1.0).astype(np.float32))
         self.sink_len = 0
         self._sk: mx.array | None = None  # [B, H, sink_len, d], model dtype
         self._sv: mx.array | None = None
@@ -141,6 +149,11 @@ class StudyCache(SplitBitsCache):
     @property
     def offset(self) -> int:
         return self.sink_len + self.packed_len + self.fp16_len
+
+    def _qdq(self, x: mx.array, levels: mx.array, bits: int) -> mx.array:
+        if self._signs is None:
+            return super()._qdq(x, levels, bits)
+        return super()._qdq(x.astype(mx.float32) * self._signs, levels, bits) * self._signs
 
     def _qdq_k(self, x: mx.array) -> mx.array:
         if self._mk is None:
@@ -218,10 +231,11 @@ class Setting:
     note: str = ""
     sink: int = 0  # first tokens kept fp16 (StudyCache)
     center: str = ""  # "k" | "kv": mean-centering before quantization (StudyCache)
+    signs: bool = False  # random ±1 per dim before the rotation (StudyCache)
 
     @property
     def emulated(self) -> bool:
-        return self.key_bits is not None or bool(self.sink) or bool(self.center)
+        return self.key_bits is not None or bool(self.sink) or bool(self.center) or self.signs
 
     def make_cache(self, model: Any) -> list:
         caches = model.make_cache(self.kv)
@@ -233,8 +247,8 @@ class Setting:
                           head_dim=c.head_dim, n_kv_heads=c.n_kv_heads, layer=i, rotation=c.rotation.variant,
                           codebook=self.kv.codebook, fp16_window=self.kv.fp16_window,
                           norm_correction=self.kv.norm_correction, seed=self.kv.seed)
-                caches[i] = (StudyCache(sink=self.sink, center=self.center, **kw) if self.sink or self.center
-                             else SplitBitsCache(**kw))
+                caches[i] = (StudyCache(sink=self.sink, center=self.center, signs=self.signs, **kw)
+                             if self.sink or self.center or self.signs else SplitBitsCache(**kw))
         return caches
 
     def bytes_ratio(self, n_layers: int, d: int, tokens: int) -> float:
@@ -346,6 +360,8 @@ def all_settings(n_layers: int) -> list[Setting]:
               Setting(f"wht_so4 sink4+win16 s{seed}", iso(fp16_window=16, seed=seed), sink=4),
               Setting(f"wht_so4 kvcenter+win16 s{seed}", iso(fp16_window=16, seed=seed), center="kv"),
               Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]
+    for seed in range(6):  # random signs before the WHT (a randomized Hadamard), with the default window
+        S.append(Setting(f"wht_so4 signs win32 s{seed}", iso(fp16_window=32, seed=seed), signs=True))
     for seed in (3, 4, 5):  # more rotation draws of the two default configurations (session 6)
         S += [Setting(f"wht_so4 win32 s{seed}", iso(fp16_window=32, seed=seed)),
               Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]
@@ -413,7 +429,8 @@ def main() -> None:
                         "bits": s.kv.bits, "key_bits": s.key_bits or s.kv.bits, "value_bits": s.value_bits or s.kv.bits,
                         "codebook": s.kv.codebook, "fp16_window": s.kv.fp16_window,
                         "norm_correction": s.kv.norm_correction, "fp16_layers": list(s.fp16_layers),
-                        "emulated": s.emulated, "sink": s.sink, "center": s.center, "note": s.note,
+                        "emulated": s.emulated, "sink": s.sink, "center": s.center, "signs": s.signs,
+                        "note": s.note,
                         "bytes_ratio": s.bytes_ratio(n_layers, d, ctx), "ppl": math.exp(-lp.mean()),
                         "mean_kl": float(kl.mean()), "seconds": round(time.time() - t, 1), **st,
                         "window_d_nll": [float(x) for x in (ref_lp - lp).mean(axis=1)],

@@ -165,3 +165,20 @@ class _FakeModel:
     def make_cache(self, kv):
         from rq_core.kv_cache import make_kv_cache
         return [make_kv_cache(kv, layer=i, n_kv_heads=HKV, head_dim=D) for i in range(2)]
+
+
+def test_signs_are_the_rotation_r_after_d():
+    """signs=True quantizes D x with the cache's rotation and multiplies back by D: the same as a cache whose
+    rotation is R ∘ D. D is ±1 per (kv head, dim), fixed by (seed, layer), and differs between layers."""
+    c = StudyCache(signs=True, **KW)
+    s = np.array(c._signs)
+    assert set(np.unique(s)) == {-1.0, 1.0} and s.shape == (1, HKV, 1, D)
+    assert not np.array_equal(s, np.array(StudyCache(signs=True, **{**KW, "layer": KW.get("layer", 0) + 1})._signs))
+    x = _rand((B, HKV, 5, D), 9)
+    plain = StudyCache(**KW)
+    want = plain._qdq(x * c._signs, plain.levels, 3) * c._signs
+    assert mx.abs(c._qdq(x, c.levels, 3) - want).max().item() < 1e-6
+    assert mx.abs(c._qdq(x, c.levels, 3) - plain._qdq(x, plain.levels, 3)).max().item() > 1e-3  # D matters
+    by = {s.name: s for s in all_settings(2)}
+    cache = by["wht_so4 signs win32 s3"].make_cache(_FakeModel())[1]
+    assert isinstance(cache, StudyCache) and cache._signs is not None and cache.fp16_window == 32

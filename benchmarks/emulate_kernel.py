@@ -214,7 +214,7 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
            kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2):
     """kernel="attn_v5" (run_v5) runs the v5 body with the same inputs and checks; nth: its threads per block.
     offsets / layout: emulate's (inputs placed off their buffers' aligned start; threadgroup layout)."""
-    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4))
+    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8))
     scale = 1.0 / math.sqrt(d)
     qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype)
     R = G * L

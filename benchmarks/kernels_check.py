@@ -73,6 +73,13 @@ def rotate64(x: np.ndarray, mats: np.ndarray | None, hk: np.ndarray, rot: int, i
     if rot & 4:
         P = mats[hk]  # [H, d, d]
         return np.einsum("hba,...hlb->...hla" if inverse else "hab,...hlb->...hla", P, x)
+    sg = None
+    if rot & 8:  # rwht_so4: mats [Hkv, 5d] = each head's blocks, then its signs (applied before the WHT)
+        mats = np.asarray(mats)
+        sg = mats[:, 4 * d:][hk][..., None, :]  # [H, 1, d]
+        mats = mats[:, :4 * d].reshape(-1, d // 4, 4, 4)
+        if not inverse:
+            x = x * sg
     if not inverse and rot & 1:
         x = wht64(x)
     if rot & 2:
@@ -83,6 +90,8 @@ def rotate64(x: np.ndarray, mats: np.ndarray | None, hk: np.ndarray, rot: int, i
         x = np.einsum("hjab,...hljb->...hlja", M, xb).reshape(x.shape)
     if inverse and rot & 1:
         x = wht64(x)
+    if sg is not None and inverse:
+        x = x * sg
     return x
 
 
@@ -234,7 +243,9 @@ def half_levels(levels: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
-def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False):
+def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False, signs=False):
+    """Random inputs of one attention case; signs (rot bit 8, rwht_so4): mats [Hkv, 5d], each head's SO(4)
+    blocks then its random ±1 signs, as kernels.rotation_args lays them out."""
     Tcap = T + slack
     nl = 1 << bits
     levels = np.sort(rng.standard_normal(nl) * 1.2).astype(np.float32)
@@ -246,6 +257,9 @@ def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False):
     vnorm[:, :, T:] = 1000.0
     q = rng.standard_normal((B, Hkv * G, L, d)).astype(np.float32) * 2.0
     mats = random_dense(rng, Hkv, d) if dense else random_block_matrices(rng, Hkv, d)
+    if signs:
+        sg = np.where(rng.random((Hkv, d)) < 0.5, -1.0, 1.0)
+        mats = np.concatenate([mats.reshape(Hkv, -1), sg], axis=1)
     return dict(q=q, mats=mats, levels=levels, kidx=kidx, vidx=vidx, knorm=knorm, vnorm=vnorm, Tcap=Tcap)
 
 
@@ -332,7 +346,8 @@ def main() -> int:
         out += [dict(base, G=G, T=513) for G in (1, 4)]
         out += [dict(base, d=256, T=4097), dict(base, d=64, T=2000, bits=4),
                 dict(base, T=4099, qdtype="f16"), dict(base, T=4099, qdtype="bf16"),
-                dict(base, G=4, T=700, L=2, causal=True), dict(base, T=3000, rot=0), dict(base, T=3000, rot=4)]
+                dict(base, G=4, T=700, L=2, causal=True), dict(base, T=3000, rot=0), dict(base, T=3000, rot=4),
+                dict(base, T=3000, rot=11)]
         if path == "v5":
             out.append(dict(base, T=1500, bits=2))
         return out + [dict(base, T=40000, repeat=3)]
@@ -394,7 +409,7 @@ def main() -> int:
             or (cs["G"] == 1) or cs.get("qdtype") == "bf16" or cs["causal"]]
     for cs in cases:
         c = make_case(rng, B=1, Hkv=2, G=cs["G"], L=cs["L"], d=cs["d"], T=cs["T"], bits=cs["bits"],
-                      dense=bool(cs["rot"] & 4))
+                      dense=bool(cs["rot"] & 4), signs=bool(cs["rot"] & 8))
         offset = cs["T"] - cs["L"]
         t0 = time.time()
         try:

@@ -134,9 +134,10 @@ INLINE void accum_chunk32(THR const uint* w, float wt, TG const float* lv, THR f
 // (v4w's first design attended it in the merging block's tail: +18 us a layer on the H200, constant in
 // context). Writes this split's partials in the packed splits' convention, so the last block merges it like
 // any other and rotates back: m, l of 2^(score) with scores in log2 units; o = sum_j 2^(s_j - m) * sqrt(D) *
-// Rot(v_j) (packed values decode to sqrt(D)-scaled rotated vectors; Rot as the query's: WHT, then the SO(4)
-// blocks or the dense P). q: this group's first query row at qb, strides qsh (head), qsl (query), qsd (dim);
-// window rows at wkb / wvb, row strides wks / wvs, element strides wkd / wvd. WCAUSAL: query row n sees
+// Rot(v_j) (packed values decode to sqrt(D)-scaled rotated vectors; Rot as the query's: signs (ROT bit 8), WHT,
+// then the SO(4) blocks or the dense P; mats: this head's parameters). q: this group's first query row at qb,
+// strides qsh (head), qsl (query), qsd (dim); window rows at wkb / wvb, row strides wks / wvs, element strides
+// wkd / wvd. WCAUSAL: query row n sees
 // window token j <= NW - LQ + n % LQ. qw, ow: R*D floats, sc: R*128 floats of threadgroup memory; every
 // thread of the block calls it (barriers).
 template <int D, int R, int LQ, int ROT, int WCAUSAL, int NTH, typename TQ, typename TW>
@@ -215,7 +216,8 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
         UNROLL for (int r = 0; r < R; ++r) a[r] += (jb + u < NW ? sc[r * WT + jb + u] : 0.0f) * vv[u];
       }
     }
-    UNROLL for (int r = 0; r < R; ++r) ow[r * D + c] = sd * a[r];
+    const float sg = (ROT & 8) != 0 ? mats[4 * D + c] : 1.0f;  // D_s before the WHT (rwht_so4): mats' head signs
+    UNROLL for (int r = 0; r < R; ++r) ow[r * D + c] = sd * sg * a[r];
   }
   BARRIER();
   // into the packed values' space, as the query was rotated: WHT, then the SO(4) blocks (or the dense P)

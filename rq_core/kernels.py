@@ -52,6 +52,7 @@ NTH = 128  # threads per block of the split/tile kernels
 POISON = False
 SMEM_LIMIT = {"metal": 32768, "cuda": 49152}
 ROT_WHT, ROT_SO4, ROT_DENSE = 1, 2, 4
+ROT_SIGN = 8  # rwht_so4: random signs before the WHT; mats [Hkv, 5D] (each head's SO(4) blocks, then its signs)
 # v4: aim for about this many (kv head, split) blocks; the last block of each kv head merges all its
 # splits, so fewer splits make a shorter tail (2 per SM on the H200's 132 SMs). RQ_V4_BLOCKS tunes it.
 V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
@@ -402,6 +403,11 @@ def attention_split(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
         fn = attention_v4 if variant == "v4" else attention_v5
         return fn(q, mats, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
                   valid_len=valid_len, offset=offset, causal=causal, rot=rot)
+    if rot & ROT_SIGN:  # the split kernels rotate without signs: rotate around them (rotate.body has them)
+        out, lse = attention_split(rotate_queries(q, mats, Hkv, rot=rot), None, k_codes, k_norms, v_codes, v_norms,
+                                   levels, bits=bits, scale=scale, valid_len=valid_len, offset=offset,
+                                   causal=causal, rot=0, mma=mma, variant=variant)
+        return rotate_inverse(out, mats, Hkv, rot=rot), lse
     if not mma:
         variant = "fp32"
     if variant == "mma2" and _mma_smem(D, bits, R, True) > SMEM_LIMIT[be]:
@@ -481,7 +487,7 @@ def v4_ok(D: int, bits: int, R: int, be: str) -> bool:
 def _one_launch_args(name: str, q: mx.array, Hkv: int, rot: int, valid_len: int, offset: int,
                      causal: bool) -> tuple[int, bool, mx.array, int]:
     """Checks shared by the single-launch kernels: (T, causal, queries in a kernel dtype, B * Hkv)."""
-    if rot not in (0, ROT_WHT, ROT_SO4, ROT_WHT | ROT_SO4, ROT_DENSE):
+    if rot not in (0, ROT_WHT, ROT_SO4, ROT_WHT | ROT_SO4, ROT_WHT | ROT_SO4 | ROT_SIGN, ROT_DENSE):
         raise ValueError(f"rot={rot}: the dense rotation does not combine with the WHT or SO(4) blocks")
     T, L = valid_len, q.shape[2]
     if causal and offset + 1 >= T:
@@ -665,6 +671,11 @@ def rotation_args(rotation) -> tuple[int, mx.array | None]:
             hit = (ROT_DENSE, rotation.dense_matrices().astype(mx.float32))
         elif v == "wht":
             hit = (ROT_WHT, None)
+        elif v == "rwht_so4":  # each head's SO(4) blocks, then its signs: [Hkv, 5D]
+            H = rotation.n_heads
+            hit = (ROT_WHT | ROT_SO4 | ROT_SIGN,
+                   mx.concatenate([rotation.block_matrices().reshape(H, -1), rotation.sign_vectors()], axis=1)
+                   .astype(mx.float32))
         else:
             hit = ((ROT_WHT if rotation.use_wht else 0) | ROT_SO4, rotation.block_matrices().astype(mx.float32))
         if hit[1] is not None:
@@ -718,7 +729,7 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
             return attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, window=window,
                                 **args)[0]
         R = (Hq // Hkv) * L
-        if rot & ROT_DENSE or not mma_ok(D, bits, R) or (causal and offset + 1 < valid_len
+        if rot & (ROT_DENSE | ROT_SIGN) or not mma_ok(D, bits, R) or (causal and offset + 1 < valid_len
                                                         and offset != valid_len - L):
             return None
         out, _ = attention_split(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, **args)

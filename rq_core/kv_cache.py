@@ -33,7 +33,7 @@ class KVSettings:
 
     mode: str = "fp16"  # fp16 | isoquant3 | turbo3
     bits: int = 3
-    rotation: str = "wht_so4"  # wht_so4 | wht | so4 | so3 | dense
+    rotation: str = "wht_so4"  # wht_so4 | wht | so4 | so3 | dense | rwht_so4
     codebook: str = "sphere"  # sphere | gaussian | path to a codebook TOML
     fp16_window: int = 0  # newest tokens kept in fp16 (0 = off)
     norm_correction: bool = False  # store n / ||c||; measured no better (benchmarks/README.md)

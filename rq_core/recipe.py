@@ -31,7 +31,7 @@ METHODS = ("rtn", "gptq")
 # Roles whose tensors are plain Linear weights: the calibrated method (GPTQ) applies to them.
 GPTQ_ROLES = ("attention", "dense_mlp", "mamba", "shared_expert", "lm_head")
 KV_MODES = ("fp16", "isoquant3", "turbo3")
-ROTATIONS = ("wht_so4", "wht", "so4", "so3", "dense")
+ROTATIONS = ("wht_so4", "wht", "so4", "so3", "dense", "rwht_so4")
 POLICIES = ("lru", "mmap")
 # recipes/ at the repo root; an installed wheel carries it as rq_core/_recipes (pyproject.toml).
 _HERE = Path(__file__).resolve().parent

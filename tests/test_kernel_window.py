@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel 
 def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = False, bits: int = 3,
                rot: int = 3, B: int = 1, Hkv: int = 2, blocks: int = 8, kernel: str = "attn_v4w",
                nth: int = 128, stage: int = 0) -> dict:
-    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4))
+    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8))
     scale = 1.0 / math.sqrt(d)
     qin, q64, kc, vc, consts, views = EK._case_inputs(c, T, bits, scale, "f32")
     wcap = NW + 3  # a cache buffer: rows past the window hold junk the kernel must not read
@@ -81,6 +81,7 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
     dict(G=4, d=256, T=40, NW=37, L=2, causal=True),  # window past one pass of the token loops, D = 256
     dict(G=8, d=128, T=200, NW=32, rot=0),  # no rotation: the window's output is not rotated either
     dict(G=2, d=128, T=150, NW=3, rot=4),  # the dense rotation (TurboQuant): forward P on the window's output
+    dict(G=4, d=128, T=140, NW=9, rot=11),  # rwht_so4: signs before the WHT, on the window's output too
 ])
 def test_v4_window_matches_float64(case):
     r = run_window(np.random.default_rng(7), **case)
@@ -95,6 +96,7 @@ def test_v4_window_matches_float64(case):
     dict(G=4, d=128, T=700, NW=9, nth=128, stage=2),  # the copy-ring configuration
     dict(G=2, d=128, T=150, NW=3, rot=4, nth=64),
     dict(G=4, d=256, T=60, NW=37, L=2, causal=True, nth=64),  # head_dim 256: rows through registers (STAGE 0)
+    dict(G=8, d=128, T=300, NW=32, nth=128, stage=2, rot=11),  # rwht_so4 on the default configuration
 ])
 def test_v5_window_matches_float64(case):
     r = run_window(np.random.default_rng(11), kernel="attn_v5w", **case)

@@ -53,6 +53,9 @@ CASES = {
 EXTRA_CASES = {
     "attn_v4/dense_bf16": ("attn_v4", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
                                        ("CAUSAL", 0), ("ROT", 4), ("NTH", 128), ("TILE", 128)]),
+    "attn_v4/rwht_so4": ("attn_v4", [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4),
+                                     ("CAUSAL", 0), ("ROT", 11), ("NTH", 128), ("TILE", 128)]),
+    "rotate_query/rwht_so4": ("rotate_query", [("D", 128), ("R", 8), ("ROT", 11), ("INV", 0)]),
     "attn_v4/causal_f32": ("attn_v4", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
                                        ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("TILE", 128)]),
     "attn_v5/dense_bf16": ("attn_v5", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
@@ -356,7 +359,7 @@ def test_rotation_args():
     assert rot == K.ROT_DENSE and m.shape == (2, 64, 64)
     # the kernels' convention (y = R x per head, FORMAT.md) against the library's forward rotation
     KC = _kc()
-    for variant in ("wht_so4", "dense", "so4"):
+    for variant in ("wht_so4", "dense", "so4", "rwht_so4"):
         r = Rotation(64, 2, variant=variant)
         rot, m = K.rotation_args(r)
         x = np.random.default_rng(1).standard_normal((1, 2, 3, 64)).astype(np.float32)
@@ -411,7 +414,8 @@ def test_kernels_check_v4_plumbing(rot, qdtype, causal, L, monkeypatch):
     assert err_h < (5e-5 if qdtype == "f32" else 1e-3 if qdtype == "f16" else 8e-3)  # kernels_check's pass test
 
 
-@pytest.mark.parametrize("case", [dict(G=8, d=128, T=300), dict(G=2, d=128, T=300, rot=4, B=2, qdtype="bf16")])
+@pytest.mark.parametrize("case", [dict(G=8, d=128, T=300), dict(G=2, d=128, T=300, rot=4, B=2, qdtype="bf16"),
+                                  dict(G=4, d=128, T=300, rot=11)])
 def test_v4_cuda_source_runs_on_cpu_executor(case):
     """The CUDA rendering of attn_v4 itself, executed as host C++ by tests/kernel_emu/cuda_emu.h
     (threads as cooperative contexts, mma.sync emulated from the PTX layouts, blocks in shuffled order):
@@ -427,6 +431,7 @@ def test_v4_cuda_source_runs_on_cpu_executor(case):
 
 
 @pytest.mark.parametrize("case", [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128, sacc=1),
+                                  dict(G=4, d=128, T=300, nth=256, pf=1, stage=2, rot=11),
                                   dict(G=2, d=128, T=300, L=2, causal=True, rot=4, B=2, qdtype="bf16", nth=256, pf=1,
                                        stage=2)])
 def test_v5_cuda_source_runs_on_cpu_executor(case):

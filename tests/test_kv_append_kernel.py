@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.startswith("linux"),
                                reason="the CPU executor needs g++ and ucontext (Linux)")
 
-TEMPLATES = [  # (TK, D, BITS, ROT, NC): wht_so4, dense with norm correction, WHT only, SO(4) only at 1 bit
-    ("f16", 128, 3, 3, 0), ("bf16", 256, 4, 4, 1), ("f32", 64, 2, 1, 0), ("f16", 32, 1, 2, 1)]
+TEMPLATES = [  # (TK, D, BITS, ROT, NC): wht_so4, dense with norm correction, WHT only, SO(4) only at 1 bit, rwht_so4
+    ("f16", 128, 3, 3, 0), ("bf16", 256, 4, 4, 1), ("f32", 64, 2, 1, 0), ("f16", 32, 1, 2, 1), ("f16", 128, 3, 11, 0)]
 
 
 @pytest.mark.parametrize("be", ["metal", "cuda"])
@@ -64,6 +64,7 @@ CASES = [
     dict(d=256, bits=4, variant="wht_so4", t=1),
     dict(d=64, bits=3, variant="dense", t=3, B=2, view=True, dtype="bf16"),  # strided slice + transposed view
     dict(d=128, bits=3, variant="wht_so4", t=5, dtype="f32", boundary=True),  # coordinates on thresholds
+    dict(d=128, bits=3, variant="rwht_so4", t=3),  # random signs before the WHT
 ]
 
 

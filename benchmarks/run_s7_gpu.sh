@@ -15,6 +15,13 @@ echo "== 1. kernels_check ($(date -u +%T))"
 timeout 120 python3 benchmarks/kernels_check.py --only v5 --quick-v5 --v5-configs 256:3:1:1:2 --out "$L" \
   > "$L/check.log" 2>&1
 grep -E "FAIL|passed" "$L/check.log" | tail -5
+echo "== 1b. rwht_so4 on the GPU: every v5 case (a rot = 11 one among them), the caches' path ($(date -u +%T))"
+timeout 120 python3 benchmarks/kernels_check.py --only v5 > "$L/check_all.log" 2>&1
+grep -E "FAIL|rot=11|passed" "$L/check_all.log" | tail -4
+for w in 0 32; do
+  RQ_CHECK_VERSIONS=v4,v5 timeout 60 python3 benchmarks/v4_cache_check.py --context 5000 --steps 3 --window $w \
+    --rotation rwht_so4 2>&1 | tail -1
+done
 echo "== 2. ncu ($(date -u +%T))"
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 timeout 150 "$NCU" --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv \

@@ -57,6 +57,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=5000)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--window", type=int, default=0, help="the caches' fp16_window (v4 merges it in-kernel)")
+    ap.add_argument("--rotation", default="wht_so4", help="the IsoQuant cache's rotation (e.g. rwht_so4)")
     ap.add_argument("--tol", type=float, default=3e-3, help="against the exact or the half-rounded levels "
                     "(the GPU's matrix units see the latter); fp16 queries and output")
     a = ap.parse_args()
@@ -72,7 +73,8 @@ def main() -> int:
     for label, cls in (("isoquant3", IsoQuantCache), ("turbo3", TurboQuantCache)):
         for version in [v for v in os.environ.get("RQ_CHECK_VERSIONS", "v3,v3r,v4,v5").split(",") if v]:
             os.environ["RQ_ATTN"] = version
-            cache = cls(head_dim=D, n_kv_heads=HKV, layer=3, fp16_window=a.window)
+            kw = {"rotation": a.rotation} if cls is IsoQuantCache else {}
+            cache = cls(head_dim=D, n_kv_heads=HKV, layer=3, fp16_window=a.window, **kw)
             qp = mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16))
             mx.eval(cache.attend(qp, mx.array(kp), mx.array(vp), scale=scale, mask="causal"))  # prompt: fp16 SDPA
             cache.end_prefill()

@@ -362,6 +362,8 @@ def all_settings(n_layers: int) -> list[Setting]:
               Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]
     for seed in range(6):  # random signs before the WHT (a randomized Hadamard), with the default window
         S.append(Setting(f"wht_so4 signs win32 s{seed}", iso(fp16_window=32, seed=seed), signs=True))
+    for seed in range(6):  # the same through the real cache: the rwht_so4 rotation (rq_core.rotation)
+        S.append(Setting(f"rwht_so4 win32 s{seed}", iso(rotation="rwht_so4", fp16_window=32, seed=seed)))
     for seed in (3, 4, 5):  # more rotation draws of the two default configurations (session 6)
         S += [Setting(f"wht_so4 win32 s{seed}", iso(fp16_window=32, seed=seed)),
               Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]

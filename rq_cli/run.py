@@ -23,7 +23,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: Optional[str],
-              pager: Optional[str]) -> tuple:
+              pager: Optional[str], rotation: Optional[str] = None) -> tuple:
     """(KVSettings, memory budget, pager policy, where they came from): flags first, then the
     checkpoint's recipe.toml, then the defaults (fp16, a 32-token window for compressed modes, everything resident, lru)."""
     from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings
@@ -34,7 +34,7 @@ def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: 
 
         rec = recipe_mod.load(path / "recipe.toml")
     base = rec.kv if rec is not None else KVSettings(fp16_window=DEFAULT_FP16_WINDOW)
-    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window)) if v is not None}
+    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window), ("rotation", rotation)) if v is not None}
     settings = dataclasses.replace(base, **over)
     if rec is not None and memory_budget is None and rec.pager.memory_budget and \
             (path / "experts" / "index.json").is_file():
@@ -59,6 +59,9 @@ def run(
                                             help="Newest tokens kept in fp16 beside a compressed KV cache (default: "
                                                  "the recipe's fp16_window, else 32, which measured better quality for "
                                                  "+6% KV bytes at 2K)."),
+    rotation: Optional[str] = typer.Option(None, "--rotation",
+                                           help="Rotation of an isoquant3 cache: wht_so4 (default), rwht_so4 (random "
+                                                "signs first), wht, so4, so3 (default: the recipe's)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -86,6 +89,8 @@ def run(
         raise RQError("--kv-window must be >= 0")
     if prefill_chunk < 1:
         raise RQError("--prefill-chunk must be >= 1")
+    if rotation is not None and rotation not in ("wht_so4", "rwht_so4", "wht", "so4", "so3"):
+        raise RQError(f"unknown --rotation {rotation!r} (choose from: wht_so4, rwht_so4, wht, so4, so3)")
 
     from rq_core.checkpoint import context_length, load
     from rq_core.generate import generate
@@ -94,7 +99,7 @@ def run(
 
     # float32 on the CPU (small models); the pager casts pages to the model's dtype as it loads them.
     ckpt = load(model, cpu_float32=True)
-    settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager)
+    settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager, rotation)
     kv = settings.mode
     tok = ckpt.tokenizer
     if tok is None:
@@ -134,6 +139,7 @@ def run(
         if pager_obj is not None:
             d["pager"] = pager_obj.report().as_dict()
         print_json({"text": text_out, **d, "kv_mode": kv, "kv_window": settings.fp16_window,
+                    "rotation": settings.rotation if kv == "isoquant3" else None,
                     "settings_from": source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
         return
     tail = stream.flush()

@@ -177,6 +177,20 @@ def test_kv_settings_come_from_the_recipe_unless_flagged(tmp_path: Path) -> None
     assert json.loads(_rq(str(d2), "--prompt", "hi", "--max-tokens", "1", "--json").output)["kv_window"] == 32
 
 
+def test_rotation_flag(tmp_path: Path) -> None:
+    """--rotation picks the isoquant3 cache's rotation over the recipe's; JSON reports it; bad names fail."""
+    d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\n')
+    outs = {}
+    for rot in ("wht_so4", "rwht_so4"):
+        r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--rotation", rot, "--json")
+        assert r.exit_code == 0, r.output
+        outs[rot] = json.loads(r.output)
+        assert outs[rot]["rotation"] == rot and outs[rot]["kv_bytes"] < outs[rot]["kv_bytes_fp16"]
+    r = _rq(str(d), "--prompt", "hello", "--max-tokens", "1", "--kv", "fp16", "--json")
+    assert json.loads(r.output)["rotation"] is None
+    assert "--rotation" in _error_line(_rq(str(d), "--prompt", "hello", "--rotation", "dense"))
+
+
 def test_bad_recipe_in_checkpoint_is_one_line(tmp_path: Path) -> None:
     d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant9"\n')
     assert "isoquant9" in _error_line(_rq(str(d), "--prompt", "hello"))

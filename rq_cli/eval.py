@@ -31,7 +31,8 @@ def ppl(
     model: Optional[str] = MODEL_ARG,
     kv: str = typer.Option("fp16", "--kv", help="KV cache: fp16, isoquant3 or turbo3."),
     rotation: Optional[str] = typer.Option(None, "--rotation",
-                                           help="IsoQuant rotation: wht_so4 (default), wht, so4, so3, rwht_so4 (random signs first)."),
+                                           help="IsoQuant rotation: wht_so4 (default), wht, so4, so3, "
+                                                "rwht_so4 (random signs first)."),
     context: Optional[int] = typer.Option(None, "--context", help="Window length (default: the model's context)."),
     windows: Optional[int] = typer.Option(None, "--windows", help="Score at most this many windows."),
     step: int = typer.Option(32, "--step", help="Decode tokens per step while scoring (1 = token by token)."),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -206,6 +207,20 @@ def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=Non
                           bits=BITS, scale=SCALE, valid_len=T, nth=nth, minb=minb, blocks=blocks, pf=pf, vdec=vdec, stage=stage)[0]
 
 
+def iso_v5_unminified(L, i):
+    """v5 (defaults) compiled from the source as written (RQ_KERNEL_MINIFY=0): MLX hashes the whole source
+    at every launch, so this row against v5's shows what the minified source saves a layer."""
+    old = os.environ.get("RQ_KERNEL_MINIFY")
+    os.environ["RQ_KERNEL_MINIFY"] = "0"
+    try:
+        return iso_v5(L, i)
+    finally:
+        if old is None:
+            del os.environ["RQ_KERNEL_MINIFY"]
+        else:
+            os.environ["RQ_KERNEL_MINIFY"] = old
+
+
 def iso_v5_sacc(L, i, sacc: int):
     """v5 (defaults) with SACC score accumulators per warp step (read while the graph is built)."""
     old = K.V5_SACC
@@ -235,14 +250,15 @@ def iso_fused(L, i, variant=None):
                              bits=BITS, scale=SCALE, valid_len=T, variant=variant)[0]
 
 
-def chained(L, f, nl: int) -> list:
+def chained(L, f, nl: int, prev: mx.array | None = None) -> list:
     """NL layers where each layer's query is the previous layer's output (fp16, [1, HQ, 1, D]): a data
-    dependency between layers, so the GPU runs them one after another as in a decode step."""
+    dependency between layers, so the GPU runs them one after another as in a decode step. prev: the
+    output the first layer's query comes from (the previous decode step's), else its own query."""
     q0 = L["q"]
     qs = list(q0)
     L["q"] = qs
     try:
-        out = None
+        out = prev
         for i in range(nl):
             if out is not None:
                 qs[i] = out.astype(mx.float16).reshape(1, HQ, 1, D)
@@ -250,6 +266,29 @@ def chained(L, f, nl: int) -> list:
         return [out]
     finally:
         L["q"] = q0
+
+
+def timeit_pipelined(L, f, nl: int, steps: int, reps: int, warm: int = 2) -> list[float]:
+    """Per-layer µs of STEPS decode steps of NL chained layers, each step's graph built and queued
+    (mx.async_eval) while the GPU runs the previous one, as rq's generate loop does: the steady state of
+    a decode, where the host's graph building overlaps the GPU unless the host is the slower of the two.
+    Timed from the first graph's building to the last step's end (host time included, unlike timeit)."""
+    def run():
+        out = None
+        for _ in range(steps):
+            out = chained(L, f, nl, out)[0]
+            mx.async_eval(out)
+        mx.eval(out)
+        mx.synchronize()
+
+    for _ in range(warm):
+        run()
+    res = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        res.append((time.perf_counter() - t0) * 1e6 / (steps * nl))
+    return res
 
 
 def bytes_read(method: str, T: int) -> int:
@@ -268,6 +307,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--chain", action="store_true", help="layer i+1's query is layer i's output (as in a model's "
                     "decode step: the layers run one after another, never side by side on the GPU)")
+    ap.add_argument("--pipeline", type=int, default=0, help="with --chain: time this many decode steps of the "
+                    "chained layers, each queued while the previous runs (rq generate's loop), host time included")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-threshold", action="store_true")
     ap.add_argument("--skip-stages", action="store_true")
@@ -283,7 +324,9 @@ def main() -> None:
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mlx": mx.__version__,
-            "device": str(mx.default_device()), "backend": K.backend()}
+            "device": str(mx.default_device()), "backend": K.backend(), "layers": a.layers, "chain": a.chain,
+            "pipeline_steps": a.pipeline if a.chain else 0,
+            "mlx_env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
     try:
         info["gpu"] = mx.device_info().get("device_name", "")
     except Exception:
@@ -319,6 +362,7 @@ def main() -> None:
             methods[f"IsoQuant-3 v4 {nb} blocks"] = lambda i, nb=nb: iso_v4(L, i, nb)
         methods["IsoQuant-3 v5 (one launch)"] = lambda i: iso_v5(L, i)
         methods["IsoQuant-3 v5, one score accumulator"] = lambda i: iso_v5_sacc(L, i, 1)
+        methods["IsoQuant-3 v5, source as written"] = lambda i: iso_v5_unminified(L, i)
         for cfg in [tuple(int(v) for v in x.split(":")) for x in a.v5_configs.split(",") if x]:
             methods["IsoQuant-3 v5 " + "/".join(map(str, cfg))] = lambda i, cfg=cfg: iso_v5(L, i, *cfg)
         methods = {k: f for k, f in methods.items() if wanted(k)}
@@ -326,8 +370,11 @@ def main() -> None:
         for rnd in range(2):  # two rounds, interleaved: the spread between them is the noise
             for name, f in list(methods.items()):
                 try:
-                    ts = timeit((lambda: chained(L, f, nl)) if a.chain else (lambda: [f(i) for i in range(nl)]), nl,
-                                a.reps)
+                    if a.chain and a.pipeline:
+                        ts = timeit_pipelined(L, f, nl, a.pipeline, a.reps)
+                    else:
+                        ts = timeit((lambda: chained(L, f, nl)) if a.chain else (lambda: [f(i) for i in range(nl)]),
+                                    nl, a.reps)
                 except Exception as e:  # a kernel that fails to build or launch: report it, time the rest
                     print(f"T={T:6d} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                     del methods[name]

@@ -21,6 +21,7 @@ Exit status 1 if any case fails.
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -47,7 +48,18 @@ def _dt(a: np.ndarray) -> str:
 
 
 def _emu_source(name: str, template: list, types: dict) -> str:
-    src = K.full_source(name, "cuda", template, types)
+    """The CUDA source with the executor's substitutions, minified as MLX gets it (the substitutions
+    match the source as written, so it is rendered unminified first)."""
+    minify = os.environ.get("RQ_KERNEL_MINIFY", "1") != "0"
+    os.environ["RQ_KERNEL_MINIFY"] = "0"
+    try:
+        src = _emu_substitute(K.full_source(name, "cuda", template, types))
+    finally:
+        os.environ["RQ_KERNEL_MINIFY"] = "1" if minify else "0"
+    return K.minify(src) if minify else src
+
+
+def _emu_substitute(src: str) -> str:
     # the one piece of inline PTX: the emulated mma instead
     sig = "INLINE void mma_f16(THR FragC& c, THR const FragA& a, THR const FragB& b)"
     src, n = re.subn(re.escape(sig) + r" \{\n  asm volatile.*?\n\}\n", sig + " { emu::mma(c.x, a.x, b.x); }\n", src,

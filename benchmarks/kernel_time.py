@@ -122,20 +122,28 @@ def parse(a) -> None:
         ks = phases.get(s["phase"], [])
         ns = 0.0
         dram = 0.0
+        per = []
         for k in ks:
             v, unit = kern[k].get("gpu__time_duration.sum", (0.0, "ns"))
-            ns += v * {"ns": 1.0, "nsecond": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}.get(unit, 1.0)
+            per.append(v * {"ns": 1.0, "nsecond": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}.get(unit, 1.0))
+            ns += per[-1]
             b, bu = kern[k].get("dram__bytes_read.sum", (0.0, "byte"))
             dram += b * {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6}.get(bu, 1)
         us = ns / 1e3 / s["reps"]
-        row = dict(s, kernels_per_rep=len(ks) / s["reps"], gpu_us=us, dram_read_MB=dram / 1e6 / s["reps"],
-                   TBps=s["bytes"] / us / 1e6 if us else 0.0)
+        # the fastest repetition too: a phase's first launch at a new context has measured 3.4x the others
+        # (2026-11-30, 128K: 236 against 68.6 / 68.8 µs), which the mean carries
+        kpr = len(ks) // s["reps"] if s["reps"] and len(ks) % s["reps"] == 0 else 0
+        best = min(sum(per[i:i + kpr]) for i in range(0, len(per), kpr)) / 1e3 if kpr else us
+        row = dict(s, kernels_per_rep=len(ks) / s["reps"], gpu_us=us, gpu_us_best_rep=best,
+                   dram_read_MB=dram / 1e6 / s["reps"], TBps=s["bytes"] / us / 1e6 if us else 0.0)
         out.append(row)
     copy = a.copy_tbps
-    print("| context | method | GPU µs / layer (ncu) | kernels | bytes that must be read | TB/s | % copy | DRAM read (ncu) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| context | method | GPU µs / layer (ncu) | best repetition | kernels | bytes that must be read | TB/s | % copy "
+          "| DRAM read (ncu) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in out:
-        print(f"| {r['context'] // 1024}K | {r['method']} | {r['gpu_us']:.1f} | {r['kernels_per_rep']:.0f} | "
+        print(f"| {r['context'] // 1024}K | {r['method']} | {r['gpu_us']:.1f} | {r['gpu_us_best_rep']:.1f} | "
+              f"{r['kernels_per_rep']:.0f} | "
               f"{r['bytes'] / 1e6:.1f} MB | {r['TBps']:.2f} | {100 * r['TBps'] / copy:.0f}% | "
               f"{r['dram_read_MB']:.1f} MB |")
     if a.json:

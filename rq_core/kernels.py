@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,14 +145,91 @@ def prelude(backend: str) -> tuple[str, str]:
     return head, body
 
 
+_IDENT = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+_OPS = frozenset("+-*/%<>=!&|^~?:.#")
+_OBJECT_MACRO = re.compile(r"^([ \t]*#[ \t]*define[ \t]+\w+)[ \t]+(?=\()", re.M)
+
+
+@functools.lru_cache(maxsize=None)
+def minify(src: str) -> str:
+    """C++ / Metal source without comments, blank lines and the spaces no token needs.
+
+    Why: MLX hashes a custom kernel's whole source on every launch (CustomKernel::eval_gpu on CUDA) and
+    builds the string anew for every call: ~8 µs a launch at v5's 44 KB on one Xeon core. String and
+    character literals (inline PTX) stay as written; lines stay lines (preprocessor structure, macro
+    continuations); `#define NAME (value)` keeps its space. A space stays only between two identifier
+    characters or two operator characters (`a - -b`, `> >`). RQ_KERNEL_MINIFY=0 renders the source as
+    written (compiler messages with its line numbers).
+    """
+    src = _OBJECT_MACRO.sub("\\1\x01", src)  # \x01: a space that must stay
+    out: list[str] = []
+    space = False
+    i, n = 0, len(src)
+
+    def emit(text: str) -> None:
+        nonlocal space
+        if space and out:
+            a, b = out[-1][-1], text[0]
+            if (a in _IDENT and b in _IDENT) or (a in _OPS and b in _OPS):
+                out.append(" ")
+        space = False
+        out.append(text)
+
+    while i < n:
+        c = src[i]
+        if c in "\"'":  # a literal, verbatim
+            j = i + 1
+            while j < n and src[j] != c:
+                j += 2 if src[j] == "\\" else 1
+            emit(src[i:j + 1])
+            i = j + 1
+        elif src.startswith("//", i):
+            j = src.find("\n", i)
+            i = n if j < 0 else j
+        elif src.startswith("/*", i):
+            j = src.find("*/", i + 2)
+            i = n if j < 0 else j + 2
+            space = True
+        elif c == "\\" and src.startswith("\\\n", i):  # continuation: keep a separating space before it
+            out.append(" \\\n")
+            space = False
+            i += 2
+        elif c == "\n":
+            if out and not out[-1].endswith("\n"):
+                out.append("\n")
+            elif out and out[-1].endswith("\\\n"):  # a blank line ends a continued macro
+                out.append("\n")
+            space = False
+            i += 1
+        elif c in " \t\r\f\v":
+            space = True
+            i += 1
+        else:
+            j = i + 1
+            while j < n and src[j] not in " \t\r\f\v\n\"'\\/":
+                j += 1
+            emit(src[i:j])
+            i = j
+    text = "".join(out).replace("\x01", " ")
+    return text if text.endswith("\n") else text + "\n"
+
+
+def _minify_on() -> bool:
+    return os.environ.get("RQ_KERNEL_MINIFY", "1") != "0"
+
+
 def render(name: str, backend: str) -> tuple[str, str]:
-    """(header, source) of kernel `name` for `backend`, as passed to mx.fast.{metal,cuda}_kernel."""
+    """(header, source) of kernel `name` for `backend`, as passed to mx.fast.{metal,cuda}_kernel
+    (minified unless RQ_KERNEL_MINIFY=0)."""
     head, start = prelude(backend)
     header = head + "\n" + _read("common.h")
     if not header.endswith("\n"):
         header += "\n"  # cuda_kernel glues the next line to a header without a final newline
     spec = SPECS[name]
-    return header, start + "\n" + spec.defines + _read(spec.body)
+    source = start + "\n" + spec.defines + _read(spec.body)
+    if _minify_on():
+        return minify(header), minify(source)
+    return header, source
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,7 +640,7 @@ def _v5_minb(nth: int, minb: int | None) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_v5(be: str, nth: int, minb: int, window: bool = False):
+def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: bool = True):
     """attn_v5 compiled with an optional launch bound. MLX builds `header` + `__global__ void name(...)`,
     so on CUDA a header that redefines __global__ (as CUDA's host_defines.h spells it, with
     __launch_bounds__ added) bounds this kernel only; the name carries the bound (MLX caches modules by
@@ -645,7 +723,7 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     else:  # the window's split first, its blocks taken from the target (264 = 2 waves of one per SM on the H200:
         # 4 more blocks made a third, +35 us at 128K on 2026-11-30)
         ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
-    k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None)
+    k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None, _minify_on())
     out, lse, _, _ = k(
         inputs=[qd, _mats(mats), _consts(levels, scale), k_codes, k_norms[:, :, :T], v_codes, v_norms,
                 _counter(groups)] + extra,

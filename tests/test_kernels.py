@@ -81,7 +81,8 @@ def test_every_kernel_has_a_case_and_a_body():
 
 
 @pytest.mark.parametrize("name", sorted(K.SPECS))
-def test_renderings_differ_only_by_prelude(name):
+def test_renderings_differ_only_by_prelude(name, monkeypatch):
+    monkeypatch.setenv("RQ_KERNEL_MINIFY", "0")  # the sources as written; minify is checked below
     mh, ms = K.render(name, "metal")
     ch, cs = K.render(name, "cuda")
     m_head, m_start = K.prelude("metal")
@@ -91,6 +92,42 @@ def test_renderings_differ_only_by_prelude(name):
     assert ms.startswith(m_start) and cs.startswith(c_start)
     assert ms[len(m_start):] == cs[len(c_start):]  # the kernel body, written once
     assert ch.endswith("\n")  # cuda_kernel glues the next line onto a header without one
+
+
+_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|\w+|<<=|>>=|->|\+\+|--|<<|>>|<=|>=|==|!=|&&|\|\||::|##'
+                    r"|[-+*/%&|^]=|\\\n|\n|\S")
+
+
+def _tokens_lines(src: str) -> list[tuple[str, ...]]:
+    """(tokens of each logical line that holds any): directives and code alike, continuations joined."""
+    src = re.sub(r"//[^\n]*|/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n") or " ", src, flags=re.S)
+    src = src.replace("\\\n", " ")
+    lines = [tuple(_TOKEN.findall(ln)) for ln in src.split("\n")]
+    return [ln for ln in lines if ln]
+
+
+@pytest.mark.parametrize("be", K.BACKENDS)
+def test_minified_sources_have_the_same_tokens(be, monkeypatch):
+    """The minified rendering (what MLX gets) is the written one token for token; directives keep their
+    lines, and #define NAME (value) keeps the space that makes it an object-like macro."""
+    for name in K.SPECS:
+        monkeypatch.setenv("RQ_KERNEL_MINIFY", "0")
+        raw = K.render(name, be)
+        monkeypatch.setenv("RQ_KERNEL_MINIFY", "1")
+        small = K.render(name, be)
+        for a, b in zip(raw, small):
+            assert len(b) < 0.75 * len(a)
+            ta = [t for ln in _tokens_lines(a) for t in ln]
+            tb = [t for ln in _tokens_lines(b) for t in ln]
+            assert ta == tb, name
+            da = [ln for ln in _tokens_lines(a) if ln[0] == "#"]
+            db = [ln for ln in _tokens_lines(b) if ln[0] == "#"]
+            assert da == db, name  # directives line for line
+    src = ('#define A (x)\n#define F(x) (x)\nint a = b - -c; // it\'s\n/* x */ s = "a  // b";\n'
+           "#define M(v) \\\n  int v; \\\n  float w\n\nx = a / *p + 'c';\n")
+    out = K.minify(src)
+    assert out == ('#define A (x)\n#define F(x)(x)\nint a=b- -c;\ns="a  // b";\n#define M(v) \\\nint v; \\\n'
+                   "float w\nx=a/ *p+'c';\n")
 
 
 def test_shared_sources_use_no_backend_spelling():

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 7, device call 4 (fresh machine: `bash .device/bin/gpu-stage-a` first; carry .device/b, .device/bin;
+# timeout 590): the full table, every peer in one process.
+#   1. attention.py: 64 chained layers a decode step, 4 steps queued back to back (--pipeline 4: rq generate's
+#      loop), 4K / 32K / 128K: fp16 SDPA, two quantized matmuls 8- and 4-bit, TurboQuant-3 (its default path),
+#      IsoQuant-3 four-kernel, v5, v5 + window 32 (the default)
+#   2. chain_timeline at 32K and 128K: each method's GPU busy time a layer in the chain (CUPTI)
+set -u
+OUT=${OUT:-$PWD/s7c_out}; mkdir -p "$OUT"
+source .device/bin/gpu-env || exit 3
+echo "== 1. attention table, pipelined decode steps ($(date -u +%T))"
+timeout 330 python3 benchmarks/attention.py --skip-threshold --skip-stages --layers 64 --reps 5 --chain --pipeline 4 \
+  --contexts 4096,32768,131072 \
+  --methods "=fp16 SDPA,=qmm 8-bit,=qmm 4-bit,=TurboQuant-3 (dense),=IsoQuant-3 four-kernel,=IsoQuant-3 v5 (one launch),=IsoQuant-3 v5 + fp16 window 32 (one launch)" \
+  --out "$OUT/table" > "$OUT/table.log" 2>&1
+grep -E "^T=|^\||FAILED|Error" "$OUT/table.log"
+echo "== 2. GPU busy a layer in the chain ($(date -u +%T))"
+for T in 131072 32768; do
+  timeout 100 python3 benchmarks/diag/chain_timeline.py --context $T --layers 64 --reps 3 \
+    --methods "fp16,qmm8,qmm4,turbo3,four,v5,v5w" --out "$OUT/busy_$T.json" > "$OUT/busy_$T.log" 2>&1
+  python3 - "$OUT/busy_$T.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for m, r in d["methods"].items():
+    if "error" in r: print(m, r["error"]); continue
+    print(f"{d['context']} {m:8s} wall {r['wall_us_layer']:.1f} busy {r['gpu_busy_us_layer']:.1f} k/layer {r['kernels_per_layer']:.2f}"
+          f" lead {r['lead_us_before_first_kernel']:.0f}")
+PY
+done
+echo "== done ($(date -u +%T))"

@@ -27,4 +27,14 @@ for m, r in d["methods"].items():
           f" lead {r['lead_us_before_first_kernel']:.0f}")
 PY
 done
+echo "== 3. ncu stall reasons of v5 at 128K, one launch ($(date -u +%T))"
+NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+timeout 150 "$NCU" --clock-control none -k regex:attn_v5 --launch-skip 1 --launch-count 1 \
+  --section WarpStateStats --section SchedulerStats --section SourceCounters --section Occupancy \
+  --section MemoryWorkloadAnalysis -o "$OUT/v5prof" python3 benchmarks/kernel_time.py --contexts 131072 --reps 2 \
+  --methods "v5 sacc1" > "$OUT/v5prof.log" 2>&1; tail -3 "$OUT/v5prof.log"
+"$NCU" --import "$OUT/v5prof.ncu-rep" --page details > "$OUT/v5prof_details.txt" 2>&1
+"$NCU" --import "$OUT/v5prof.ncu-rep" --page source --csv --print-source sass > "$OUT/v5prof_sass.csv" 2>&1
+grep -iE "stall|warp cycles per|issued|eligible|active warps" "$OUT/v5prof_details.txt" | head -30
+gzip -f "$OUT"/v5prof_sass.csv
 echo "== done ($(date -u +%T))"

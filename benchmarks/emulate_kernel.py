@@ -239,12 +239,15 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
         nth = K.NTH
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     counter = np.zeros(groups, np.uint32)
+    if kernel == "attn_v5":  # v5 takes T from tlen: its buffers go in whole (capacity past T), as the cache's do
+        views.pop("k_norms")
     tq = qdtype
     template = [("TQ", tq), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
                 ("ROT", rot), ("NTH", nth)] + ([("TILE", K.MMA_TILE)] if kernel == "attn_v4" else [("SACC", sacc), ("PF", pf), ("VDEC", vdec), ("STAGE", stage)])
     outs = emulate(kernel, template,
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
-                        v_norms=c["vnorm"], counter=counter),
+                        v_norms=c["vnorm"], counter=counter,
+                        **({"tlen": np.zeros(T, np.uint32)} if kernel == "attn_v5" else {})),
                    dict(out=((B, G * Hkv, L, d), tq), lse=((B, G * Hkv, L), "f32"), o_part=((groups, ns, R, d), "f32"),
                         ml_part=((groups, ns, R, 2), "f32")),
                    (groups, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed, offsets=offsets,

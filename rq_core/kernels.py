@@ -102,12 +102,14 @@ SPECS: dict[str, Spec] = {
                      ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "wk", "wv"),
                      ("out", "lse", "o_part", "ml_part"), contiguous=False, defines="#define RQ_WINDOW 1\n"),
     # v5: v4's contract, warp-level streaming (docs/KERNEL_NOTES.md, "v5")
+    # tlen: any array of valid_len elements (its shape carries T: a view shared by every layer of a step,
+    # where slicing k_norms to T was one more graph node a layer)
     "attn_v5": Spec("attn_v5.body",
-                    ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter"),
+                    ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "tlen"),
                     ("out", "lse", "o_part", "ml_part"), contiguous=False),
     # v5 plus the fp16 window as one more split (common.h, window_split)
     "attn_v5w": Spec("attn_v5.body",
-                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "wk", "wv"),
+                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "tlen", "wk", "wv"),
                      ("out", "lse", "o_part", "ml_part"), contiguous=False, defines="#define RQ_WINDOW 1\n"),
     "attn_combine": Spec("attn_combine.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "attn_merge": Spec("attn_merge.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
@@ -543,11 +545,34 @@ def _counter(n: int) -> mx.array:
         pos = 0
     _POOL["pos"] = pos + n
     view = _POOL["views"].get((pos, n))
-    if view is None:
-        view = _POOL["arr"][pos:pos + n]
-        mx.eval(view)
-        _POOL["views"][(pos, n)] = view
+    if view is None:  # every slot of this size at once: one evaluation (a sync point) for the whole ring,
+        # not one in each of the first COUNTER_POOL // n launches (it stalled queued decode steps)
+        arr = _POOL["arr"]
+        fresh = {(p, n): arr[p:p + n] for p in range(0, COUNTER_POOL - n + 1, n) if (p, n) not in _POOL["views"]}
+        fresh.setdefault((pos, n), arr[pos:pos + n])
+        mx.eval(list(fresh.values()))
+        _POOL["views"].update(fresh)
+        view = _POOL["views"][(pos, n)]
     return view
+
+
+_TLEN: dict = {"buf": None, "views": {}}
+
+
+def _length_view(T: int) -> mx.array:
+    """A uint32 array of T elements whose shape tells attn_v5 the valid length: a view of one zeroed buffer,
+    cached for the last few lengths, so every layer of a decode step shares one graph node."""
+    hit = _TLEN["views"].get(T)
+    if hit is None:
+        buf = _TLEN["buf"]
+        if buf is None or buf.shape[0] < T:
+            buf = _TLEN["buf"] = mx.zeros((max(T, 1 << 16) if buf is None else max(T, 2 * buf.shape[0]),), mx.uint32)
+            mx.eval(buf)
+            _TLEN["views"].clear()
+        if len(_TLEN["views"]) >= 8:
+            _TLEN["views"].pop(next(iter(_TLEN["views"])))
+        hit = _TLEN["views"][T] = buf[:T]
+    return hit
 
 
 def v4_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
@@ -682,6 +707,19 @@ def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int
             and _v5_smem(D, bits, R, nth, be, stage) <= SMEM_LIMIT[be])
 
 
+@functools.lru_cache(maxsize=256)
+def _v5_config(D: int, bits: int, R: int, be: str, nth: int, stage: int | None, pf: int | None, default_stage: int,
+               default_pf: int) -> tuple[int, int, int]:
+    """(threads, ring stages, load-ahead) of attn_v5 for a shape class, checked once (a decode calls this
+    for every layer of every step)."""
+    if stage is None:  # the default ring where it fits, else rows through registers
+        stage = default_stage if v5_ok(D, bits, R, be, nth, default_stage) else 0
+    pf = 1 if stage > 0 else (default_pf if pf is None else pf)
+    if not v5_ok(D, bits, R, be, nth, stage):
+        raise KernelUnsupported(f"v5: R={R}, head_dim {D}, {bits}-bit codes, {nth} threads, {stage} stages")
+    return nth, stage, pf
+
+
 def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
                  v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, valid_len: int, offset: int = 0,
                  causal: bool = False, rot: int = ROT_WHT | ROT_SO4, blocks: int | None = None,
@@ -702,12 +740,7 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     R = (Hq // Hkv) * L
     _check(D, bits, R)
     be = backend() or "cuda"
-    nth = V5_NTH if nth is None else nth
-    if stage is None:  # the default ring where it fits, else rows through registers
-        stage = V5_STAGE if v5_ok(D, bits, R, be, nth, V5_STAGE) else 0
-    pf = 1 if stage > 0 else (V5_PF if pf is None else pf)
-    if not v5_ok(D, bits, R, be, nth, stage):
-        raise KernelUnsupported(f"v5: R={R}, head_dim {D}, {bits}-bit codes, {nth} threads, {stage} stages")
+    nth, stage, pf = _v5_config(D, bits, R, be, V5_NTH if nth is None else nth, stage, pf, V5_STAGE, V5_PF)
     extra, wt = [], []
     if window is not None:
         wk, wv = window
@@ -725,8 +758,8 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
         ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
     k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None, _minify_on())
     out, lse, _, _ = k(
-        inputs=[qd, _mats(mats), _consts(levels, scale), k_codes, k_norms[:, :, :T], v_codes, v_norms,
-                _counter(groups)] + extra,
+        inputs=[qd, _mats(mats), _consts(levels, scale), k_codes, k_norms, v_codes, v_norms, _counter(groups),
+                _length_view(T)] + extra,
         template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv),
                   ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
                   ("VDEC", V5_VDEC if vdec is None else vdec), ("STAGE", stage)] + wt,
@@ -982,7 +1015,8 @@ def append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, b
 # Whole translation units, as MLX builds them (for compile checks off the GPU and resource reports)
 
 # input dtype per input name (everything else is float32); outputs are float32
-INPUT_TYPES = {"k_codes": "u32", "v_codes": "u32", "k_norms": "f16", "v_norms": "f16", "prm": "i32", "counter": "u32"}
+INPUT_TYPES = {"k_codes": "u32", "v_codes": "u32", "k_norms": "f16", "v_norms": "f16", "prm": "i32", "counter": "u32",
+               "tlen": "u32"}
 _TYPE_NAMES = {"metal": {"f32": "float", "u32": "uint32_t", "f16": "float16_t", "i32": "int32_t", "bf16": "bfloat16_t"},
                "cuda": {"f32": "float", "u32": "uint32_t", "f16": "__half", "i32": "int32_t", "bf16": "__nv_bfloat16"}}
 # Metal attributes MLX adds to the signature when the body names them (the prelude uses these three)

@@ -151,9 +151,13 @@ def run(
         kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}"
     elif res.kv_bytes > res.kv_bytes_fp16:  # rq_core.checkpoint computes small models in float32 on the CPU
         kv_stat += " (float32 on the CPU)"
+    slow_first = ""  # a first step 10x a steady one: a GPU's one-time kernel compile, shown apart
+    if res.steady_decode_tok_per_s > 0 and res.first_step_s * res.steady_decode_tok_per_s > 10:
+        slow_first = (f" (first step {res.first_step_s:.2f} s, kernel compile; then "
+                      f"{res.steady_decode_tok_per_s:.1f} tok/s)")
     console.print(
         f"prompt {res.prompt_tokens} tok @ {res.prefill_tok_per_s:.1f} tok/s | "
-        f"decode {res.generated_tokens} tok @ {res.decode_tok_per_s:.1f} tok/s | "
+        f"decode {res.generated_tokens} tok @ {res.decode_tok_per_s:.1f} tok/s{slow_first} | "
         f"peak mem {_fmt_bytes(res.peak_memory_bytes)} (rss {_fmt_bytes(res.peak_rss_bytes)}) | {kv_stat}",
         highlight=False, soft_wrap=True)
     if pager_obj is not None:

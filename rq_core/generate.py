@@ -24,6 +24,10 @@ class GenerationResult:
     decode_s: float = 0.0
     prefill_tok_per_s: float = 0.0
     decode_tok_per_s: float = 0.0
+    # the first decode step alone (on a GPU it carries the JIT compile of custom kernels: seconds, once a
+    # process), and the decode rate without it
+    first_step_s: float = 0.0
+    steady_decode_tok_per_s: float = 0.0
     peak_memory_bytes: int = 0  # MLX's peak allocation (mx.get_peak_memory)
     peak_rss_bytes: int = 0  # the process' peak resident set
     kv_bytes: int = 0  # bytes held by all caches at the end
@@ -116,6 +120,8 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
 
     while max_tokens > 0:
         tok = int(y.item())
+        if steps == 1 and not res.first_step_s:
+            res.first_step_s = time.perf_counter() - t1
         if tok in eos:
             res.stop_reason = "eos"
             break
@@ -135,6 +141,8 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     res.generated_tokens = len(res.tokens)
     res.prefill_tok_per_s = len(prompt) / res.prefill_s if res.prefill_s > 0 else 0.0
     res.decode_tok_per_s = steps / res.decode_s if res.decode_s > 0 else 0.0
+    rest = res.decode_s - res.first_step_s
+    res.steady_decode_tok_per_s = (steps - 1) / rest if steps > 1 and rest > 0 else res.decode_tok_per_s
     res.peak_memory_bytes = int(mx.get_peak_memory())
     res.peak_rss_bytes = _peak_rss()
     res.kv_bytes, res.kv_bytes_fp16 = cache_bytes(cache)

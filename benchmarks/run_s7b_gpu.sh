@@ -2,24 +2,16 @@
 # Session 7, device call 3 (right after call 2, machine warm; carry .device/b, .device/bin; timeout 590):
 # where a chained layer's time goes outside v5's kernel.
 #   1. chain_timeline: kernel durations and gaps on the GPU (CUPTI through torch.profiler) at 128K and 32K
+#      (ran as one process a context; since then chain_timeline takes both contexts in one)
 #   2. MLX's CUDA-graph knobs: the chain under MLX_USE_CUDA_GRAPHS=0 and with one graph per evaluation
 #   3. launch_cost: null kernels with attn_v5's inputs / outputs / slice view (32K)
 set -u
 OUT=${OUT:-$PWD/s7b_out}; mkdir -p "$OUT"
 source .device/bin/gpu-env || exit 3
 echo "== 1. chain timeline ($(date -u +%T))"
-for T in 131072 32768; do
-  timeout 120 python3 benchmarks/diag/chain_timeline.py --context $T --layers 64 --reps 5 \
-    --methods "fp16,v5,v5 as written,v5w" --out "$OUT/timeline_$T.json" > "$OUT/timeline_$T.log" 2>&1
-  python3 - "$OUT/timeline_$T.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for m, r in d["methods"].items():
-    if "error" in r: print(m, r["error"]); continue
-    print(f"{d['context']} {m:14s} wall {r['wall_us_layer']:.1f} span {r['gpu_span_us_layer']:.1f} busy {r['gpu_busy_us_layer']:.1f}"
-          f" k/layer {r['kernels_per_layer']:.2f} gap mean {r['gap_mean_us']:.2f} max {r['gap_max_us']:.1f} lead {r['lead_us_before_first_kernel']:.0f}")
-PY
-done
+timeout 220 python3 benchmarks/diag/chain_timeline.py --contexts 131072,32768 --layers 64 --reps 5 --methods "fp16,v5,v5 as written,v5w" \
+  --out "$OUT/timeline_{T}.json" > "$OUT/timeline.log" 2>&1
+grep "^summary" "$OUT/timeline.log"
 echo "== 2. MLX graph knobs ($(date -u +%T))"
 for envs in "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=1000 MLX_MAX_MB_PER_BUFFER=1000000" "MLX_MAX_OPS_PER_BUFFER=20"; do
   echo "-- $envs"

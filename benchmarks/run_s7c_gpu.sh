@@ -15,18 +15,9 @@ timeout 330 python3 benchmarks/attention.py --skip-threshold --skip-stages --lay
   --out "$OUT/table" > "$OUT/table.log" 2>&1
 grep -E "^T=|^\||FAILED|Error" "$OUT/table.log"
 echo "== 2. GPU busy a layer in the chain ($(date -u +%T))"
-for T in 131072 32768; do
-  timeout 100 python3 benchmarks/diag/chain_timeline.py --context $T --layers 64 --reps 3 \
-    --methods "fp16,qmm8,qmm4,turbo3,four,v5,v5w" --out "$OUT/busy_$T.json" > "$OUT/busy_$T.log" 2>&1
-  python3 - "$OUT/busy_$T.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for m, r in d["methods"].items():
-    if "error" in r: print(m, r["error"]); continue
-    print(f"{d['context']} {m:8s} wall {r['wall_us_layer']:.1f} busy {r['gpu_busy_us_layer']:.1f} k/layer {r['kernels_per_layer']:.2f}"
-          f" lead {r['lead_us_before_first_kernel']:.0f}")
-PY
-done
+timeout 220 python3 benchmarks/diag/chain_timeline.py --contexts 131072,32768 --layers 64 --reps 3 --methods "fp16,qmm8,qmm4,turbo3,four,v5,v5w" \
+  --out "$OUT/busy_{T}.json" > "$OUT/busy.log" 2>&1
+grep "^summary" "$OUT/busy.log"
 echo "== 3. ncu stall reasons of v5 at 128K, one launch ($(date -u +%T))"
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 timeout 150 "$NCU" --clock-control none -k regex:attn_v5 --launch-skip 1 --launch-count 1 \

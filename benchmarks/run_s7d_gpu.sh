@@ -25,15 +25,9 @@ timeout 120 python3 benchmarks/attention.py --skip-threshold --skip-stages --lay
   --contexts 4096,32768,131072 --methods "$M" --out "$OUT/chain" > "$OUT/chain.log" 2>&1
 grep -E "^T=|FAILED|Error" "$OUT/chain.log"
 echo "== 3. timeline 32K ($(date -u +%T))"
-timeout 80 python3 benchmarks/diag/chain_timeline.py --context 32768 --layers 64 --reps 3 --methods "fp16,v5,v5w" \
-  --out "$OUT/timeline_32768.json" > "$OUT/timeline.log" 2>&1
-python3 - "$OUT/timeline_32768.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-for m, r in d["methods"].items():
-    if "error" in r: print(m, r["error"]); continue
-    print(f"{d['context']} {m:6s} wall {r['wall_us_layer']:.1f} busy {r['gpu_busy_us_layer']:.1f} lead {r['lead_us_before_first_kernel']:.0f}")
-PY
+timeout 80 python3 benchmarks/diag/chain_timeline.py --contexts 32768 --layers 64 --reps 3 --methods "fp16,v5,v5w" \
+  --out "$OUT/timeline_{T}.json" > "$OUT/timeline.log" 2>&1
+grep "^summary" "$OUT/timeline.log"
 echo "== 4. rq run decode speed ($(date -u +%T))"
 P=$(python3 -c "print(open('rq_core/assets/heldout.txt').read()[:4000])")
 for kv in fp16 isoquant3 fp16 isoquant3; do

@@ -8,7 +8,7 @@ in the process, MLX's included (launched from CUDA graphs), and the CUDA runtime
 layer (kernels, by name), the idle gaps between kernels (mean, the total before the first kernel), and
 the runtime calls' host time a layer.
 
-    python3 benchmarks/diag/chain_timeline.py [--context 131072] [--layers 64] [--methods fp16,v5,v5w]
+    python3 benchmarks/diag/chain_timeline.py [--contexts 131072,32768] [--layers 64] [--methods fp16,v5,v5w]
     (methods: fp16, qmm8, qmm4, turbo3, four, v5, v5w, "v5 as written")
 """
 
@@ -98,32 +98,39 @@ def profile_chain(L, f, nl: int, reps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--contexts", default="131072", help="comma-separated contexts, one after another")
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--methods", default="fp16,v5,v5w")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON path per context; {T} is replaced by the context")
     a = ap.parse_args()
     import numpy as np
 
-    L = A.build(a.context, a.layers, np.random.default_rng(0), qmm="qmm" in a.methods)
-    table = {"fp16": lambda i: A.fp16_sdpa(L, i), "v5": lambda i: A.iso_v5(L, i),
-             "qmm8": lambda i: A.qmm(L, i, 8), "qmm4": lambda i: A.qmm(L, i, 4),
-             "turbo3": lambda i: A.turbo3(L, i), "four": lambda i: A.iso_four(L, i),
-             "v5w": lambda i: A.iso_v4_window(L, i, version="v5"),
-             "v5 as written": lambda i: A.iso_v5_unminified(L, i)}
-    res = {}
-    for m in a.methods.split(","):
-        try:
-            res[m] = profile_chain(L, table[m], a.layers, a.reps)
-        except Exception as e:  # report and go on
-            res[m] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        r = res[m]
-        print(f"== {m} (context {a.context}, {a.layers} chained layers)")
-        print(json.dumps(r, indent=1)[:3000], flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(dict(context=a.context, layers=a.layers, mlx=mx.__version__, methods=res),
-                                          indent=1))
+    for T in [int(t) for t in a.contexts.split(",")]:
+        L = A.build(T, a.layers, np.random.default_rng(0), qmm="qmm" in a.methods)
+        table = {"fp16": lambda i: A.fp16_sdpa(L, i), "v5": lambda i: A.iso_v5(L, i),
+                 "qmm8": lambda i: A.qmm(L, i, 8), "qmm4": lambda i: A.qmm(L, i, 4),
+                 "turbo3": lambda i: A.turbo3(L, i), "four": lambda i: A.iso_four(L, i),
+                 "v5w": lambda i: A.iso_v4_window(L, i, version="v5"),
+                 "v5 as written": lambda i: A.iso_v5_unminified(L, i)}
+        res = {}
+        for m in a.methods.split(","):
+            try:
+                res[m] = profile_chain(L, table[m], a.layers, a.reps)
+            except Exception as e:  # report and go on
+                res[m] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"== {m} (context {T}, {a.layers} chained layers)")
+            print(json.dumps(res[m], indent=1)[:3000], flush=True)
+        for m, r in res.items():  # one line a method (the device scripts grep these)
+            if "error" not in r:
+                print(f"summary {T} {m:14s} wall {r['wall_us_layer']:.1f} span {r['gpu_span_us_layer']:.1f} "
+                      f"busy {r['gpu_busy_us_layer']:.1f} k/layer {r['kernels_per_layer']:.2f} gap mean "
+                      f"{r['gap_mean_us']:.2f} max {r['gap_max_us']:.1f} lead {r['lead_us_before_first_kernel']:.0f}")
+        if a.out:
+            Path(a.out.replace("{T}", str(T))).write_text(
+                json.dumps(dict(context=T, layers=a.layers, mlx=mx.__version__, methods=res), indent=1))
+        del L, table
+        mx.clear_cache()
     return 0
 
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from rq_core import kernel_cache
+
 # metal/ at the repo root; an installed wheel carries it as rq_core/_metal (pyproject.toml).
 _HERE = Path(__file__).resolve().parent
 SRC_DIR = _HERE / "_metal" if (_HERE / "_metal" / "common.h").is_file() else _HERE.parent / "metal"
@@ -270,13 +272,23 @@ def _kernel(name: str, be: str):
                 source=source, header=header, ensure_row_contiguous=spec.contiguous)
 
 
+def _launch(k, **kw):
+    """k(**kw). With RQ_KERNEL_CACHE=1 on CUDA the first launch of each kernel class also leaves its
+    compiled form in MLX's PTX cache for later processes (rq_core.kernel_cache; not yet checked on a GPU)."""
+    if not kernel_cache.enabled() or backend() != "cuda":
+        return k(**kw)
+    key = (id(k), tuple(kw.get("template") or ()), tuple((x.dtype, x.ndim) for x in kw["inputs"]),
+           tuple(kw["output_dtypes"]))
+    return kernel_cache.launch(k, key, **kw)
+
+
 def _run(name: str, inputs: list, template: list, grid: tuple, threads: int, out_shapes: list,
          out_dtypes: list) -> list:
     be = backend()
     if be is None:
         raise KernelUnsupported("no GPU backend")
     k = _kernel(name, be)
-    return k(inputs=inputs, template=template, grid=(grid[0] * threads, grid[1], 1),
+    return _launch(k, inputs=inputs, template=template, grid=(grid[0] * threads, grid[1], 1),
              threadgroup=(threads, 1, 1), output_shapes=out_shapes, output_dtypes=out_dtypes,
              init_value=float("nan") if POISON else None)
 
@@ -757,8 +769,8 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
         # 4 more blocks made a third, +35 us at 128K on 2026-11-30)
         ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
     k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None, _minify_on())
-    out, lse, _, _ = k(
-        inputs=[qd, _mats(mats), _consts(levels, scale), k_codes, k_norms, v_codes, v_norms, _counter(groups),
+    out, lse, _, _ = _launch(
+        k, inputs=[qd, _mats(mats), _consts(levels, scale), k_codes, k_norms, v_codes, v_norms, _counter(groups),
                 _length_view(T)] + extra,
         template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv),
                   ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
@@ -991,7 +1003,7 @@ def kv_append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array
     rot, mats = rotation_args(rotation)
     W = (D * bits + 31) // 32
     k = _kernel("kv_append", be)
-    return tuple(k(inputs=[keys, values, _mats(mats), _append_consts(levels, D)],
+    return tuple(_launch(k, inputs=[keys, values, _mats(mats), _append_consts(levels, D)],
                    template=[("TK", keys.dtype), ("D", D), ("BITS", bits), ("ROT", rot), ("NC", int(norm_correction))],
                    grid=(rows * D, 2, 1), threadgroup=(D, 1, 1),
                    output_shapes=[(B, H, T, W), (B, H, T), (B, H, T, W), (B, H, T)],

@@ -151,7 +151,7 @@ def prelude(backend: str) -> tuple[str, str]:
 
 _IDENT = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
 _OPS = frozenset("+-*/%<>=!&|^~?:.#")
-_OBJECT_MACRO = re.compile(r"^([ \t]*#[ \t]*define[ \t]+\w+)[ \t]+(?=\()", re.M)
+_OBJECT_MACRO = re.compile(r"^([ \t]*#[ \t]*define[ \t]+\w+)[ \t]+(?=\S)", re.M)
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,7 +161,8 @@ def minify(src: str) -> str:
     Why: MLX hashes a custom kernel's whole source on every launch (CustomKernel::eval_gpu on CUDA) and
     builds the string anew for every call: ~8 µs a launch at v5's 44 KB on one Xeon core. String and
     character literals (inline PTX) stay as written; lines stay lines (preprocessor structure, macro
-    continuations); `#define NAME (value)` keeps its space. A space stays only between two identifier
+    continuations); an object-like macro keeps the space after its name (C requires it; `#define A (x)` would
+    otherwise become a function-like macro). A space stays only between two identifier
     characters or two operator characters (`a - -b`, `> >`). RQ_KERNEL_MINIFY=0 renders the source as
     written (compiler messages with its line numbers).
     """

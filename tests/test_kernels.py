@@ -123,11 +123,11 @@ def test_minified_sources_have_the_same_tokens(be, monkeypatch):
             da = [ln for ln in _tokens_lines(a) if ln[0] == "#"]
             db = [ln for ln in _tokens_lines(b) if ln[0] == "#"]
             assert da == db, name  # directives line for line
-    src = ('#define A (x)\n#define F(x) (x)\nint a = b - -c; // it\'s\n/* x */ s = "a  // b";\n'
+    src = ('#define A (x)\n#define F(x) (x)\n#define N  -1\n#define E\nint a = b - -c; // it\'s\n/* x */ s = "a  // b";\n'
            "#define M(v) \\\n  int v; \\\n  float w\n\nx = a / *p + 'c';\n")
     out = K.minify(src)
-    assert out == ('#define A (x)\n#define F(x)(x)\nint a=b- -c;\ns="a  // b";\n#define M(v) \\\nint v; \\\n'
-                   "float w\nx=a/ *p+'c';\n")
+    assert out == ('#define A (x)\n#define F(x)(x)\n#define N -1\n#define E\nint a=b- -c;\ns="a  // b";\n'
+                   "#define M(v) \\\nint v; \\\nfloat w\nx=a/ *p+'c';\n")
 
 
 def test_shared_sources_use_no_backend_spelling():

@@ -367,6 +367,9 @@ def all_settings(n_layers: int) -> list[Setting]:
     for seed in (3, 4, 5):  # more rotation draws of the two default configurations (session 6)
         S += [Setting(f"wht_so4 win32 s{seed}", iso(fp16_window=32, seed=seed)),
               Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]
+    for seed in range(3):  # keys at 4 bits, values at 2: the same bytes as IsoQuant-3 (session 7, needles)
+        S.append(Setting(f"wht_so4 K4V2 win32 s{seed}", iso(fp16_window=32, seed=seed), key_bits=4, value_bits=2))
+        S.append(Setting(f"wht_so4 K4V3 win32 s{seed}", iso(fp16_window=32, seed=seed), key_bits=4, value_bits=3))
     S = [s for s in S if s is not None]
     return S
 

@@ -12,6 +12,9 @@ from rq_core.errors import RQError
 app = typer.Typer(no_args_is_help=True)
 
 MODEL_ARG = typer.Argument(None, help="Checkpoint directory or Hugging Face hub id (default: the bundled model).")
+KEY_BITS = typer.Option(None, "--key-bits", help="Keys at this many bits, values at the mode's 3 (e.g. 4: needles "
+                                                 "kept on the bundled model; the GPU kernels take one width, so "
+                                                 "attention runs the reference path).")
 
 
 def _ids(em, text: Optional[str]):
@@ -37,6 +40,7 @@ def ppl(
     windows: Optional[int] = typer.Option(None, "--windows", help="Score at most this many windows."),
     step: int = typer.Option(32, "--step", help="Decode tokens per step while scoring (1 = token by token)."),
     text: Optional[str] = typer.Option(None, "--text", help="Text file to score (default: the bundled held-out plays)."),
+    key_bits: Optional[int] = KEY_BITS,
     fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
                                               help="Newest tokens kept unquantized in a compressed cache "
                                                    "(default 32, as `rq run`; 0 = none)."),
@@ -50,7 +54,7 @@ def ppl(
     _positive("--step", step)
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
-    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window))
+    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits))
     em = load_eval_model(model)
     ctx = check_context(em.context if context is None else context, em.context)
     res = perplexity(em.model, _ids(em, text), settings, context=ctx, step=step, max_windows=windows)
@@ -61,6 +65,15 @@ def ppl(
     rot += f", fp16 window {res.fp16_window}" if res.fp16_window else ""
     console.print(f"ppl [bold]{res.ppl:.3f}[/] over {res.tokens} decode-scored tokens, {res.windows} window(s) of "
                   f"{res.context}, KV {res.kv_mode}{rot}", highlight=False)
+
+
+def _key_bits(kv: str, n: Optional[int]) -> Optional[int]:
+    """--key-bits for a compressed mode (fp16 ignores it); checked as the cache checks bits."""
+    if n is None or kv == "fp16":
+        return None
+    from rq_core.codebook import check_bits
+
+    return check_bits(n)
 
 
 def _window(n: Optional[int]) -> int:
@@ -93,6 +106,7 @@ def niah_cmd(
     depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="Needle depths in [0, 1] (comma-separated)."),
     trials: int = typer.Option(4, "--trials", help="Needles per cell."),
     seed: int = typer.Option(0, "--seed"),
+    key_bits: Optional[int] = KEY_BITS,
     fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
                                               help="Newest tokens kept unquantized in a compressed cache "
                                                    "(default 32, as `rq run`; 0 = none)."),
@@ -107,7 +121,8 @@ def niah_cmd(
     if any(not 0 <= d <= 1 for d in Ds):
         raise RQError("--depths must lie in [0, 1]")
     modes = ["fp16"] + [m for m in _parse_list(kv, str, "--kv") if m != "fp16"]
-    settings = [kv_settings(m, rotation if m == "isoquant3" else None, fp16_window=_window(fp16_window))
+    settings = [kv_settings(m, rotation if m == "isoquant3" else None, fp16_window=_window(fp16_window),
+                            key_bits=_key_bits(m, key_bits))
                 for m in modes]
     em = load_eval_model(model)
     too_long = [L for L in Ls if L > em.context]
@@ -143,6 +158,7 @@ def gates_cmd(
     kv: str = typer.Option("isoquant3", "--kv", help="KV mode to gate against fp16."),
     rotation: Optional[str] = typer.Option(None, "--rotation", help="IsoQuant rotation (default wht_so4)."),
     gates_file: Optional[str] = typer.Option(None, "--gates", help="Thresholds TOML (default: the bundled gates.toml)."),
+    key_bits: Optional[int] = KEY_BITS,
     fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
                                               help="Newest tokens kept unquantized in a compressed cache "
                                                    "(default 32, as `rq run`; 0 = none)."),
@@ -154,7 +170,7 @@ def gates_cmd(
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only")
     cfg = load_gates(gates_file)
-    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window))
+    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits))
     em = load_eval_model(model)
     rep = GateRunner(em, cfg, _ids(em, None)).run(settings)
     if json_out:

@@ -140,6 +140,7 @@ def run(
             d["pager"] = pager_obj.report().as_dict()
         print_json({"text": text_out, **d, "kv_mode": kv, "kv_window": settings.fp16_window,
                     "rotation": settings.rotation if kv == "isoquant3" else None,
+                    "kv_key_bits": settings.key_bits if kv != "fp16" else None,
                     "settings_from": source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
         return
     tail = stream.flush()

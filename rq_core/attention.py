@@ -80,7 +80,8 @@ def online_attention(q: mx.array, n_kv_heads: int, T: int, chunk_fn: ChunkFn, *,
 def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
                      v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, offset: int,
                      causal: bool, valid_len: int, mask: mx.array | None = None,
-                     chunk: int = CHUNK) -> tuple[mx.array, mx.array]:
+                     chunk: int = CHUNK, key_bits: int | None = None,
+                     key_levels: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Attention in the rotated space straight from packed codes. The one function a GPU kernel replaces.
 
     Contract:
@@ -93,24 +94,28 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
       offset   absolute position of query 0; key j sits at position j
       causal   query i sees keys j ≤ offset + i (with causal=False every valid key is seen)
       mask     optional [.., L, valid_len] keep-mask (bool) or additive mask, broadcastable to [B, Hq, L, T]
+      key_bits, key_levels: keys at their own width and codebook (None: `bits`, `levels`; no kernel then)
     Returns (õ [B, Hq, L, d] float32 in the rotated space — apply Rᵀ — , logsumexp [B, Hq, L] float32)
     so the result can be merged with attention over another segment (see `merge`).
     """
     from rq_core import kernels  # GPU kernels (Metal/CUDA) when MLX has a GPU; this path otherwise
 
-    if kernels.can_dispatch(q_rot, k_codes, bits, mask, offset=offset, causal=causal, valid_len=valid_len):
+    split = key_bits is not None and key_bits != bits
+    if not split and kernels.can_dispatch(q_rot, k_codes, bits, mask, offset=offset, causal=causal,
+                                          valid_len=valid_len):
         return kernels.packed_attention(q_rot, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
                                         offset=offset, causal=causal, valid_len=valid_len)
     d = q_rot.shape[-1]
     inv_sqrt_d = 1.0 / math.sqrt(d)
     levels = levels.astype(mx.float32)
+    kbits, klevels = (key_bits, key_levels.astype(mx.float32)) if split else (bits, levels)
 
     def chunk_fn(k0: int, k1: int):
-        kidx = unpack(k_codes[:, :, k0:k1], bits, d)
+        kidx = unpack(k_codes[:, :, k0:k1], kbits, d)
         vidx = unpack(v_codes[:, :, k0:k1], bits, d)
         kscale = k_norms[:, :, k0:k1].astype(mx.float32) * inv_sqrt_d
         vscale = v_norms[:, :, k0:k1].astype(mx.float32) * inv_sqrt_d
-        return levels[kidx], kscale, levels[vidx], vscale
+        return klevels[kidx], kscale, levels[vidx], vscale
 
     return online_attention(q_rot, k_codes.shape[1], valid_len, chunk_fn, scale=scale, q_pos0=offset,
                             causal=causal, mask=mask, chunk=chunk)

@@ -108,9 +108,13 @@ def rotation_of(kv: KVSettings) -> Optional[str]:
 
 
 def label(kv: KVSettings) -> str:
-    """A short name: fp16, turbo3, or isoquant3/<rotation>; "+w<N>" with an fp16 window of N tokens."""
+    """A short name: fp16, turbo3, or isoquant3/<rotation>; "+w<N>" with an fp16 window of N tokens, "+k<B>"
+    with keys at B bits."""
     name = f"isoquant3/{kv.rotation}" if kv.mode == "isoquant3" else kv.mode
-    return f"{name}+w{kv.fp16_window}" if kv.mode != "fp16" and kv.fp16_window else name
+    if kv.mode == "fp16":
+        return name
+    name = f"{name}+w{kv.fp16_window}" if kv.fp16_window else name
+    return f"{name}+k{kv.key_bits}" if kv.key_bits not in (None, kv.bits) else name
 
 
 # -------------------------------------------------------------------------------------- windows
@@ -166,11 +170,12 @@ class PPLResult:
     prefill: int
     nll: float
     fp16_window: int = 0
+    key_bits: Optional[int] = None  # keys at their own width (None: the mode's bits)
 
     def as_dict(self) -> dict:
         return {"ppl": self.ppl, "tokens": self.tokens, "kv_mode": self.kv_mode, "rotation": self.rotation,
                 "context": self.context, "windows": self.windows, "prefill": self.prefill, "nll": self.nll,
-                "fp16_window": self.fp16_window}
+                "fp16_window": self.fp16_window, "key_bits": self.key_bits}
 
 
 def check_context(context: int, em_context: int) -> int:
@@ -196,7 +201,8 @@ def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, pre
     nll = total / count
     return PPLResult(ppl=math.exp(nll), tokens=count, kv_mode=kv.mode, rotation=rotation_of(kv), context=context,
                      windows=len(wins), prefill=prefill, nll=nll,
-                     fp16_window=kv.fp16_window if kv.mode != "fp16" else 0)
+                     fp16_window=kv.fp16_window if kv.mode != "fp16" else 0,
+                     key_bits=kv.key_bits if kv.mode != "fp16" else None)
 
 
 @dataclass

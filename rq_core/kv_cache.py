@@ -38,6 +38,9 @@ class KVSettings:
     fp16_window: int = 0  # newest tokens kept in fp16 (0 = off)
     norm_correction: bool = False  # store n / ||c||; measured no better (benchmarks/README.md)
     seed: int = 0
+    # keys at their own width (None: `bits`). 4 with bits 3 kept fp16's needle retention on the bundled model
+    # (README, "Needles and bits"). The GPU kernels take one width: a split cache attends by the reference path.
+    key_bits: int | None = None
 
 
 class KVCache(Protocol):
@@ -172,7 +175,7 @@ class IsoQuantCache:
 
     def __init__(self, *, head_dim: int, n_kv_heads: int, layer: int = 0, bits: int = 3,
                  rotation: str = "wht_so4", codebook: str = "sphere", fp16_window: int = 0,
-                 norm_correction: bool = False, seed: int = 0) -> None:
+                 norm_correction: bool = False, seed: int = 0, key_bits: int | None = None) -> None:
         from rq_core.codebook import check_bits, get_codebook
         from rq_core.rotation import Rotation, check_dim
 
@@ -187,6 +190,12 @@ class IsoQuantCache:
         self.fp16_window = int(fp16_window)
         self.norm_correction = norm_correction
         self.words = (head_dim * self.bits + 31) // 32
+        # keys at their own width (`key_bits`): own codebook and row words; None when they match the values'
+        self.key_bits = check_bits(key_bits) if key_bits is not None and key_bits != self.bits else None
+        kb = self.key_bits or self.bits
+        self.k_levels = (mx.array(get_codebook(codebook, kb, head_dim).levels.astype("float32")) if self.key_bits
+                         else self.levels)
+        self.k_words = (head_dim * kb + 31) // 32
         self.k_codes: mx.array | None = None
         self.v_codes: mx.array | None = None
         self.k_norms: mx.array | None = None
@@ -223,7 +232,7 @@ class IsoQuantCache:
         if self.k_codes is None or end > self.k_codes.shape[2]:
             B, H = kc.shape[:2]
             cap = ((end + self.step - 1) // self.step) * self.step
-            bufs = [mx.zeros((B, H, cap, self.words), mx.uint32), mx.zeros((B, H, cap), mx.float16),
+            bufs = [mx.zeros((B, H, cap, self.k_words), mx.uint32), mx.zeros((B, H, cap), mx.float16),
                     mx.zeros((B, H, cap, self.words), mx.uint32), mx.zeros((B, H, cap), mx.float16)]
             if self.packed_len:
                 old = [self.k_codes, self.k_norms, self.v_codes, self.v_norms]
@@ -244,6 +253,9 @@ class IsoQuantCache:
         (RQ_APPEND=ops keeps quantize_kv's MLX ops there); on CPU quantize_kv, the reference."""
         from rq_core import kernels
 
+        if self.key_bits:  # two widths: the append kernel takes one
+            k = quantize_kv(keys, self.rotation, self.k_levels, self.key_bits, norm_correction=self.norm_correction)
+            return (*k, *self.compress(values))
         out = kernels.append_codes(keys, values, self.rotation, self.levels, self.bits,
                                    norm_correction=self.norm_correction)
         if out is not None:
@@ -287,7 +299,8 @@ class IsoQuantCache:
             m = None if (isinstance(mask, str) and L == 1) else mask
             return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
 
-        if arr_mask is None and (self.fp16_len == 0 or (not self.prefilling and self.fp16_len >= L)):
+        if arr_mask is None and not self.key_bits and (self.fp16_len == 0 or (not self.prefilling and
+                                                                           self.fp16_len >= L)):
             from rq_core import kernels  # one launch on a GPU (v5 or v4), window included; else None
 
             n = self.fp16_len
@@ -301,6 +314,7 @@ class IsoQuantCache:
         q_rot = self.rotation.forward_queries(queries)
         o, lse = attention.packed_attention(
             q_rot, self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.levels, bits=self.bits,
+            key_bits=self.key_bits, key_levels=self.k_levels if self.key_bits else None,
             scale=scale, offset=q_pos0, causal=causal, valid_len=self.packed_len,
             mask=None if arr_mask is None else arr_mask[..., : self.packed_len])
         parts.append((self.rotation.inverse_queries(o), lse))
@@ -330,7 +344,7 @@ class IsoQuantCache:
         total = 0
         if self.k_codes is not None:
             B, H = self.k_codes.shape[:2]
-            total += 2 * B * H * self.packed_len * (4 * self.words + 2)
+            total += B * H * self.packed_len * (4 * self.k_words + 4 * self.words + 4)
         if self._fk is not None:
             B, H, _, D = self._fk.shape
             total += B * H * self.fp16_len * D * 2 * 2
@@ -365,7 +379,7 @@ def make_kv_cache(settings: KVSettings, *, layer: int, n_kv_heads: int, head_dim
     cls = TurboQuantCache if settings.mode == "turbo3" else IsoQuantCache
     kw = dict(head_dim=head_dim, n_kv_heads=n_kv_heads, layer=layer, bits=settings.bits,
               codebook=settings.codebook, fp16_window=settings.fp16_window,
-              norm_correction=settings.norm_correction, seed=settings.seed)
+              norm_correction=settings.norm_correction, seed=settings.seed, key_bits=settings.key_bits)
     if cls is IsoQuantCache:
         kw["rotation"] = settings.rotation
     return cls(**kw)

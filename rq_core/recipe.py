@@ -101,7 +101,7 @@ class Recipe:
                 d["roles"][role] = {"quantize": False}
             else:
                 d["roles"][role] = {"bits": spec.bits, "group_size": spec.group_size, "method": spec.method}
-        d["kv"] = dataclasses.asdict(self.kv)
+        d["kv"] = {k: v for k, v in dataclasses.asdict(self.kv).items() if v is not None}  # TOML has no null
         d["pager"] = {k: v for k, v in dataclasses.asdict(self.pager).items() if v is not None}
         d["calibration"] = dataclasses.asdict(self.calibration)
         if self.promote.kurtosis_threshold is not None:
@@ -198,6 +198,10 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
     _typed(src, "kv.bits", kv.bits, int)
     if not 1 <= kv.bits <= 8:
         raise RQError(f"{src}: kv.bits = {kv.bits} must be between 1 and 8")
+    if kv.key_bits is not None:
+        _typed(src, "kv.key_bits", kv.key_bits, int)
+        if not 1 <= kv.key_bits <= 4:
+            raise RQError(f"{src}: kv.key_bits = {kv.key_bits} must be between 1 and 4")
     _typed(src, "kv.fp16_window", kv.fp16_window, int)
     _typed(src, "kv.seed", kv.seed, int)
     _typed(src, "kv.norm_correction", kv.norm_correction, bool)

@@ -164,7 +164,23 @@ def test_cli_ppl_fp16_window():
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32)) == "isoquant3/wht_so4+w32"
 
 
+def test_cli_ppl_key_bits():
+    """--key-bits: keys at their own width, reported; 4-bit keys change the perplexity measured."""
+    def ppl(*extra):
+        r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--context", "64", "--windows", "1",
+                                "--fp16-window", "4", "--json", *extra])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    base, k4 = ppl(), ppl("--key-bits", "4")
+    assert base["key_bits"] is None and k4["key_bits"] == 4
+    assert k4["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
+    assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, key_bits=4)) == "isoquant3/wht_so4+w32+k4"
+    assert ev.label(ev.kv_settings("isoquant3", key_bits=3)) == "isoquant3/wht_so4"  # the mode's own width
+
+
 @pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--fp16-window", "-1"], ["eval", "ppl", "--kv", "turbo3", "--rotation", "so3"],
+                                  ["eval", "ppl", "--kv", "isoquant3", "--key-bits", "9"],
                                   ["eval", "ppl", "--context", "100000"], ["eval", "niah", "--depths", "1.5"],
                                   ["eval", "gates", "--rotation", "bogus"]])
 def test_cli_bad_input_is_one_line(argv):

@@ -12,7 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.kv_study import (SplitBitsCache, Setting, StudyCache, all_settings, packed_bytes,  # noqa: E402
                                  paired_stats, pairwise)
-from rq_core.kv_cache import FP16Cache, IsoQuantCache, KVSettings, dequantize_kv, quantize_kv  # noqa: E402
+from rq_core.errors import RQError  # noqa: E402
+from rq_core.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, dequantize_kv, make_kv_cache,  # noqa: E402
+                              quantize_kv)
 
 B, HQ, HKV, D = 1, 4, 2, 32
 SCALE = 1 / math.sqrt(D)
@@ -42,6 +44,30 @@ def test_split_bits_at_equal_bits_matches_packed_cache(rotation, window):
     emul = _run(emul_cache)
     assert mx.abs(real - emul).max().item() < 1e-4
     assert emul_cache.fp16_len == window and emul_cache.offset == 12 + 3 * 2
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_cache_key_bits_matches_the_emulation(window):
+    """IsoQuantCache(key_bits=4): packed keys at 4 bits, values at 3, attended by the reference path; the same
+    outputs as kv_study's quantize-dequantize emulation (which reproduced the 3/3 cache on 72 needles)."""
+    kw = dict(head_dim=D, n_kv_heads=HKV, layer=1, rotation="wht_so4", fp16_window=window, seed=2)
+    c = IsoQuantCache(bits=3, key_bits=4, **kw)
+    real = _run(c)
+    emul = _run(SplitBitsCache(key_bits=4, value_bits=3, **kw))
+    assert mx.abs(real - emul).max().item() < 1e-4
+    assert c.k_codes.shape[-1] == 4 * D // 32 and c.v_codes.shape[-1] == 3 * D // 32
+    assert mx.abs(real - _run(IsoQuantCache(bits=3, **kw))).max().item() > 1e-3  # the keys' width is used
+    T = c.packed_len
+    assert c.nbytes == B * HKV * (T * (4 * 4 + 4 * 3 + 4) + window * 2 * D * 2)
+    assert c.nbytes == B * HKV * (T * packed_bytes(4, 3, D) + window * 4 * D)
+
+
+def test_key_bits_setting():
+    one = make_kv_cache(KVSettings(mode="isoquant3", key_bits=3), layer=0, n_kv_heads=HKV, head_dim=D)
+    split = make_kv_cache(KVSettings(mode="isoquant3", key_bits=4), layer=0, n_kv_heads=HKV, head_dim=D)
+    assert one.key_bits is None and split.key_bits == 4 and split.k_levels.size == 16
+    with pytest.raises(RQError):
+        make_kv_cache(KVSettings(mode="isoquant3", key_bits=5), layer=0, n_kv_heads=HKV, head_dim=D)
 
 
 def test_split_bits_stores_keys_and_values_at_their_own_bits():

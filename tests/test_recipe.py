@@ -36,6 +36,7 @@ def test_resolved_round_trip():
     (BASE + "family = \"llama\"\n", "family 'llama'"),
     (BASE + "[kv]\nmode = \"int4\"\n", "kv.mode"),
     (BASE + "[kv]\nwindow = 3\n", "unknown key 'kv.window'"),
+    (BASE + "[kv]\nkey_bits = 5\n", "kv.key_bits = 5 must be between 1 and 4"),
     (BASE + "[pager]\npolicy = \"fifo\"\n", "pager.policy"),
     (BASE + "[pager]\nmemory_budget = \"lots\"\n", "cannot read 'lots'"),
     ('version = 2\n', "'version' must be 1"),
@@ -60,6 +61,9 @@ def test_kv_settings_and_sizes():
     from rq_core.kv_cache import KVSettings
 
     assert isinstance(r.kv, KVSettings) and r.kv.rotation == "so3" and r.kv.seed == 7
+    assert r.kv.key_bits is None and "key_bits" not in r.dumps()  # TOML has no null: left out when unset
+    r4 = recipe.loads(BASE + '[kv]\nmode = "isoquant3"\nkey_bits = 4\n')
+    assert r4.kv.key_bits == 4 and recipe.loads(r4.dumps()).kv.key_bits == 4
     assert recipe.parse_size("16GB") == 16 * 10**9
     assert recipe.parse_size("512MiB") == 512 * 2**20
     assert recipe.parse_size("1.5G") == 1.5e9

@@ -6,6 +6,7 @@ cycle as the cache) with --key-bits / --value-bits. --compare pairs result files
 
     python benchmarks/niah_bits.py --seed 2 --key-bits 4 --value-bits 2 --out K4V2-s2.json
     python benchmarks/niah_bits.py --seed 2 --bits 4 --out bits4-s2.json
+    python benchmarks/niah_bits.py --seed 2 --key-bits 4 --real --out K4V3-real-s2.json   # kv.key_bits
     python benchmarks/niah_bits.py --compare fp16=A.json:fp16 K4V2=K4V2-s2.json ...
 """
 
@@ -24,20 +25,21 @@ from rq_core import eval as ev  # noqa: E402
 from rq_core.kv_cache import KVSettings  # noqa: E402
 
 
-def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int | None) -> dict:
+def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int | None, real: bool = False) -> dict:
     import kv_study
 
     em = ev.load_eval_model(None)
     ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
-    kv = KVSettings(mode="isoquant3", bits=bits, rotation="wht_so4", fp16_window=32)
+    kv = KVSettings(mode="isoquant3", bits=bits, rotation="wht_so4", fp16_window=32,
+                    key_bits=key_bits if real else None)
     model = em.model
-    if key_bits or value_bits:
+    if (key_bits or value_bits) and not real:
         model = kv_study._CacheModel(em.model, kv_study.Setting("split", kv, key_bits=key_bits or bits,
                                                                  value_bits=value_bits or bits))
     r = ev.niah(model, ids, ev.needle_token_pieces(em.tokenizer), [kv], lengths=[512, 1024, 2048],
                 depths=[0.1, 0.5, 0.9], trials=trials, seed=seed)
     r.update(seed=seed, bits=bits, key_bits=key_bits or bits, value_bits=value_bits or bits,
-             emulated=bool(key_bits or value_bits))
+             emulated=bool(key_bits or value_bits) and not real)
     return r
 
 
@@ -72,13 +74,15 @@ def main() -> int:
     ap.add_argument("--bits", type=int, default=3, help="the real cache's bits (keys and values)")
     ap.add_argument("--key-bits", type=int, default=None, help="emulated split widths (kv_study.SplitBitsCache)")
     ap.add_argument("--value-bits", type=int, default=None)
+    ap.add_argument("--real", action="store_true", help="--key-bits through the cache itself (kv.key_bits; "
+                    "values at --bits), not the emulation")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs="+", default=None, metavar="NAME=FILE[:MODE][,FILE[:MODE]...]")
     a = ap.parse_args()
     if a.compare:
         compare(a.compare, a.trials)
         return 0
-    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits)
+    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real)
     print(json.dumps({k: v["accuracy"] for k, v in r["modes"].items()}))
     if a.out:
         Path(a.out).write_text(json.dumps(r))

@@ -74,6 +74,17 @@ def _emu_substitute(src: str) -> str:
         src, n = re.subn(re.escape(fn) + r" \{\n.*?\n\}\n", fn + " " + emu + "\n", src, count=1, flags=re.S)
         if n == 0 and fn in src:  # a one-line body
             src = re.sub(re.escape(fn) + r" \{[^\n]*\}\n", fn + " " + emu + "\n", src, count=1)
+    # threadgroup addresses (tg_addr / tg_load_h2, inline PTX on the GPU): offsets into the executor's threadgroup
+    # memory plus the block's reserved bytes, so a table's alignment is the one its placement gives on the GPU
+    for fn, emu in (("INLINE uint tg_addr(TG const void* p)",
+                     "{ return (uint)(static_cast<const char*>(p) - reinterpret_cast<const char*>(emu::smem)) + "
+                     "TG_RESERVED; }"),
+                    ("INLINE h2 tg_load_h2(TG const h2* base, uint addr)",
+                     "{ return *reinterpret_cast<const h2*>(reinterpret_cast<const char*>(emu::smem) + "
+                     "(addr - TG_RESERVED)); }")):
+        src, n = re.subn(re.escape(fn) + r" \{\n.*?\n\}\n", fn + " " + emu + "\n", src, count=1, flags=re.S)
+        if n == 0 and fn in src:
+            src = re.sub(re.escape(fn) + r" \{[^\n]*\}\n", fn + " " + emu + "\n", src, count=1)
     # every reinterpret_cast of the prelude (vector loads uint4 / float4, half2 <-> uint) checks the
     # alignment of the access it is made for (emu::checked_cast)
     src = re.sub(r"reinterpret_cast<([^<>]*?\*)>\(", r"emu::checked_cast<\1>(__func__, ", src)

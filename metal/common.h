@@ -6,6 +6,23 @@
 
 INLINE int imin(int a, int b) { return a < b ? a : b; }
 
+// A lane-replicated pair table holds entry c of lane l at c * 32 + l (4-byte entries), so entry c's bytes
+// start at c << 7. pair_off: the fw-bit pair index at bit p (< 32) of the 64-bit hi:lo as that byte offset,
+// in one shift and one mask (index, scale and address were a shift, a mask and a multiply-add).
+INLINE uint pair_off(uint lo, uint hi, int p, int fw) {
+  const uint m = ((1u << fw) - 1u) << 7;
+  if (p < 7) return (lo << (7 - p)) & m;
+  if (p + fw <= 32) return (lo >> (p - 7)) & m;
+  return funnel_r(lo, hi, (uint)(p - 7)) & m;
+}
+
+// Word k of the mask of the even b-bit fields (fields 0, 2, 4, ...) of a run of b-bit codes.
+INLINE uint even_fields(int k, int b) {
+  uint m = 0u;
+  UNROLL for (int i = 0; i < 32; ++i) m |= (((32 * k + i) % (2 * b)) < b ? 1u : 0u) << i;
+  return m;
+}
+
 // Normalised Sylvester WHT, in place, on nrows rows of D floats in threadgroup memory.
 // Every thread of the group must call it (it holds barriers).
 template <int D>

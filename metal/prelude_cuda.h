@@ -112,6 +112,17 @@ template <int N>
 INLINE void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+// threadgroup memory the hardware reserves below a block's own (sm_80 on); a threadgroup address (32-bit shared
+// window offset) and a 4-byte load at one (base: unused here, Metal's rendering indexes from it)
+#define TG_RESERVED 1024
+#define TG_ALIGN_LUT 1
+#define NAN_F __int_as_float(0x7fffffff)
+INLINE uint tg_addr(TG const void* p) { return (uint)__cvta_generic_to_shared(p); }
+INLINE h2 tg_load_h2(TG const h2* base, uint addr) {
+  uint v;
+  asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return bits_h2(v);
+}
 //--- body ---
 const uint TID = threadIdx.x;
 const uint NT = blockDim.x;

@@ -107,6 +107,12 @@ INLINE void cp_async16(TG uint* dst, DEV const uint* src) {
 INLINE void cp_async_commit() {}
 template <int N>
 INLINE void cp_async_wait() {}
+// threadgroup addresses as the bodies use them: offsets from the array they index (CUDA: the shared window's)
+#define TG_RESERVED 0
+#define TG_ALIGN_LUT 0
+#define NAN_F NAN
+INLINE uint tg_addr(TG const void* p) { return 0u; }
+INLINE h2 tg_load_h2(TG const h2* base, uint addr) { return base[addr >> 2]; }
 //--- body ---
 const uint TID = thread_position_in_threadgroup.x;
 const uint NT = threads_per_threadgroup.x;

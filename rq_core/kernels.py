@@ -67,7 +67,7 @@ V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
 V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "264"))
 V5_NTH = int(os.environ.get("RQ_V5_NTH", "256"))
 V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets; STAGE 0)
-V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "1"))  # 1: values decoded by byte permutes (<= 3 bits), 0: table
+V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "2"))  # 2: pair table by byte offsets, 1: values by byte permutes, 0: table
 # 0: code rows through registers; n > 0: an n-slot per-warp ring in threadgroup memory filled by cp.async
 # (PF 1; correct on the H200 since its ring is 16-byte aligned, 2026-11-30)
 V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "2"))
@@ -274,8 +274,8 @@ def _kernel(name: str, be: str):
 
 
 def _launch(k, **kw):
-    """k(**kw). With RQ_KERNEL_CACHE=1 on CUDA the first launch of each kernel class also leaves its
-    compiled form in MLX's PTX cache for later processes (rq_core.kernel_cache; not yet checked on a GPU)."""
+    """k(**kw). On CUDA the first launch of each kernel class also leaves its compiled form in MLX's PTX
+    cache for later processes (rq_core.kernel_cache; RQ_KERNEL_CACHE=0 turns it off)."""
     if not kernel_cache.enabled() or backend() != "cuda":
         return k(**kw)
     key = (id(k), tuple(kw.get("template") or ()), tuple((x.dtype, x.ndim) for x in kw["inputs"]),
@@ -701,36 +701,44 @@ def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
     return max(1, min(-(-T // 128), -(-target // max(1, n_groups)), V5_MAXNS))
 
 
-def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0) -> int:
-    """Threadgroup bytes of attn_v5 (the body's arrays)."""
+def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec: int = 1) -> int:
+    """Threadgroup bytes of attn_v5 (the body's arrays, in declaration order: pool, table, ring, the rest).
+    vdec 2 on CUDA pads the table to the next 8 KB boundary of the shared window (above the block's 1 KB
+    reserved), as the body's LUTPAD does."""
     step = 16 if be == "cuda" else 8
     nwarp = nth // 32
     np_ = 1 << (2 * bits)
     luts = 32 if np_ * 32 * 4 <= 8192 else 1
     pool = 2 * R * D + max(nwarp * R * (step + 4), R * V5_MAXNS)
     ring = nwarp * stage * 2 * step * (D * bits // 32) if stage > 0 else 4
-    return 4 * np_ * luts + 4 * pool + 4 * (2 * nwarp * MMA_N + 2 * MMA_N + 1) + 4 * ring
+    pad = 0
+    if vdec == 2 and luts == 32 and be == "cuda":
+        pad = (8192 - (1024 + 4 * pool) % 8192) % 8192
+    return 4 * ring + 4 * pool + 4 * np_ * luts + pad + 4 * (2 * nwarp * MMA_N + 2 * MMA_N + 2)
 
 
-def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None) -> bool:
+def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None,
+          vdec: int = 1) -> bool:
     """Shapes attn_v5 covers: those of the matrix-unit kernels, within the threadgroup memory limit."""
     nth = V5_NTH if nth is None else nth
     stage = V5_STAGE if stage is None else stage
     return (mma_ok(D, bits, R) and nth % 64 == 0 and stage >= 0
-            and _v5_smem(D, bits, R, nth, be, stage) <= SMEM_LIMIT[be])
+            and _v5_smem(D, bits, R, nth, be, stage, vdec) <= SMEM_LIMIT[be])
 
 
 @functools.lru_cache(maxsize=256)
 def _v5_config(D: int, bits: int, R: int, be: str, nth: int, stage: int | None, pf: int | None, default_stage: int,
-               default_pf: int) -> tuple[int, int, int]:
-    """(threads, ring stages, load-ahead) of attn_v5 for a shape class, checked once (a decode calls this
-    for every layer of every step)."""
+               default_pf: int, vdec: int = 1) -> tuple[int, int, int, int]:
+    """(threads, ring stages, load-ahead, decode) of attn_v5 for a shape class, checked once (a decode calls
+    this for every layer of every step). Decode 2 falls back to 1 where its padded table does not fit."""
     if stage is None:  # the default ring where it fits, else rows through registers
         stage = default_stage if v5_ok(D, bits, R, be, nth, default_stage) else 0
     pf = 1 if stage > 0 else (default_pf if pf is None else pf)
     if not v5_ok(D, bits, R, be, nth, stage):
         raise KernelUnsupported(f"v5: R={R}, head_dim {D}, {bits}-bit codes, {nth} threads, {stage} stages")
-    return nth, stage, pf
+    if vdec == 2 and not v5_ok(D, bits, R, be, nth, stage, 2):
+        vdec = 1
+    return nth, stage, pf, vdec
 
 
 def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
@@ -753,7 +761,8 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     R = (Hq // Hkv) * L
     _check(D, bits, R)
     be = backend() or "cuda"
-    nth, stage, pf = _v5_config(D, bits, R, be, V5_NTH if nth is None else nth, stage, pf, V5_STAGE, V5_PF)
+    nth, stage, pf, vdec = _v5_config(D, bits, R, be, V5_NTH if nth is None else nth, stage, pf, V5_STAGE, V5_PF,
+                                      V5_VDEC if vdec is None else vdec)
     extra, wt = [], []
     if window is not None:
         wk, wv = window
@@ -775,7 +784,7 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
                 _length_view(T)] + extra,
         template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv),
                   ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
-                  ("VDEC", V5_VDEC if vdec is None else vdec), ("STAGE", stage)] + wt,
+                  ("VDEC", vdec), ("STAGE", stage)] + wt,
         grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
         output_shapes=[(B, Hq, L, D), (B, Hq, L), (groups, ns, R, D), (groups, ns, R, 2)],
         output_dtypes=[qd.dtype, mx.float32, mx.float32, mx.float32],

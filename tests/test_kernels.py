@@ -470,7 +470,10 @@ def test_v4_cuda_source_runs_on_cpu_executor(case):
 @pytest.mark.parametrize("case", [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128, sacc=1),
                                   dict(G=4, d=128, T=300, nth=256, pf=1, stage=2, rot=11),
                                   dict(G=2, d=128, T=300, L=2, causal=True, rot=4, B=2, qdtype="bf16", nth=256, pf=1,
-                                       stage=2)])
+                                       stage=2),
+                                  dict(G=8, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2),
+                                  dict(G=4, d=128, T=300, bits=2, L=2, causal=True, qdtype="bf16", nth=128, pf=2,
+                                       stage=0, vdec=2)])
 def test_v5_cuda_source_runs_on_cpu_executor(case):
     """attn_v5's CUDA rendering executed as host C++ (as the v4 test above): warps streaming their own steps,
     per-warp softmax state, the in-block merge, the last block's merge; counters left zeroed. The second
@@ -485,13 +488,29 @@ def test_v5_cuda_source_runs_on_cpu_executor(case):
     assert r["err_half"] < (8e-3 if case.get("qdtype") == "bf16" else 5e-5) and r["lse_err"] < 1e-3
 
 
+def test_v5_pair_decode_table_alignment():
+    """VDEC 2 addresses its table by OR-ing lane and entry bits onto an 8 KB aligned base: the padded layout is
+    the one the host budgets, and a layout that breaks the alignment makes the kernel write NaN, never a
+    wrong number."""
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ and ucontext (Linux)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import emulate_kernel as EK
+
+    r = EK.run_v5(np.random.default_rng(23), G=8, d=128, T=200, nth=256, pf=1, stage=2, vdec=2)
+    assert r["nan"] == 0 and r["err_half"] < 5e-5
+    assert r["smem_bytes"] == K._v5_smem(128, 3, 8, 256, "cuda", 2, vdec=2) == 48712
+    r = EK.run_v5(np.random.default_rng(23), G=8, d=128, T=200, nth=256, pf=1, stage=2, vdec=2, layout="worst")
+    assert r["nan"] == 2 * 8 * 128  # every output element: 2 kv heads x 8 rows x d
+
+
 @pytest.mark.parametrize("layout", ["decl", "worst"])
 def test_v5_copy_ring_is_16_byte_aligned(layout):
     """The cp.async ring configuration that faulted on the H200 ("misaligned address": 128 threads, 4 stages,
     G = 8, d = 128, 3-bit), on the executor that checks every copy's 16-byte alignment (global source and
     threadgroup destination) against threadgroup arrays laid out as the compiler places them (declaration
     order, each aligned to its type) and at their worst legal alignment; the layout's size is what the host
-    budgets (kernels._v5_smem, 45,380 B as nvcc reports)."""
+    budgets (kernels._v5_smem, 45,384 B)."""
     if shutil.which("g++") is None or not sys.platform.startswith("linux"):
         pytest.skip("needs g++ and ucontext (Linux)")
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -500,7 +519,7 @@ def test_v5_copy_ring_is_16_byte_aligned(layout):
     r = EK.run_v5(np.random.default_rng(17), G=8, d=128, T=200, nth=128, pf=1, stage=4, layout=layout)
     assert r["nan"] == 0 and r["counters"] == 0 and r["err_half"] < 5e-5
     if layout == "decl":
-        assert r["smem_bytes"] == K._v5_smem(128, 3, 8, 128, "cuda", 4) == 45380
+        assert r["smem_bytes"] == K._v5_smem(128, 3, 8, 128, "cuda", 4) == 45384
 
 
 @pytest.mark.parametrize("kernel,offsets,fault", [("attn_v5", {"k_codes": 2}, "cp.async source (global)"),
@@ -541,7 +560,7 @@ def test_v5_plan_and_shapes():
     assert K.v5_ok(128, 3, 8, "cuda", K.V5_NTH, K.V5_STAGE) or "RQ_V5_NTH" in __import__("os").environ
     assert not K.v5_ok(256, 3, 8, "cuda", 256, 2) and K.v5_ok(256, 3, 8, "cuda", 256, 0)
     # the copy ring: 2 slots of 8 warps fit CUDA's 48 KB (46,660 B by nvcc's report), 3 do not; Metal: no
-    assert K._v5_smem(128, 3, 8, 256, "cuda", 2) == 46660
+    assert K._v5_smem(128, 3, 8, 256, "cuda", 2) == 46664
     assert K.v5_ok(128, 3, 8, "cuda", 256, 2) and not K.v5_ok(128, 3, 8, "cuda", 256, 3)
     assert not K.v5_ok(128, 3, 8, "metal", 256, 2)
 

@@ -60,11 +60,12 @@ ROT_SIGN = 8  # rwht_so4: random signs before the WHT; mats [Hkv, 5D] (each head
 # splits, so fewer splits make a shorter tail (2 per SM on the H200's 132 SMs). RQ_V4_BLOCKS tunes it.
 V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
 # v5: blocks of V5_NTH threads (each warp streams its own steps), about V5_BLOCKS blocks in all.
-# Default: 256 threads, code rows through a 2-slot cp.async ring (STAGE 2, PF 1), 264 blocks: on the H200
-# (2026-11-30) the fastest configuration measured at 4K, 32K and 128K (docs/KERNEL_NOTES.md). Shapes whose
+# Default: 256 threads, code rows through a 2-slot cp.async ring (STAGE 2, PF 1), pair decode (VDEC 2), 132
+# blocks (one an SM on the H200): the fastest measured there (ncu, 2026-11-30, kernel alone: 29.9 us at 32K and
+# 58.7 at 128K, against 35.9 and 60.5 with 264 blocks; docs/KERNEL_NOTES.md, "Session 8"). Shapes whose
 # ring does not fit threadgroup memory (head_dim 256 at 3 bits) take STAGE 0 (rows through registers, PF 2).
 # 384 threads x ~165 registers did not launch at head_dim 256; 512 threads with PF 1 did not launch at all.
-V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "264"))
+V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "132"))
 V5_NTH = int(os.environ.get("RQ_V5_NTH", "256"))
 V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets; STAGE 0)
 V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "2"))  # 2: pair table by byte offsets, 1: values by byte permutes, 0: table
@@ -775,8 +776,8 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     target = V5_BLOCKS if blocks is None else blocks
     if window is None:
         ns = v5_plan(T, groups, target)
-    else:  # the window's split first, its blocks taken from the target (264 = 2 waves of one per SM on the H200:
-        # 4 more blocks made a third, +35 us at 128K on 2026-11-30)
+    else:  # the window's split first, its blocks taken from the target (so they add no wave: at 264 blocks, 2 waves
+        # of one per SM on the H200, 4 more made a third, +35 us at 128K on 2026-11-30)
         ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
     k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None, _minify_on())
     out, lse, _, _ = _launch(

@@ -122,6 +122,11 @@ def run(
         if pager_obj is None:
             return
 
+    from rq_core.kernel_cache import first_run_note
+
+    note = first_run_note()
+    if note:
+        console.print(f"[dim]rq: {note}[/dim]")
     stream = StreamDecoder(tok)
 
     def on_token(t: int) -> None:

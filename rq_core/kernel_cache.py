@@ -50,6 +50,23 @@ def enabled() -> bool:
     return os.environ.get("RQ_KERNEL_CACHE", "1") != "0"
 
 
+def first_run_note() -> str | None:
+    """A line for the user when this looks like the first GPU run on this machine (MLX's PTX cache holds no
+    compiled module yet): MLX then compiles its own CUDA kernels once, which took 159 s for the bundled model
+    on the H200 (2026-11-30); a silent wait that long reads as a hang."""
+    try:
+        from rq_core.kernels import backend
+
+        if backend() != "cuda":
+            return None
+        d = cache_dir()
+        if d.is_dir() and next(d.glob("*.ptx"), None) is not None:
+            return None
+        return f"first GPU run on this machine: MLX compiles its kernels once (minutes); they are kept in {d}"
+    except Exception:
+        return None
+
+
 def launch(kernel, key: tuple, **kwargs):
     """kernel(**kwargs), making sure the compiled kernel is in MLX's PTX cache the first time `key` (the
     kernel class: name, template, argument types) is seen in this process."""

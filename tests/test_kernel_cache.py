@@ -105,3 +105,18 @@ def test_launch_caches_once_per_class_and_survives_failures(monkeypatch, tmp_pat
     monkeypatch.setattr(kc, "nvrtc_compile", broken)
     assert kc.launch(kernel, ("k", 4), inputs=[], name="custom_kernel_k_4") == ["out"]  # MLX compiles as before
     assert "kernel cache off" in capsys.readouterr().err
+
+
+def test_first_run_note(tmp_path, monkeypatch):
+    """The first GPU run on a machine (MLX's PTX cache empty) gets a one-line note; later runs and CPU runs none."""
+    import rq_core.kernels as K
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setattr(K, "backend", lambda: None)
+    assert kc.first_run_note() is None
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    note = kc.first_run_note()
+    assert note is not None and str(tmp_path / "ptx") in note
+    (tmp_path / "ptx").mkdir()
+    (tmp_path / "ptx" / "some_module.ptx").write_bytes(b"x")
+    assert kc.first_run_note() is None

@@ -234,7 +234,7 @@ def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str):
 
 
 def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0,
-           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2):
+           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=0):
     """kernel="attn_v5" (run_v5) runs the v5 body with the same inputs and checks; nth: its threads per block.
     offsets / layout: emulate's (inputs placed off their buffers' aligned start; threadgroup layout)."""
     c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8))
@@ -254,7 +254,7 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
         views.pop("k_norms")
     tq = qdtype
     template = [("TQ", tq), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
-                ("ROT", rot), ("NTH", nth)] + ([("TILE", K.MMA_TILE)] if kernel == "attn_v4" else [("SACC", sacc), ("PF", pf), ("VDEC", vdec), ("STAGE", stage)])
+                ("ROT", rot), ("NTH", nth)] + ([("TILE", K.MMA_TILE)] if kernel == "attn_v4" else [("SACC", sacc), ("PF", pf), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)])
     outs = emulate(kernel, template,
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
                         v_norms=c["vnorm"], counter=counter,

@@ -75,6 +75,9 @@ V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "2"))
 # score accumulators per warp step: 2 splits the hi / lo halves of the query into two dependent chains
 # (measured on the H200, 2026-11-30: no faster than 1, 68.9 against 69.2 us at 128K kernel-only)
 V5_SACC = int(os.environ.get("RQ_V5_SACC", "1"))
+# the warps' merge at the end of a block: 0, four rounds into two slabs (checked on the H200); 1, a slab a warp
+# and one barrier where the block's threadgroup memory holds them (CPU executor only, not yet run on a GPU)
+V5_MERGE = int(os.environ.get("RQ_V5_MERGE", "0"))
 
 
 @dataclass(frozen=True)
@@ -785,7 +788,7 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
                 _length_view(T)] + extra,
         template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv),
                   ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
-                  ("VDEC", vdec), ("STAGE", stage)] + wt,
+                  ("VDEC", vdec), ("STAGE", stage), ("MERGE", V5_MERGE)] + wt,
         grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
         output_shapes=[(B, Hq, L, D), (B, Hq, L), (groups, ns, R, D), (groups, ns, R, 2)],
         output_dtypes=[qd.dtype, mx.float32, mx.float32, mx.float32],

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel 
 
 def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = False, bits: int = 3,
                rot: int = 3, B: int = 1, Hkv: int = 2, blocks: int = 8, kernel: str = "attn_v4w",
-               nth: int = 128, stage: int = 0, vdec: int = 1) -> dict:
+               nth: int = 128, stage: int = 0, vdec: int = 1, merge: int = 0) -> dict:
     c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8))
     scale = 1.0 / math.sqrt(d)
     qin, q64, kc, vc, consts, views = EK._case_inputs(c, T, bits, scale, "f32")
@@ -42,7 +42,7 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
         shape_t = [("TILE", K.MMA_TILE)]
     else:
         ns = min(K.v5_plan(T, groups, blocks), K.V5_MAXNS - 1) + 1
-        shape_t = [("SACC", 2), ("PF", 1 if stage else 2), ("VDEC", vdec), ("STAGE", stage)]
+        shape_t = [("SACC", 2), ("PF", 1 if stage else 2), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)]
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     template = ([("TQ", "f32"), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
                  ("ROT", rot), ("NTH", nth)] + shape_t + [("WCAUSAL", int(causal and L > 1))])
@@ -99,6 +99,7 @@ def test_v4_window_matches_float64(case):
     dict(G=4, d=256, T=60, NW=37, L=2, causal=True, nth=64),  # head_dim 256: rows through registers (STAGE 0)
     dict(G=8, d=128, T=300, NW=32, nth=128, stage=2, rot=11),  # rwht_so4 on the default configuration
     dict(G=8, d=128, T=300, NW=32, nth=256, stage=2, vdec=2),  # the pair decode (the default since 2026-11-30)
+    dict(G=8, d=128, T=300, NW=32, nth=256, stage=2, vdec=2, merge=1),  # the warps' merge in one barrier
     dict(G=4, d=256, T=200, NW=5, nth=128, vdec=2),  # pair decode, rows through registers (no ring)
 ])
 def test_v5_window_matches_float64(case):

@@ -42,11 +42,12 @@ CASES = {
     "attn_v4": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
                 ("ROT", 3), ("NTH", 128), ("TILE", 128)],
     "attn_v5": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
-                ("ROT", 3), ("NTH", 384), ("SACC", 2), ("PF", 2), ("VDEC", 1), ("STAGE", 0)],
+                ("ROT", 3), ("NTH", 384), ("SACC", 2), ("PF", 2), ("VDEC", 1), ("STAGE", 0), ("MERGE", 0)],
     "attn_v4w": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
                  ("ROT", 3), ("NTH", 128), ("TILE", 128), ("WCAUSAL", 1)],
     "attn_v5w": [("TQ", "bf16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
-                 ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1), ("VDEC", 1), ("STAGE", 2), ("WCAUSAL", 1)],
+                 ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1), ("VDEC", 2), ("STAGE", 2), ("MERGE", 1),
+                 ("WCAUSAL", 1)],
     "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("ROT", 3), ("NC", 0)],  # more in test_kv_append_kernel
 }
 # more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
@@ -60,10 +61,10 @@ EXTRA_CASES = {
                                        ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("TILE", 128)]),
     "attn_v5/dense_bf16": ("attn_v5", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
                                        ("CAUSAL", 0), ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1),
-                                       ("VDEC", 0), ("STAGE", 2)]),
+                                       ("VDEC", 0), ("STAGE", 2), ("MERGE", 1)]),
     "attn_v5/causal_f32": ("attn_v5", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
                                        ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("SACC", 2), ("PF", 2),
-                                       ("VDEC", 1), ("STAGE", 0)]),
+                                       ("VDEC", 1), ("STAGE", 0), ("MERGE", 0)]),
 }
 # identifiers (and two phrases) that belong to one backend: the shared sources must not name them
 BACKEND_IDS = {"__syncthreads", "__shfl_xor_sync", "threadgroup_barrier", "simd_sum", "simd_max", "simd_shuffle_xor",
@@ -472,6 +473,7 @@ def test_v4_cuda_source_runs_on_cpu_executor(case):
                                   dict(G=2, d=128, T=300, L=2, causal=True, rot=4, B=2, qdtype="bf16", nth=256, pf=1,
                                        stage=2),
                                   dict(G=8, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2),
+                                  dict(G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2, merge=1),
                                   dict(G=4, d=128, T=300, bits=2, L=2, causal=True, qdtype="bf16", nth=128, pf=2,
                                        stage=0, vdec=2)])
 def test_v5_cuda_source_runs_on_cpu_executor(case):

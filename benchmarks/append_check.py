@@ -547,7 +547,7 @@ def main() -> int:
                   "kernel; CPU times)", flush=True)
             from rq_core.kv_cache import quantize_kv
 
-            def fake(keys, values, rotation, levels, bits, *, norm_correction=False):
+            def fake(keys, values, rotation, levels, bits, *, norm_correction=False, **_):
                 return (*quantize_kv(keys, rotation, levels, bits, norm_correction=norm_correction),
                         *quantize_kv(values, rotation, levels, bits, norm_correction=norm_correction))
 

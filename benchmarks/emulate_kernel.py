@@ -214,7 +214,7 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
     return res
 
 
-def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str):
+def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str, key_bits: int | None = None):
     """The kernel inputs of a kernels_check case: q, consts, packed codes, norms (k_norms as the [:, :, :T] view)."""
     q = c["q"]
     if qdtype == "f16":
@@ -226,20 +226,23 @@ def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str):
         q64 = (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     else:
         qin, q64 = q.astype(np.float32), q.astype(np.float64)
-    kc, vc = KC.pack64(c["kidx"], bits), KC.pack64(c["vidx"], bits)
-    consts = np.concatenate([c["levels"].astype(np.float32), np.array([scale], np.float32)])
+    kc, vc = KC.pack64(c["kidx"], key_bits or bits), KC.pack64(c["vidx"], bits)
+    consts = np.concatenate([c["levels"].astype(np.float32), np.array([scale], np.float32)]
+                            + ([c["klevels"].astype(np.float32)] if key_bits else []))
     kn = c["knorm"]
     views = {"k_norms": ((kn.shape[0], kn.shape[1], T), (kn.shape[1] * kn.shape[2], kn.shape[2], 1))}
     return qin, q64, kc, vc, consts, views
 
 
 def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0,
-           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=0):
+           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=0,
+           key_bits=None):
     """kernel="attn_v5" (run_v5) runs the v5 body with the same inputs and checks; nth: its threads per block.
     offsets / layout: emulate's (inputs placed off their buffers' aligned start; threadgroup layout)."""
-    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8))
+    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8),
+                     key_bits=key_bits)
     scale = 1.0 / math.sqrt(d)
-    qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype)
+    qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype, key_bits)
     R = G * L
     groups = B * Hkv
     if kernel == "attn_v5":
@@ -253,7 +256,8 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
     if kernel == "attn_v5":  # v5 takes T from tlen: its buffers go in whole (capacity past T), as the cache's do
         views.pop("k_norms")
     tq = qdtype
-    template = [("TQ", tq), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
+    template = [("TQ", tq), ("D", d), ("BITS", bits)] + ([("KBITS", key_bits or bits)] if kernel == "attn_v5" else []) + [
+                ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
                 ("ROT", rot), ("NTH", nth)] + ([("TILE", K.MMA_TILE)] if kernel == "attn_v4" else [("SACC", sacc), ("PF", pf), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)])
     outs = emulate(kernel, template,
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
@@ -264,17 +268,18 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
                    (groups, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed, offsets=offsets,
                    layout=layout)
     ref = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,
-                       offset=T - L, causal=causal, T=T, rot=rot)
+                       offset=T - L, causal=causal, T=T, rot=rot, key_levels=c["klevels"])
     got = outs["out"].astype(np.float64)
     err = float(np.linalg.norm(np.nan_to_num(got, nan=1e9) - ref) / np.linalg.norm(ref))
     # against the same math with the codebook levels rounded to half, as the matrix units see them
     ref_h = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], KC.half_levels(c["levels"]),
-                         scale=scale, offset=T - L, causal=causal, T=T, rot=rot)
+                         scale=scale, offset=T - L, causal=causal, T=T, rot=rot,
+                         key_levels=KC.half_levels(c["klevels"]))
     err_half = float(np.linalg.norm(np.nan_to_num(got, nan=1e9) - ref_h) / np.linalg.norm(ref_h))
     # lse against float64
     hk = np.arange(G * Hkv) // G
     qt = KC.rotate64(q64, c["mats"], hk, rot, False)
-    Kd = c["levels"].astype(np.float64)[c["kidx"][:, :, :T]] * c["knorm"][:, :, :T, None] / math.sqrt(d)
+    Kd = c["klevels"].astype(np.float64)[c["kidx"][:, :, :T]] * c["knorm"][:, :, :T, None] / math.sqrt(d)
     s = np.einsum("bhld,bhtd->bhlt", qt, Kd[:, hk]) * scale
     if causal:
         s = np.where(np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None], s, -np.inf)
@@ -327,7 +332,8 @@ def run_v3(rng, *, G, d, T, bits=3, rot=3, B=1, Hkv=2, seed=0):
 
 
 def run_kv_append(keys, values, mats: np.ndarray, consts: np.ndarray, *, shape: tuple[int, int, int, int], bits: int,
-                  rot: int, nc: bool = False, tk: str = "f32", views: dict | None = None, seed: int = 0) -> dict:
+                  rot: int, nc: bool = False, tk: str = "f32", views: dict | None = None, seed: int = 0,
+                  key_bits: int | None = None) -> dict:
     """Execute the CUDA rendering of metal/kv_append.body: quantize + pack keys and values [B, H, T, D].
 
     keys/values: numpy arrays in the input dtype (f32 or f16; bf16 as (uint16 array, "bf16")), or flat
@@ -336,10 +342,11 @@ def run_kv_append(keys, values, mats: np.ndarray, consts: np.ndarray, *, shape: 
     """
     B, H, T, D = shape
     W = (D * bits + 31) // 32
-    template = [("TK", tk), ("D", D), ("BITS", bits), ("ROT", rot), ("NC", int(nc))]
+    KW = (D * (key_bits or bits) + 31) // 32
+    template = [("TK", tk), ("D", D), ("BITS", bits), ("KBITS", key_bits or bits), ("ROT", rot), ("NC", int(nc))]
     return emulate("kv_append", template,
                    dict(keys=keys, values=values, mats=mats.astype(np.float32), consts=consts.astype(np.float32)),
-                   dict(k_codes=((B, H, T, W), "u32"), k_norms=((B, H, T), "f16"), v_codes=((B, H, T, W), "u32"),
+                   dict(k_codes=((B, H, T, KW), "u32"), k_norms=((B, H, T), "f16"), v_codes=((B, H, T, W), "u32"),
                         v_norms=((B, H, T), "f16")),
                    (B * H * T, 2), D, views=views, types={"keys": tk, "values": tk}, seed=seed)
 
@@ -371,6 +378,7 @@ class MLXStandIn:
                 ins[n] = np.ascontiguousarray(np.array(a))  # np.array keeps a view's strides
             types[n] = code[a.dtype]
         outs = {n: (tuple(sh), code[dt]) for n, sh, dt in zip(spec.outputs, output_shapes, output_dtypes)}
+        types.update({n: code[dt] for n, dt in zip(spec.outputs, output_dtypes)})  # (an fp16 `out` is __half*)
         res = emulate(self.name, tmpl, ins, outs, (grid[0] // threadgroup[0], grid[1]), threadgroup[0], types=types)
         return [mx.array(res[n]) for n in spec.outputs]
 

@@ -107,15 +107,18 @@ def pack64(idx: np.ndarray, bits: int) -> np.ndarray:
     return by.view("<u4").reshape(*idx.shape[:-1], nw)
 
 
-def reference(q, mats, kidx, knorm, vidx, vnorm, levels, *, scale, offset, causal, T, rot) -> np.ndarray:
-    """o = Rᵀ softmax(scale · m_j ⟨R q, levels[kidx_j]⟩ / √d) · Σ α_j m'_j levels[vidx_j] / √d, float64."""
+def reference(q, mats, kidx, knorm, vidx, vnorm, levels, *, scale, offset, causal, T, rot,
+              key_levels=None) -> np.ndarray:
+    """o = Rᵀ softmax(scale · m_j ⟨R q, levels[kidx_j]⟩ / √d) · Σ α_j m'_j levels[vidx_j] / √d, float64.
+    key_levels: the keys' own codebook (keys at their own width), else `levels`."""
     B, Hq, L, d = q.shape
     Hkv = kidx.shape[1]
     G = Hq // Hkv
     hk = np.arange(Hq) // G
     lv = levels.astype(np.float64)
     qt = rotate64(q.astype(np.float64), mats, hk, rot, False)
-    K = lv[kidx[:, :, :T]] * knorm[:, :, :T, None].astype(np.float64) / math.sqrt(d)
+    klv = lv if key_levels is None else key_levels.astype(np.float64)
+    K = klv[kidx[:, :, :T]] * knorm[:, :, :T, None].astype(np.float64) / math.sqrt(d)
     V = lv[vidx[:, :, :T]] * vnorm[:, :, :T, None].astype(np.float64) / math.sqrt(d)
     K, V = K[:, hk], V[:, hk]
     s = np.einsum("bhld,bhtd->bhlt", qt, K) * scale
@@ -243,13 +246,15 @@ def half_levels(levels: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
-def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False, signs=False):
+def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False, signs=False, key_bits=None):
     """Random inputs of one attention case; signs (rot bit 8, rwht_so4): mats [Hkv, 5d], each head's SO(4)
     blocks then its random ±1 signs, as kernels.rotation_args lays them out."""
     Tcap = T + slack
     nl = 1 << bits
     levels = np.sort(rng.standard_normal(nl) * 1.2).astype(np.float32)
-    kidx = rng.integers(0, nl, (B, Hkv, Tcap, d))
+    nlk = 1 << (key_bits or bits)
+    klevels = np.sort(rng.standard_normal(nlk) * 1.2).astype(np.float32) if key_bits else levels
+    kidx = rng.integers(0, nlk, (B, Hkv, Tcap, d))
     vidx = rng.integers(0, nl, (B, Hkv, Tcap, d))
     knorm = rng.uniform(0.5, 3.0, (B, Hkv, Tcap)).astype(np.float16)
     vnorm = rng.uniform(0.5, 3.0, (B, Hkv, Tcap)).astype(np.float16)
@@ -260,14 +265,15 @@ def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False, signs=Fals
     if signs:
         sg = np.where(rng.random((Hkv, d)) < 0.5, -1.0, 1.0)
         mats = np.concatenate([mats.reshape(Hkv, -1), sg], axis=1)
-    return dict(q=q, mats=mats, levels=levels, kidx=kidx, vidx=vidx, knorm=knorm, vnorm=vnorm, Tcap=Tcap)
+    return dict(q=q, mats=mats, levels=levels, klevels=klevels, kidx=kidx, vidx=vidx, knorm=knorm, vnorm=vnorm,
+                Tcap=Tcap)
 
 
 def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=False, qdtype="f32", variant=None,
-             v5cfg=None):
+             v5cfg=None, key_bits=None):
     q, mats = c["q"], c["mats"]
     args = dict(bits=bits, scale=1.0 / math.sqrt(q.shape[-1]), valid_len=T, offset=offset, causal=causal, rot=rot)
-    kc = mx.array(pack64(c["kidx"], bits))
+    kc = mx.array(pack64(c["kidx"], key_bits or bits))
     vc = mx.array(pack64(c["vidx"], bits))
     kn, vn = mx.array(c["knorm"]), mx.array(c["vnorm"])
     lv = mx.array(c["levels"])
@@ -282,8 +288,9 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=Fals
         out = out.astype(mx.float32)
     elif path == "v5":  # v4's contract; v5cfg = (threads per block, launch bound) or None for the defaults
         nth, minb, pf, vdec, stage = (tuple(v5cfg) + (None,) * 5)[:5] if v5cfg else (None,) * 5
+        split = dict(key_bits=key_bits, key_levels=mx.array(c["klevels"])) if key_bits else {}
         out, lse = K.attention_v5(qq, m, kc, kn, vc, vn, lv, nth=nth, minb=minb, pf=pf, vdec=vdec, stage=stage,
-                                  **args)
+                                  **split, **args)
         mx.eval(out, lse)
         out = out.astype(mx.float32)
     elif path == "fused":
@@ -294,7 +301,7 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=Fals
         mx.eval(out)
     got = np.array(out, dtype=np.float64)
     ref = reference(q, mats, c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=args["scale"],
-                    offset=offset, causal=causal, T=T, rot=rot)
+                    offset=offset, causal=causal, T=T, rot=rot, key_levels=c["klevels"])
     nan = int(np.isnan(got).sum())
     err = float(np.linalg.norm(np.nan_to_num(got) - ref) / np.linalg.norm(ref))
     if not mma:
@@ -302,7 +309,8 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=Fals
     # the matrix-unit paths see the codebook levels rounded to half (queries and weights stay exact to
     # ~2^-22 through hi + lo halves): against that math they must agree to fp32 accuracy at any context
     ref_h = reference(q, mats, c["kidx"], c["knorm"], c["vidx"], c["vnorm"], half_levels(c["levels"]),
-                      scale=args["scale"], offset=offset, causal=causal, T=T, rot=rot)
+                      scale=args["scale"], offset=offset, causal=causal, T=T, rot=rot,
+                      key_levels=half_levels(c["klevels"]))
     return err, nan, float(np.linalg.norm(np.nan_to_num(got) - ref_h) / np.linalg.norm(ref_h))
 
 
@@ -350,6 +358,9 @@ def main() -> int:
                 dict(base, T=3000, rot=11)]
         if path == "v5":
             out.append(dict(base, T=1500, bits=2))
+            # keys at their own width (kv.key_bits): 4-bit keys with 3- and 2-bit values
+            out += [dict(base, T=T, key_bits=4) for T in (1, 513, 4096, 32768)]
+            out += [dict(base, T=1500, bits=2, key_bits=4), dict(base, G=4, T=700, L=2, causal=True, key_bits=4)]
         return out + [dict(base, T=40000, repeat=3)]
 
     cases += one_launch("v5")
@@ -409,7 +420,7 @@ def main() -> int:
             or (cs["G"] == 1) or cs.get("qdtype") == "bf16" or cs["causal"]]
     for cs in cases:
         c = make_case(rng, B=1, Hkv=2, G=cs["G"], L=cs["L"], d=cs["d"], T=cs["T"], bits=cs["bits"],
-                      dense=bool(cs["rot"] & 4), signs=bool(cs["rot"] & 8))
+                      dense=bool(cs["rot"] & 4), signs=bool(cs["rot"] & 8), key_bits=cs.get("key_bits"))
         offset = cs["T"] - cs["L"]
         t0 = time.time()
         try:
@@ -420,7 +431,7 @@ def main() -> int:
                 e1, n1, h1 = run_case(K, mx, c, T=cs["T"], bits=cs["bits"], path=path, strategy=cs["strategy"],
                                       causal=cs["causal"], offset=offset, rot=cs["rot"], mma=mma,
                                       qdtype=cs.get("qdtype", "f32"), variant=cs["path"] if mma else None,
-                                      v5cfg=cs.get("v5cfg"))
+                                      v5cfg=cs.get("v5cfg"), key_bits=cs.get("key_bits"))
                 err, nan = max(err, e1), nan + n1
                 err_h = h1 if err_h is None or h1 is None else max(err_h, h1)
             if mma:
@@ -439,6 +450,7 @@ def main() -> int:
         name = f"{cs['path']}{'/' + cs['strategy'] if cs['strategy'] else ''}"
         name += f"/{cs['qdtype']}q" if cs.get("qdtype", "f32") != "f32" else ""
         name += "/" + ":".join(map(str, cs["v5cfg"])) if cs.get("v5cfg") else ""
+        name += f"/k{cs['key_bits']}" if cs.get("key_bits") else ""
         print(f"{'ok  ' if ok else 'FAIL'} {name:9s} G={cs['G']} d={cs['d']:3d} T={cs['T']:6d} L={cs['L']} "
               f"bits={cs['bits']} rot={cs['rot']} causal={int(cs['causal'])}  rel.err {err:.2e}"
               f"{'' if err_h is None else f' (half levels {err_h:.1e})'}  nan {nan}  "

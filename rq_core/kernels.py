@@ -78,6 +78,9 @@ V5_SACC = int(os.environ.get("RQ_V5_SACC", "1"))
 # the warps' merge at the end of a block: 0, four rounds into two slabs (checked on the H200); 1, a slab a warp
 # and one barrier where the block's threadgroup memory holds them (CPU executor only, not yet run on a GPU)
 V5_MERGE = int(os.environ.get("RQ_V5_MERGE", "0"))
+# keys at their own width (kv.key_bits) through the GPU kernels (kv_append and attn_v5 with KBITS): checked on the CPU
+# executor only so far, so opt-in; without it such a cache appends with MLX ops and attends by the reference path
+SPLIT_KERNELS = os.environ.get("RQ_SPLIT_KERNELS", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -355,17 +358,21 @@ def _mma_smem(D: int, bits: int, R: int, staged: bool) -> int:
 _CONSTS: dict = {}
 
 
-def _consts(levels: mx.array, scale: float) -> mx.array:
-    """[levels..., scale] on the device, built once per (codebook array, scale): no per-call host data."""
-    key = (id(levels), float(scale))
+def _consts(levels: mx.array, scale: float, key_levels: mx.array | None = None) -> mx.array:
+    """[levels..., scale(, the keys' own levels...)] on the device, built once per (codebook arrays, scale):
+    no per-call host data."""
+    key = (id(levels), float(scale), id(key_levels))
     hit = _CONSTS.get(key)
-    if hit is None or hit[0] is not levels:
-        arr = mx.concatenate([levels.astype(mx.float32).reshape(-1), mx.array([scale], dtype=mx.float32)])
+    if hit is None or hit[0] is not levels or hit[1] is not key_levels:
+        parts = [levels.astype(mx.float32).reshape(-1), mx.array([scale], dtype=mx.float32)]
+        if key_levels is not None:
+            parts.append(key_levels.astype(mx.float32).reshape(-1))
+        arr = mx.concatenate(parts)
         mx.eval(arr)
         if len(_CONSTS) > 64:
             _CONSTS.clear()
-        hit = _CONSTS[key] = (levels, arr)
-    return hit[1]
+        hit = _CONSTS[key] = (levels, key_levels, arr)
+    return hit[2]
 
 
 _NO_MATS: list = []
@@ -705,42 +712,48 @@ def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
     return max(1, min(-(-T // 128), -(-target // max(1, n_groups)), V5_MAXNS))
 
 
-def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec: int = 1) -> int:
-    """Threadgroup bytes of attn_v5 (the body's arrays, in declaration order: pool, table, ring, the rest).
-    vdec 2 on CUDA pads the table to the next 8 KB boundary of the shared window (above the block's 1 KB
-    reserved), as the body's LUTPAD does."""
+def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec: int = 1,
+             kbits: int | None = None) -> int:
+    """Threadgroup bytes of attn_v5 (the body's arena: pool, the keys' own table where kbits differs, the pair
+    table, the ring; then the small arrays). vdec 2 on CUDA pads the pair table to the next 8 KB boundary of the
+    shared window (above the block's 1 KB reserved), as the body's LUTPAD does."""
+    kbits = bits if kbits is None else kbits
     step = 16 if be == "cuda" else 8
     nwarp = nth // 32
     np_ = 1 << (2 * bits)
     luts = 32 if np_ * 32 * 4 <= 8192 else 1
     pool = 2 * R * D + max(nwarp * R * (step + 4), R * V5_MAXNS)
-    ring = nwarp * stage * 2 * step * (D * bits // 32) if stage > 0 else 4
+    ring = nwarp * stage * step * (D * bits // 32 + D * kbits // 32) if stage > 0 else 4
+    klut = (1 << (2 * kbits)) if kbits != bits else 0
     pad = 0
     if vdec == 2 and luts == 32 and be == "cuda":
-        pad = (8192 - (1024 + 4 * pool) % 8192) % 8192
-    return 4 * ring + 4 * pool + 4 * np_ * luts + pad + 4 * (2 * nwarp * MMA_N + 2 * MMA_N + 2)
+        pad = (8192 - (1024 + 4 * pool + 4 * klut) % 8192) % 8192
+    return 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * (2 * nwarp * MMA_N + 2 * MMA_N + 2)
 
 
 def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None,
-          vdec: int = 1) -> bool:
-    """Shapes attn_v5 covers: those of the matrix-unit kernels, within the threadgroup memory limit."""
+          vdec: int = 1, kbits: int | None = None) -> bool:
+    """Shapes attn_v5 covers: those of the matrix-unit kernels (keys and values each), within the threadgroup
+    memory limit."""
     nth = V5_NTH if nth is None else nth
     stage = V5_STAGE if stage is None else stage
-    return (mma_ok(D, bits, R) and nth % 64 == 0 and stage >= 0
-            and _v5_smem(D, bits, R, nth, be, stage, vdec) <= SMEM_LIMIT[be])
+    kb = bits if kbits is None else kbits
+    return (mma_ok(D, bits, R) and mma_ok(D, kb, R) and nth % 64 == 0 and stage >= 0
+            and _v5_smem(D, bits, R, nth, be, stage, vdec, kb) <= SMEM_LIMIT[be])
 
 
 @functools.lru_cache(maxsize=256)
 def _v5_config(D: int, bits: int, R: int, be: str, nth: int, stage: int | None, pf: int | None, default_stage: int,
-               default_pf: int, vdec: int = 1) -> tuple[int, int, int, int]:
+               default_pf: int, vdec: int = 1, kbits: int | None = None) -> tuple[int, int, int, int]:
     """(threads, ring stages, load-ahead, decode) of attn_v5 for a shape class, checked once (a decode calls
     this for every layer of every step). Decode 2 falls back to 1 where its padded table does not fit."""
     if stage is None:  # the default ring where it fits, else rows through registers
-        stage = default_stage if v5_ok(D, bits, R, be, nth, default_stage) else 0
+        stage = default_stage if v5_ok(D, bits, R, be, nth, default_stage, kbits=kbits) else 0
     pf = 1 if stage > 0 else (default_pf if pf is None else pf)
-    if not v5_ok(D, bits, R, be, nth, stage):
-        raise KernelUnsupported(f"v5: R={R}, head_dim {D}, {bits}-bit codes, {nth} threads, {stage} stages")
-    if vdec == 2 and not v5_ok(D, bits, R, be, nth, stage, 2):
+    if not v5_ok(D, bits, R, be, nth, stage, kbits=kbits):
+        raise KernelUnsupported(f"v5: R={R}, head_dim {D}, {bits}-bit codes ({kbits}-bit keys), {nth} threads, "
+                                f"{stage} stages")
+    if vdec == 2 and not v5_ok(D, bits, R, be, nth, stage, 2, kbits):
         vdec = 1
     return nth, stage, pf, vdec
 
@@ -750,23 +763,31 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
                  causal: bool = False, rot: int = ROT_WHT | ROT_SO4, blocks: int | None = None,
                  nth: int | None = None, minb: int | None = None, pf: int | None = None,
                  vdec: int | None = None, stage: int | None = None,
-                 window: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array]:
+                 window: tuple[mx.array, mx.array] | None = None, key_bits: int | None = None,
+                 key_levels: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """Single-launch attention, v5: attention_v4's contract (arguments, outputs, counter pool), a kernel
     whose warps stream their own token steps (metal/attn_v5.body). blocks / nth / minb / pf / vdec / stage:
     the grid's target block count, threads per block, the launch bound, the load-ahead depth, the value
     decode and the copy ring (default V5_BLOCKS, V5_NTH, V5_MINB, V5_PF, V5_VDEC, V5_STAGE; stage > 0
     forces pf = 1). Code rows must start 16-byte aligned (v4's uint4 loads need it too): buffers of more
     than 8 bytes do, and so does every row of them, since the shapes taken have rows of 4k words.
-    window: the cache's fp16 segment after the packed tokens, as attention_v4's (attn_v5w: one more split)."""
+    window: the cache's fp16 segment after the packed tokens, as attention_v4's (attn_v5w: one more split).
+    key_bits / key_levels: keys at their own width and codebook (kv.key_bits; k_codes rows of D * key_bits / 32
+    words), else the values' `bits` and `levels`."""
     if backend() is None:
         raise KernelUnsupported("no GPU backend")
     B, Hq, L, D = q.shape
     Hkv = k_codes.shape[1]
     R = (Hq // Hkv) * L
     _check(D, bits, R)
+    kb = bits if key_bits is None or key_levels is None else key_bits
+    if kb != bits:
+        _check(D, kb, R)
+        if k_codes.shape[3] * 32 != D * kb:
+            raise KernelUnsupported(f"v5: key rows of {k_codes.shape[3]} words for {kb}-bit keys")
     be = backend() or "cuda"
     nth, stage, pf, vdec = _v5_config(D, bits, R, be, V5_NTH if nth is None else nth, stage, pf, V5_STAGE, V5_PF,
-                                      V5_VDEC if vdec is None else vdec)
+                                      V5_VDEC if vdec is None else vdec, kb)
     extra, wt = [], []
     if window is not None:
         wk, wv = window
@@ -784,9 +805,9 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
         ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
     k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None, _minify_on())
     out, lse, _, _ = _launch(
-        k, inputs=[qd, _mats(mats), _consts(levels, scale), k_codes, k_norms, v_codes, v_norms, _counter(groups),
-                _length_view(T)] + extra,
-        template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv),
+        k, inputs=[qd, _mats(mats), _consts(levels, scale, key_levels if kb != bits else None), k_codes, k_norms,
+                v_codes, v_norms, _counter(groups), _length_view(T)] + extra,
+        template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("R", R), ("LQ", L), ("HKV", Hkv),
                   ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
                   ("VDEC", vdec), ("STAGE", stage), ("MERGE", V5_MERGE)] + wt,
         grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
@@ -836,8 +857,10 @@ def attn_version() -> str:
 
 def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
                  v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, offset: int, causal: bool,
-                 valid_len: int, window: tuple[mx.array, mx.array] | None = None) -> mx.array | None:
+                 valid_len: int, window: tuple[mx.array, mx.array] | None = None, key_bits: int | None = None,
+                 key_levels: mx.array | None = None) -> mx.array | None:
     """IsoQuantCache's whole attention over packed codes with the rotation done in-kernel, or None.
+    Keys at their own width (key_bits, key_levels): v5 only (None elsewhere: the caller's reference path).
 
     RQ_ATTN=v5 (default) or v4: one launch. RQ_ATTN=v3r: attn_mma2 + attn_merge with ROT (2 launches; not for the
     dense rotation). None (the caller takes its usual path) for v3, without a GPU backend, or for
@@ -849,7 +872,10 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
         return None
     B, Hq, L, D = queries.shape
     Hkv = k_codes.shape[1]
-    if Hq % Hkv or k_codes.shape[3] * 32 != D * bits:
+    split = key_bits is not None and key_bits != bits
+    if Hq % Hkv or k_codes.shape[3] * 32 != D * (key_bits if split else bits) or v_codes.shape[3] * 32 != D * bits:
+        return None
+    if split and (version != "v5" or key_levels is None or not SPLIT_KERNELS):
         return None
     try:
         rot, mats = rotation_args(rotation)
@@ -860,8 +886,11 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
             if version == "v5":
                 try:
                     return attention_v5(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, window=window,
-                                        **args)[0]
+                                        key_bits=key_bits if split else None,
+                                        key_levels=key_levels if split else None, **args)[0]
                 except KernelUnsupported:
+                    if split:
+                        return None
                     pass  # v4 covers more shapes (threadgroup memory)
             return attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, window=window,
                                 **args)[0]
@@ -972,38 +1001,47 @@ def append_mode() -> str:
     return v
 
 
-def _append_consts(levels: mx.array, d: int) -> mx.array:
-    """[levels, thresholds, 1/sqrt(d), sqrt(d)] float32 on the device, once per (codebook array, d).
-    The thresholds and both scalars are rounded exactly as quantize_kv / Rotation.forward round them."""
-    key = (id(levels), d)
+def _append_consts(levels: mx.array, d: int, key_levels: mx.array | None = None) -> mx.array:
+    """[levels, thresholds, 1/sqrt(d), sqrt(d)(, key levels, key thresholds)] float32 on the device, once per
+    (codebook arrays, d). The thresholds and both scalars are rounded exactly as quantize_kv /
+    Rotation.forward round them."""
+    key = (id(levels), d, id(key_levels))
     hit = _APPEND_CONSTS.get(key)
-    if hit is None or hit[0] is not levels:
-        lv = levels.astype(mx.float32).reshape(-1)
-        thr = (lv[1:] + lv[:-1]) / 2
-        arr = mx.concatenate([lv, thr, mx.array([1.0 / math.sqrt(d), math.sqrt(d)], dtype=mx.float32)])
+    if hit is None or hit[0] is not levels or hit[1] is not key_levels:
+        parts = []
+        for lvs in (levels,) if key_levels is None else (levels, key_levels):
+            lv = lvs.astype(mx.float32).reshape(-1)
+            parts += [lv, (lv[1:] + lv[:-1]) / 2]
+            if len(parts) == 2:
+                parts.append(mx.array([1.0 / math.sqrt(d), math.sqrt(d)], dtype=mx.float32))
+        arr = mx.concatenate(parts)
         mx.eval(arr)
         if len(_APPEND_CONSTS) > 4096:  # one entry per cache layer's codebook array: keep every layer's
             _APPEND_CONSTS.clear()
-        hit = _APPEND_CONSTS[key] = (levels, arr)
-    return hit[1]
+        hit = _APPEND_CONSTS[key] = (levels, key_levels, arr)
+    return hit[2]
 
 
 def kv_append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, bits: int, *,
-                    norm_correction: bool = False) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+                    norm_correction: bool = False, key_bits: int | None = None,
+                    key_levels: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """quantize_kv of keys and of values [B, Hkv, T, d] in ONE kernel launch (metal/kv_append.body).
 
     Returns (k_codes uint32 [B, Hkv, T, W], k_norms float16 [B, Hkv, T], v_codes, v_norms), equal to
     quantize_kv's except for coordinates within float32 rounding of a codebook boundary. keys/values may
     be any strided views (a slice of a cache buffer: no copy op). Every rotation variant is done in-kernel
-    (WHT, SO(4) blocks, dense). Raises KernelUnsupported for shapes it does not cover.
+    (WHT, SO(4) blocks, dense). key_bits / key_levels: keys at their own width and codebook (k_codes rows of
+    ceil(D * key_bits / 32) words). Raises KernelUnsupported for shapes it does not cover.
     """
+    split = key_bits is not None and key_levels is not None and key_bits != bits
+    kb = key_bits if split else bits
     if keys.ndim != 4 or values.shape != keys.shape:
         raise KernelUnsupported(f"keys {tuple(keys.shape)} / values {tuple(values.shape)}")
     B, H, T, D = keys.shape
     if D not in APPEND_DIMS:
         raise KernelUnsupported(f"kv_append: head_dim {D}")
-    if not 1 <= bits <= 4 or levels.size != 1 << bits:
-        raise KernelUnsupported(f"kv_append: {bits}-bit codes with {levels.size} levels")
+    if not 1 <= bits <= 4 or levels.size != 1 << bits or not 1 <= kb <= 4 or (split and key_levels.size != 1 << kb):
+        raise KernelUnsupported(f"kv_append: {bits}-bit codes with {levels.size} levels ({kb}-bit keys)")
     if rotation.d != D or rotation.n_heads != H:
         raise KernelUnsupported(f"kv_append: rotation for d={rotation.d}, {rotation.n_heads} heads")
     rows = B * H * T
@@ -1016,23 +1054,30 @@ def kv_append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array
         keys, values = keys.astype(mx.float32), values.astype(mx.float32)
     rot, mats = rotation_args(rotation)
     W = (D * bits + 31) // 32
+    KW = (D * kb + 31) // 32
     k = _kernel("kv_append", be)
-    return tuple(_launch(k, inputs=[keys, values, _mats(mats), _append_consts(levels, D)],
-                   template=[("TK", keys.dtype), ("D", D), ("BITS", bits), ("ROT", rot), ("NC", int(norm_correction))],
+    return tuple(_launch(k, inputs=[keys, values, _mats(mats), _append_consts(levels, D, key_levels if split else None)],
+                   template=[("TK", keys.dtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("ROT", rot),
+                             ("NC", int(norm_correction))],
                    grid=(rows * D, 2, 1), threadgroup=(D, 1, 1),
-                   output_shapes=[(B, H, T, W), (B, H, T), (B, H, T, W), (B, H, T)],
+                   output_shapes=[(B, H, T, KW), (B, H, T), (B, H, T, W), (B, H, T)],
                    output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16],
                    init_value=APPEND_POISON if POISON else None))
 
 
 def append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, bits: int, *,
-                 norm_correction: bool = False) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+                 norm_correction: bool = False, key_bits: int | None = None,
+                 key_levels: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
     """IsoQuantCache's append on a GPU: kv_append_codes, or None (the caller runs quantize_kv) on CPU,
-    with RQ_APPEND=ops, or for shapes the kernel does not cover."""
+    with RQ_APPEND=ops, for shapes the kernel does not cover, or for keys at their own width unless
+    RQ_SPLIT_KERNELS=1 (not yet run on a GPU)."""
     if append_mode() == "ops" or not available():
         return None
+    if key_bits is not None and key_bits != bits and not SPLIT_KERNELS:
+        return None
     try:
-        return kv_append_codes(keys, values, rotation, levels, bits, norm_correction=norm_correction)
+        return kv_append_codes(keys, values, rotation, levels, bits, norm_correction=norm_correction,
+                               key_bits=key_bits, key_levels=key_levels)
     except KernelUnsupported:
         return None
 

@@ -253,13 +253,14 @@ class IsoQuantCache:
         (RQ_APPEND=ops keeps quantize_kv's MLX ops there); on CPU quantize_kv, the reference."""
         from rq_core import kernels
 
-        if self.key_bits:  # two widths: the append kernel takes one
-            k = quantize_kv(keys, self.rotation, self.k_levels, self.key_bits, norm_correction=self.norm_correction)
-            return (*k, *self.compress(values))
         out = kernels.append_codes(keys, values, self.rotation, self.levels, self.bits,
-                                   norm_correction=self.norm_correction)
+                                   norm_correction=self.norm_correction, key_bits=self.key_bits,
+                                   key_levels=self.k_levels if self.key_bits else None)
         if out is not None:
             return out
+        if self.key_bits:  # keys at their own width and codebook
+            k = quantize_kv(keys, self.rotation, self.k_levels, self.key_bits, norm_correction=self.norm_correction)
+            return (*k, *self.compress(values))
         return (*self.compress(keys), *self.compress(values))
 
     def _spill(self, keep: int) -> None:
@@ -299,15 +300,15 @@ class IsoQuantCache:
             m = None if (isinstance(mask, str) and L == 1) else mask
             return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
 
-        if arr_mask is None and not self.key_bits and (self.fp16_len == 0 or (not self.prefilling and
-                                                                           self.fp16_len >= L)):
+        if arr_mask is None and (self.fp16_len == 0 or (not self.prefilling and self.fp16_len >= L)):
             from rq_core import kernels  # one launch on a GPU (v5 or v4), window included; else None
 
             n = self.fp16_len
             window = (self._fk[:, :, :n], self._fv[:, :, :n]) if n else None
             out = kernels.fused_attend(queries, self.rotation, self.k_codes, self.k_norms, self.v_codes, self.v_norms,
                                        self.levels, bits=self.bits, scale=scale, offset=q_pos0, causal=causal,
-                                       valid_len=self.packed_len, window=window)
+                                       valid_len=self.packed_len, window=window, key_bits=self.key_bits,
+                                       key_levels=self.k_levels if self.key_bits else None)
             if out is not None:
                 return out
         parts = []

@@ -24,10 +24,11 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel 
 
 def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = False, bits: int = 3,
                rot: int = 3, B: int = 1, Hkv: int = 2, blocks: int = 8, kernel: str = "attn_v4w",
-               nth: int = 128, stage: int = 0, vdec: int = 1, merge: int = 0) -> dict:
-    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8))
+               nth: int = 128, stage: int = 0, vdec: int = 1, merge: int = 0, key_bits: int | None = None) -> dict:
+    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8),
+                     key_bits=key_bits)
     scale = 1.0 / math.sqrt(d)
-    qin, q64, kc, vc, consts, views = EK._case_inputs(c, T, bits, scale, "f32")
+    qin, q64, kc, vc, consts, views = EK._case_inputs(c, T, bits, scale, "f32", key_bits)
     wcap = NW + 3  # a cache buffer: rows past the window hold junk the kernel must not read
     wk = (rng.standard_normal((B, Hkv, wcap, d)) * 1.5).astype(np.float16)
     wv = (rng.standard_normal((B, Hkv, wcap, d)) * 1.5).astype(np.float16)
@@ -44,7 +45,8 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
         ns = min(K.v5_plan(T, groups, blocks), K.V5_MAXNS - 1) + 1
         shape_t = [("SACC", 2), ("PF", 1 if stage else 2), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)]
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
-    template = ([("TQ", "f32"), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
+    template = ([("TQ", "f32"), ("D", d), ("BITS", bits)] + ([("KBITS", key_bits or bits)] if kernel == "attn_v5w" else [])
+                + [("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
                  ("ROT", rot), ("NTH", nth)] + shape_t + [("WCAUSAL", int(causal and L > 1))])
     outs = EK.emulate(kernel, template,
                       dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"],
@@ -57,7 +59,8 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
     hk = np.arange(G * Hkv) // G
     lv = KC.half_levels(c["levels"]).astype(np.float64)  # the levels as the matrix units see them
     qt = KC.rotate64(q64, c["mats"], hk, rot, False)
-    Kp = lv[c["kidx"][:, :, :T]] * c["knorm"][:, :, :T, None].astype(np.float64) / math.sqrt(d)
+    klv = KC.half_levels(c["klevels"]).astype(np.float64)  # the keys' own levels where they have their own width
+    Kp = klv[c["kidx"][:, :, :T]] * c["knorm"][:, :, :T, None].astype(np.float64) / math.sqrt(d)
     Vp = lv[c["vidx"][:, :, :T]] * c["vnorm"][:, :, :T, None].astype(np.float64) / math.sqrt(d)
     Kw = KC.rotate64(wk[:, :, :NW].astype(np.float64), c["mats"], np.arange(Hkv), rot, False)
     Vw = KC.rotate64(wv[:, :, :NW].astype(np.float64), c["mats"], np.arange(Hkv), rot, False)
@@ -100,6 +103,7 @@ def test_v4_window_matches_float64(case):
     dict(G=8, d=128, T=300, NW=32, nth=128, stage=2, rot=11),  # rwht_so4 on the default configuration
     dict(G=8, d=128, T=300, NW=32, nth=256, stage=2, vdec=2),  # the pair decode (the default since 2026-11-30)
     dict(G=8, d=128, T=300, NW=32, nth=256, stage=2, vdec=2, merge=1),  # the warps' merge in one barrier
+    dict(G=8, d=128, T=300, NW=32, nth=256, stage=0, vdec=2, key_bits=4),  # keys at 4 bits, values at 3 (K4V3)
     dict(G=4, d=256, T=200, NW=5, nth=128, vdec=2),  # pair decode, rows through registers (no ring)
 ])
 def test_v5_window_matches_float64(case):

@@ -41,14 +41,14 @@ CASES = {
     "value_word": [("D", 128), ("BITS", 2), ("R", 8), ("NSL", 32)],
     "attn_v4": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
                 ("ROT", 3), ("NTH", 128), ("TILE", 128)],
-    "attn_v5": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
+    "attn_v5": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
                 ("ROT", 3), ("NTH", 384), ("SACC", 2), ("PF", 2), ("VDEC", 1), ("STAGE", 0), ("MERGE", 0)],
     "attn_v4w": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
                  ("ROT", 3), ("NTH", 128), ("TILE", 128), ("WCAUSAL", 1)],
-    "attn_v5w": [("TQ", "bf16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
+    "attn_v5w": [("TQ", "bf16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
                  ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1), ("VDEC", 2), ("STAGE", 2), ("MERGE", 1),
                  ("WCAUSAL", 1)],
-    "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("ROT", 3), ("NC", 0)],  # more in test_kv_append_kernel
+    "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("ROT", 3), ("NC", 0)],  # more in test_kv_append_kernel
 }
 # more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
 EXTRA_CASES = {
@@ -59,10 +59,10 @@ EXTRA_CASES = {
     "rotate_query/rwht_so4": ("rotate_query", [("D", 128), ("R", 8), ("ROT", 11), ("INV", 0)]),
     "attn_v4/causal_f32": ("attn_v4", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
                                        ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("TILE", 128)]),
-    "attn_v5/dense_bf16": ("attn_v5", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
+    "attn_v5/dense_bf16": ("attn_v5", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("KBITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
                                        ("CAUSAL", 0), ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1),
                                        ("VDEC", 0), ("STAGE", 2), ("MERGE", 1)]),
-    "attn_v5/causal_f32": ("attn_v5", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
+    "attn_v5/causal_f32": ("attn_v5", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("KBITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
                                        ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("SACC", 2), ("PF", 2),
                                        ("VDEC", 1), ("STAGE", 0), ("MERGE", 0)]),
 }

@@ -47,14 +47,14 @@ def test_renderings_compile(be, tmp_path):
     procs = []
     for tk, D, bits, rot, nc in TEMPLATES:
         f = tmp_path / f"kv_append_{be}_{tk}_{D}_{rot}.cpp"
-        f.write_text(prefix + K.full_source("kv_append", be, [("TK", tk), ("D", D), ("BITS", bits), ("ROT", rot),
+        f.write_text(prefix + K.full_source("kv_append", be, [("TK", tk), ("D", D), ("BITS", bits), ("KBITS", bits), ("ROT", rot),
                                                              ("NC", nc)], {"keys": tk, "values": tk}))
         cmd = [cc, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", f"-I{inc}",
                f"-I{STUBS / 'cuda'}", str(f)]
         procs.append((f.name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     errors = [f"{n}:\n{p.communicate(timeout=120)[0][:3000]}" for n, p in procs if p.wait(timeout=120) != 0]
     assert not errors, "\n".join(errors)
-    src = K.full_source("kv_append", be, [("TK", "f16"), ("D", 128), ("BITS", 3), ("ROT", 3), ("NC", 0)])
+    src = K.full_source("kv_append", be, [("TK", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 3), ("ROT", 3), ("NC", 0)])
     assert "keys_strides" in src and "values_strides" in src and "keys_shape" in src  # views: no copy op
 
 
@@ -88,7 +88,7 @@ def test_cuda_source_matches_quantize_kv(case):
 @needs_emu
 @pytest.mark.parametrize("old,new", [
     ("(code[k] >> (-s))", "(code[k] >> (1 - s))"),  # a straddling code's high bits
-    ("c += z > consts[NL + t]", "c += z >= consts[NL + t]"),  # ties: the zero row sits on the threshold 0
+    ("c += z > consts[loff + nl + t]", "c += z >= consts[loff + nl + t]"),  # ties: the zero row sits on threshold 0
     ("tj * values_strides[2]", "tj * keys_strides[2]"),  # values read through the keys' layout
 ])
 def test_a_broken_kernel_is_caught(old, new, tmp_path, monkeypatch):
@@ -142,7 +142,7 @@ def test_dispatch_to_the_kernel(monkeypatch):
     quantize_kv."""
     calls = []
 
-    def fake(keys, values, rotation, levels, bits, *, norm_correction=False):
+    def fake(keys, values, rotation, levels, bits, *, norm_correction=False, **_):
         calls.append((keys.shape, values.shape, norm_correction))
         return (*quantize_kv(keys, rotation, levels, bits, norm_correction=norm_correction),
                 *quantize_kv(values, rotation, levels, bits, norm_correction=norm_correction))

@@ -1,0 +1,77 @@
+"""Keys at their own width (kv.key_bits) through the GPU kernels (kv_append and attn_v5w with KBITS), with the
+CPU executor (tests/kernel_emu) standing in for mx.fast.cuda_kernel: the whole path IsoQuantCache takes on a
+GPU with RQ_SPLIT_KERNELS=1, against the ops-and-reference path it takes without kernels."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import rq_core.kernels as K
+from rq_core.kv_cache import IsoQuantCache
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.startswith("linux"),
+                               reason="needs g++ and ucontext (Linux)")
+
+
+def _run(n_prompt: int, steps: int, seed: int) -> tuple[IsoQuantCache, list[np.ndarray]]:
+    """A 4-bit-key / 3-bit-value cache: a prompt, then decode steps; the attention outputs of the steps."""
+    rng = np.random.default_rng(seed)
+    Hkv, G, d = 2, 4, 128
+    c = IsoQuantCache(head_dim=d, n_kv_heads=Hkv, layer=1, bits=3, key_bits=4, fp16_window=8)
+    k = mx.array(rng.standard_normal((1, Hkv, n_prompt, d)).astype(np.float16))
+    v = mx.array(rng.standard_normal((1, Hkv, n_prompt, d)).astype(np.float16))
+    q = mx.array(rng.standard_normal((1, Hkv * G, n_prompt, d)).astype(np.float16))
+    c.attend(q, k, v, scale=d ** -0.5, mask="causal")
+    c.end_prefill()
+    outs = []
+    for _ in range(steps):
+        k1 = mx.array(rng.standard_normal((1, Hkv, 1, d)).astype(np.float16))
+        v1 = mx.array(rng.standard_normal((1, Hkv, 1, d)).astype(np.float16))
+        q1 = mx.array(rng.standard_normal((1, Hkv * G, 1, d)).astype(np.float16))
+        o = c.attend(q1, k1, v1, scale=d ** -0.5, mask=None)
+        outs.append(np.array(o.astype(mx.float32)))
+    return c, outs
+
+
+@needs_emu
+def test_split_widths_through_the_kernels(monkeypatch):
+    import emulate_kernel as EK
+
+    ref_cache, ref = _run(60, 2, seed=4)  # CPU: quantize_kv for both widths, the reference attention
+
+    stand: dict = {}
+
+    def kernel(name: str):
+        return stand.setdefault(name, EK.MLXStandIn(name))
+
+    monkeypatch.setenv("RQ_KERNEL_CACHE", "0")
+    monkeypatch.delenv("RQ_APPEND", raising=False)
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "available", lambda: True)
+    monkeypatch.setattr(K, "SPLIT_KERNELS", True)
+    monkeypatch.setattr(K, "_kernel", lambda name, be: kernel(name))
+    monkeypatch.setattr(K, "_kernel_v5", lambda be, nth, minb, window=False, minified=True:
+                        kernel("attn_v5w" if window else "attn_v5"))
+    gpu_cache, got = _run(60, 2, seed=4)
+
+    assert "kv_append" in stand and "attn_v5w" in stand  # the spill and the decode steps took the kernels
+    tmpl = dict(stand["attn_v5w"].calls[-1]["template"])
+    assert tmpl["KBITS"] == 4 and tmpl["BITS"] == 3
+    assert dict(stand["kv_append"].calls[-1]["template"])["KBITS"] == 4
+    assert gpu_cache.k_codes.shape[-1] == 16 and gpu_cache.v_codes.shape[-1] == 12
+    n = gpu_cache.packed_len
+    assert n == ref_cache.packed_len > 0
+    for a, b in ((gpu_cache.k_codes, ref_cache.k_codes), (gpu_cache.v_codes, ref_cache.v_codes)):
+        assert mx.array_equal(a[:, :, :n], b[:, :, :n])  # random rows: no coordinate on a boundary
+    for g, r in zip(got, ref):
+        assert np.isfinite(g).all()
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's levels are fp16

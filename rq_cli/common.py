@@ -82,3 +82,13 @@ def _default(o: Any) -> Any:
     except ImportError:  # pragma: no cover
         pass
     return str(o)
+
+
+def gpu_first_run_note() -> None:
+    """On stderr: a note when this looks like the first GPU run on the machine (rq_core.kernel_cache.first_run_note),
+    so minutes of MLX compiling its kernels do not read as a hang."""
+    from rq_core.kernel_cache import first_run_note
+
+    note = first_run_note()
+    if note:
+        console.print(f"[dim]rq: {note}[/dim]")

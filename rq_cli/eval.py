@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import console, handle_errors, print_json
+from rq_cli.common import console, gpu_first_run_note, handle_errors, print_json
 from rq_core.errors import RQError
 
 app = typer.Typer(no_args_is_help=True)
@@ -56,6 +56,7 @@ def ppl(
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
     settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits))
     em = load_eval_model(model)
+    gpu_first_run_note()
     ctx = check_context(em.context if context is None else context, em.context)
     res = perplexity(em.model, _ids(em, text), settings, context=ctx, step=step, max_windows=windows)
     if json_out:
@@ -125,6 +126,7 @@ def niah_cmd(
                             key_bits=_key_bits(m, key_bits))
                 for m in modes]
     em = load_eval_model(model)
+    gpu_first_run_note()
     too_long = [L for L in Ls if L > em.context]
     if too_long:
         raise RQError(f"--lengths {too_long} exceed the model's trained context of {em.context}")
@@ -172,6 +174,7 @@ def gates_cmd(
     cfg = load_gates(gates_file)
     settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits))
     em = load_eval_model(model)
+    gpu_first_run_note()
     rep = GateRunner(em, cfg, _ids(em, None)).run(settings)
     if json_out:
         print_json(rep.as_dict())

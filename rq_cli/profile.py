@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from rq_cli.common import console, handle_errors, print_json
+from rq_cli.common import console, gpu_first_run_note, handle_errors, print_json
 from rq_core.errors import RQError
 
 
@@ -91,6 +91,7 @@ def profile(
         raise RQError("--repeats must be ≥ 1 and --warmup ≥ 0")
     # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
     ckpt = load(model, tokenizer=False, cpu_float32=memory_budget is None)
+    gpu_first_run_note()
     settings = KVSettings(mode=kv, rotation=rotation)
     limit = text_config(ckpt.config).get("max_position_embeddings")
     if limit and max(contexts) > limit:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import console, handle_errors, print_json
+from rq_cli.common import console, gpu_first_run_note, handle_errors, print_json
 from rq_core.errors import RQError
 
 KV_CHOICES = ("fp16", "isoquant3", "turbo3")
@@ -122,11 +122,7 @@ def run(
         if pager_obj is None:
             return
 
-    from rq_core.kernel_cache import first_run_note
-
-    note = first_run_note()
-    if note:
-        console.print(f"[dim]rq: {note}[/dim]")
+    gpu_first_run_note()
     stream = StreamDecoder(tok)
 
     def on_token(t: int) -> None:

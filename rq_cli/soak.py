@@ -8,7 +8,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from rq_cli.common import console, handle_errors, print_json
+from rq_cli.common import console, gpu_first_run_note, handle_errors, print_json
 from rq_core.errors import RQError
 
 MB = 1 << 20
@@ -87,6 +87,7 @@ def soak(
         raise RQError("--max-tokens must be at least 1 and --max-prompt at least 8")
     # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
     ckpt = load(model, cpu_float32=memory_budget is None)
+    gpu_first_run_note()
     settings = SoakSettings(duration_s=duration, interval_s=interval or default_interval(duration), kv_mode=kv,
                             max_tokens=max_tokens, max_prompt=max_prompt, temp=temp, seed=seed,
                             thresholds=Thresholds(max_growth_mb=max_growth_mb,

@@ -412,6 +412,14 @@ def main() -> int:
         ("v5 G=4 d=256 4-bit T=400 ring 2 f16", lambda: run_v5(rng, G=4, d=256, T=400, bits=4, nth=64, pf=1,
                                                                stage=2, qdtype="f16", layout="worst")),
         ("v4 G=8 d=128 T=300 worst layout", lambda: run_v4(rng, G=8, d=128, T=300, layout="worst")),
+        # session 8: the pair decode (the default), the one-barrier merge, keys at their own width
+        ("v5 pair decode ring 2 (default)", lambda: run_v5(rng, G=8, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2)),
+        ("v5 pair decode d=256 rows in registers", lambda: run_v5(rng, G=8, d=256, T=300, nth=256, pf=2, vdec=2)),
+        ("v5 pair decode + one-barrier merge", lambda: run_v5(rng, G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2,
+                                                              merge=1)),
+        ("v5 4-bit keys 3-bit values", lambda: run_v5(rng, G=8, d=128, T=700, nth=256, pf=2, vdec=2, key_bits=4)),
+        ("v5 4-bit keys 2-bit values ring 1", lambda: run_v5(rng, G=8, d=128, T=600, bits=2, nth=256, pf=1, stage=1,
+                                                             vdec=2, key_bits=4)),
     ]
     for label, fn in cases:
         try:

@@ -889,9 +889,9 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
                                         key_bits=key_bits if split else None,
                                         key_levels=key_levels if split else None, **args)[0]
                 except KernelUnsupported:
-                    if split:
+                    if split:  # v4 takes one width
                         return None
-                    pass  # v4 covers more shapes (threadgroup memory)
+                    # v4 covers more shapes (threadgroup memory)
             return attention_v4(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, window=window,
                                 **args)[0]
         R = (Hq // Hkv) * L

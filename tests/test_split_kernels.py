@@ -75,3 +75,32 @@ def test_split_widths_through_the_kernels(monkeypatch):
     for g, r in zip(got, ref):
         assert np.isfinite(g).all()
         assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's levels are fp16
+
+
+@needs_emu
+@pytest.mark.parametrize("variant,nc", [("wht_so4", True), ("dense", False), ("rwht_so4", True)])
+def test_kv_append_split_widths_match_quantize_kv(variant, nc, monkeypatch):
+    """kv_append with 4-bit keys and 3-bit values: codes and norms equal quantize_kv's at each width, for every
+    rotation kind and with norm correction (the keys' own levels and thresholds in consts)."""
+    import emulate_kernel as EK
+    from rq_core.codebook import sphere_codebook
+    from rq_core.kv_cache import quantize_kv
+    from rq_core.rotation import Rotation
+
+    fake = EK.MLXStandIn("kv_append")
+    monkeypatch.setenv("RQ_KERNEL_CACHE", "0")
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "_kernel", lambda name, be: fake)
+    rng = np.random.default_rng(5)
+    d, H = 128, 2
+    rot = Rotation(d, H, variant=variant, seed=3, layer=2)
+    lv3 = mx.array(sphere_codebook(3, d).levels.astype("float32"))
+    lv4 = mx.array(sphere_codebook(4, d).levels.astype("float32"))
+    k = mx.array(rng.standard_normal((1, H, 5, d)).astype(np.float16))
+    v = mx.array(rng.standard_normal((1, H, 5, d)).astype(np.float16))
+    kc, kn, vc, vn = K.kv_append_codes(k, v, rot, lv3, 3, norm_correction=nc, key_bits=4, key_levels=lv4)
+    rk = quantize_kv(k, rot, lv4, 4, norm_correction=nc)
+    rv = quantize_kv(v, rot, lv3, 3, norm_correction=nc)
+    assert kc.shape[-1] == 16 and vc.shape[-1] == 12
+    for a, b in ((kc, rk[0]), (kn, rk[1]), (vc, rv[0]), (vn, rv[1])):
+        assert mx.array_equal(a, b)

@@ -123,6 +123,10 @@ INLINE h2 tg_load_h2(TG const h2* base, uint addr) {
   asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return bits_h2(v);
 }
+// timestamps for RQ_V5_TRACE (diagnostics only): the device-wide ns timer, the SM's cycle counter, the SM's id
+INLINE uint gtimer_lo() { uint r; asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(r)); return r; }
+INLINE uint clock_lo() { uint r; asm volatile("mov.u32 %0, %%clock;" : "=r"(r)); return r; }
+INLINE uint sm_id() { uint r; asm volatile("mov.u32 %0, %%smid;" : "=r"(r)); return r; }
 //--- body ---
 const uint TID = threadIdx.x;
 const uint NT = blockDim.x;

@@ -113,6 +113,10 @@ INLINE void cp_async_wait() {}
 #define NAN_F NAN
 INLINE uint tg_addr(TG const void* p) { return 0u; }
 INLINE h2 tg_load_h2(TG const h2* base, uint addr) { return base[addr >> 2]; }
+// RQ_V5_TRACE's timestamps exist on CUDA only
+INLINE uint gtimer_lo() { return 0u; }
+INLINE uint clock_lo() { return 0u; }
+INLINE uint sm_id() { return 0u; }
 //--- body ---
 const uint TID = thread_position_in_threadgroup.x;
 const uint NT = threads_per_threadgroup.x;

@@ -689,7 +689,7 @@ def _v5_minb(nth: int, minb: int | None) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: bool = True):
+def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: bool = True, trace: bool = False):
     """attn_v5 compiled with an optional launch bound. MLX builds `header` + `__global__ void name(...)`,
     so on CUDA a header that redefines __global__ (as CUDA's host_defines.h spells it, with
     __launch_bounds__ added) bounds this kernel only; the name carries the bound (MLX caches modules by
@@ -701,9 +701,18 @@ def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: boo
         header += f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({nth}, {minb})\n"
         name += f"_lb{minb}"
     spec = SPECS[kname]
+    outputs = list(spec.outputs)
+    if trace:  # diagnostics: phase timestamps a block (V5_TRACE_PHASES) in one more output
+        source, name, outputs = "#define RQ_TRACE 1\n" + source, name + "_trace", outputs + ["trace"]
     make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
-    return make(name=name, input_names=list(spec.inputs), output_names=list(spec.outputs), source=source,
+    return make(name=name, input_names=list(spec.inputs), output_names=outputs, source=source,
                 header=header, ensure_row_contiguous=False)
+
+
+# attn_v5's trace (attention_v5(trace=True), CUDA): a block's thread 0 stamps these phase ends (device ns timer and SM
+# cycles, uint32 pairs, 16 slots a block; slot 15's first word: the SM id). Slots 8-11 only in the last block of a head
+V5_TRACE_PHASES = ("start", "table+q loaded", "q rotated", "q fragments", "warp 0 loop end", "all warps' loops end",
+                   "partials written", "counted", "splits' weights", "numerators", "inverse rotation", "stored")
 
 
 def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
@@ -764,7 +773,7 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
                  nth: int | None = None, minb: int | None = None, pf: int | None = None,
                  vdec: int | None = None, stage: int | None = None,
                  window: tuple[mx.array, mx.array] | None = None, key_bits: int | None = None,
-                 key_levels: mx.array | None = None) -> tuple[mx.array, mx.array]:
+                 key_levels: mx.array | None = None, trace: bool = False) -> tuple[mx.array, ...]:
     """Single-launch attention, v5: attention_v4's contract (arguments, outputs, counter pool), a kernel
     whose warps stream their own token steps (metal/attn_v5.body). blocks / nth / minb / pf / vdec / stage:
     the grid's target block count, threads per block, the launch bound, the load-ahead depth, the value
@@ -773,7 +782,8 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     than 8 bytes do, and so does every row of them, since the shapes taken have rows of 4k words.
     window: the cache's fp16 segment after the packed tokens, as attention_v4's (attn_v5w: one more split).
     key_bits / key_levels: keys at their own width and codebook (kv.key_bits; k_codes rows of D * key_bits / 32
-    words), else the values' `bits` and `levels`."""
+    words), else the values' `bits` and `levels`. trace: also return the phase stamps, uint32 [groups, ns, 16, 2]
+    (V5_TRACE_PHASES; CUDA only)."""
     if backend() is None:
         raise KernelUnsupported("no GPU backend")
     B, Hq, L, D = q.shape
@@ -803,18 +813,18 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     else:  # the window's split first, its blocks taken from the target (so they add no wave: at 264 blocks, 2 waves
         # of one per SM on the H200, 4 more made a third, +35 us at 128K on 2026-11-30)
         ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
-    k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None, _minify_on())
-    out, lse, _, _ = _launch(
+    k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None, _minify_on(), trace)
+    res = _launch(
         k, inputs=[qd, _mats(mats), _consts(levels, scale, key_levels if kb != bits else None), k_codes, k_norms,
                 v_codes, v_norms, _counter(groups), _length_view(T)] + extra,
         template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("R", R), ("LQ", L), ("HKV", Hkv),
                   ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
                   ("VDEC", vdec), ("STAGE", stage), ("MERGE", V5_MERGE)] + wt,
         grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
-        output_shapes=[(B, Hq, L, D), (B, Hq, L), (groups, ns, R, D), (groups, ns, R, 2)],
-        output_dtypes=[qd.dtype, mx.float32, mx.float32, mx.float32],
-        init_value=float("nan") if POISON else None)
-    return out, lse
+        output_shapes=[(B, Hq, L, D), (B, Hq, L), (groups, ns, R, D), (groups, ns, R, 2)] + [(groups, ns, 16, 2)] * trace,
+        output_dtypes=[qd.dtype, mx.float32, mx.float32, mx.float32] + [mx.uint32] * trace,
+        init_value=0 if trace else float("nan") if POISON else None)
+    return (res[0], res[1], res[4]) if trace else (res[0], res[1])
 
 
 _ROT_ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -1097,15 +1107,20 @@ _METAL_ATTRS = (("thread_position_in_threadgroup", "uint3"), ("threadgroup_posit
 
 
 def full_source(name: str, be: str, template: list[tuple[str, object]],
-                input_types: dict[str, str] | None = None) -> str:
+                input_types: dict[str, str] | None = None, trace: bool = False) -> str:
     """The complete kernel source MLX would compile for `name` (MLX's own includes left to the caller).
 
     template: (name, int) pairs, or (name, "f16" | "bf16" | "f32") for a dtype; input_types overrides an
     input's or output's dtype code (e.g. {"q": "f16", "out": "f16"}; outputs default to float32).
-    Shape/strides parameters are added where the body uses them.
+    Shape/strides parameters are added where the body uses them. trace: attn_v5's traced rendering (RQ_TRACE and
+    a uint32 output `trace`, as attention_v5(trace=True) compiles it).
     """
     header, source = render(name, be)
     spec = SPECS[name]
+    outputs = list(spec.outputs)
+    if trace:
+        source, outputs = "#define RQ_TRACE 1\n" + source, outputs + ["trace"]
+        input_types = dict(input_types or {}, trace="u32")
     types = _TYPE_NAMES[be]
     itypes = dict(INPUT_TYPES, **(input_types or {}))
     kname = f"custom_kernel_rq_{name}"
@@ -1129,12 +1144,12 @@ def full_source(name: str, be: str, template: list[tuple[str, object]],
                 args.append(f"  const constant int64_t* {n}_strides [[buffer({slot})]]")
                 slot += 1
     if be == "cuda":
-        args += [f"    {types[itypes.get(n, 'f32')]}* {n}" for n in spec.outputs]
+        args += [f"    {types[itypes.get(n, 'f32')]}* {n}" for n in outputs]
         consts = "".join(f"  using {k} = {types[v]};\n" if isinstance(v, str) else f"  constexpr int {k} = {v};\n"
                          for k, v in template)
         return (header + "namespace mlx::core::cu {\n\n__global__ void " + kname + "(\n" + ",\n".join(args)
                 + ") {\n" + consts + source + "\n}\n\n} // namespace mlx::core::cu\n")
-    for n in spec.outputs:
+    for n in outputs:
         args.append(f"  device {types[itypes.get(n, 'f32')]}* {n} [[buffer({slot})]]")
         slot += 1
     args += [f"  {t} {a} [[{a}]]" for a, t in _METAL_ATTRS if a in source]

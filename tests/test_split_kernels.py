@@ -59,7 +59,7 @@ def test_split_widths_through_the_kernels(monkeypatch):
     monkeypatch.setattr(K, "available", lambda: True)
     monkeypatch.setattr(K, "SPLIT_KERNELS", True)
     monkeypatch.setattr(K, "_kernel", lambda name, be: kernel(name))
-    monkeypatch.setattr(K, "_kernel_v5", lambda be, nth, minb, window=False, minified=True:
+    monkeypatch.setattr(K, "_kernel_v5", lambda be, nth, minb, window=False, minified=True, trace=False:
                         kernel("attn_v5w" if window else "attn_v5"))
     gpu_cache, got = _run(60, 2, seed=4)
 

@@ -235,7 +235,7 @@ def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str, key_bits: int 
 
 
 def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0,
-           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=0,
+           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=None,
            key_bits=None):
     """kernel="attn_v5" (run_v5) runs the v5 body with the same inputs and checks; nth: its threads per block.
     offsets / layout: emulate's (inputs placed off their buffers' aligned start; threadgroup layout)."""
@@ -245,6 +245,7 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
     qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype, key_bits)
     R = G * L
     groups = B * Hkv
+    merge = K.V5_MERGE if merge is None else merge
     if kernel == "attn_v5":
         ns = K.v5_plan(T, groups, blocks)
         nth = nth or K.V5_NTH
@@ -263,7 +264,7 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
                         v_norms=c["vnorm"], counter=counter,
                         **({"tlen": np.zeros(T, np.uint32)} if kernel == "attn_v5" else {})),
-                   dict(out=((B, G * Hkv, L, d), tq), lse=((B, G * Hkv, L), "f32"), o_part=((groups, ns, R, d), "f32"),
+                   dict(out=((B, G * Hkv, L, d), tq), lse=((B, G * Hkv, L), "f32"), o_part=((groups, ns, K.MMA_N if kernel == "attn_v5" else R, d), "f32"),
                         ml_part=((groups, ns, R, 2), "f32")),
                    (groups, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed, offsets=offsets,
                    layout=layout)
@@ -400,7 +401,8 @@ def main() -> int:
         ("v5 G=8 d=64 4-bit T=530 rot=0 pf=1", lambda: run_v5(rng, G=8, d=64, T=530, bits=4, rot=0, pf=1, nth=128)),
         ("v5 G=2 d=128 T=400 dense B=2", lambda: run_v5(rng, G=2, d=128, T=400, rot=4, B=2, nth=256)),
         ("v5 G=8 d=256 T=300 512 thr", lambda: run_v5(rng, G=8, d=256, T=300, nth=512)),
-        ("v5 G=8 d=128 T=1000 cp.async ring 2", lambda: run_v5(rng, G=8, d=128, T=1000, nth=256, pf=1, stage=2)),
+        ("v5 G=8 d=128 T=1000 cp.async ring 2, rounds' merge", lambda: run_v5(rng, G=8, d=128, T=1000, nth=256, pf=1,
+                                                                               stage=2, merge=0)),
         # the ring configurations that faulted on the H200 ("misaligned address"), and other row widths W
         # (4, 8, 12, 32 words), with threadgroup arrays also at their worst legal alignment
         ("v5 G=8 d=128 T=4100 ring 4 128 thr", lambda: run_v5(rng, G=8, d=128, T=4100, nth=128, pf=1, stage=4)),

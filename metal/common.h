@@ -65,6 +65,60 @@ INLINE void wht_rows_lean(TG float* x, int nrows, uint tid, uint nt) {
   BARRIER();
 }
 
+// A row's WHT with the row spread over a warp: lane l holds dims l*DPL .. l*DPL + DPL - 1 in x. Strides below DPL
+// inside the lane, the others across lanes by shuffles (no threadgroup memory, no barrier); normalised.
+template <int DPL>
+INLINE void wht_lane(THR float* x, int lane) {
+  UNROLL for (int h = 1; h < DPL; h <<= 1) {
+    UNROLL for (int i = 0; i < DPL; ++i) {
+      if ((i & h) == 0) {
+        const float a = x[i];
+        const float b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+    }
+  }
+  UNROLL for (int hl = 1; hl < 32; hl <<= 1) {
+    const bool up = (lane & hl) != 0;
+    UNROLL for (int i = 0; i < DPL; ++i) {
+      const float o = shfl_xor_f(x[i], hl);
+      x[i] = up ? o - x[i] : x[i] + o;
+    }
+  }
+  const float s = rsqrt_f((float)(32 * DPL));
+  UNROLL for (int i = 0; i < DPL; ++i) x[i] *= s;
+}
+
+// The SO(4) blocks of a lane's DPL dims (DPL a multiple of 4; m: this lane's DPL/4 blocks of 16, loaded by the
+// caller), forward (M_j·v) or transposed (M_jᵀ·v), in place.
+template <int DPL, bool TRANSPOSE>
+INLINE void so4_lane(THR float* x, THR const float* m) {
+  UNROLL for (int j = 0; j < DPL / 4; ++j) {
+    float y[4];
+    UNROLL for (int a = 0; a < 4; ++a) {
+      y[a] = 0.0f;
+      UNROLL for (int b = 0; b < 4; ++b) y[a] += (TRANSPOSE ? m[16 * j + 4 * b + a] : m[16 * j + 4 * a + b]) * x[4 * j + b];
+    }
+    UNROLL for (int a = 0; a < 4; ++a) x[4 * j + a] = y[a];
+  }
+}
+
+// attn_v5's split partials in the accumulator fragments' own order: position ((e * 32 + lane) * NMT + mt) holds
+// element e of lane `lane`'s tile mt (NMT = D / MMA_M tiles; rows n >= R hold zeros). A warp's fragments go to a
+// slab without bank conflicts, and the 4 positions of a float4 (NMT % 4 == 0) share one query row.
+template <int D>
+INLINE int v5_pos_n(int p) {
+  constexpr int NMT = D / MMA_M;
+  return frag_c_n((p / NMT) % 32, p / (NMT * 32));
+}
+template <int D>
+INLINE int v5_pos_d(int p) {
+  constexpr int NMT = D / MMA_M;
+  const int m = frag_c_m((p / NMT) % 32, p / (NMT * 32));
+  return m_lane_of(m) * (D / 8) + FRAG_A_ROWS * (p % NMT) + m_i_of(m);
+}
+
 // Element i of M_j·v (or M_jᵀ·v) for the 4-block j = i/4 of one row; mats: this kv head's [D/4][4][4].
 template <bool TRANSPOSE>
 INLINE float so4_elem(DEV const float* mats, TG const float* row, int i) {
@@ -157,7 +211,7 @@ INLINE void accum_chunk32(THR const uint* w, float wt, TG const float* lv, THR f
 // wkd / wvd. WCAUSAL: query row n sees
 // window token j <= NW - LQ + n % LQ. qw, ow: R*D floats, sc: R*128 floats of threadgroup memory; every
 // thread of the block calls it (barriers).
-template <int D, int R, int LQ, int ROT, int WCAUSAL, int NTH, typename TQ, typename TW>
+template <int D, int R, int LQ, int ROT, int WCAUSAL, int NTH, bool NATIVE = false, typename TQ, typename TW>
 INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV const TW* wk, int wkb, int wks,
                          int wkd, DEV const TW* wv, int wvb, int wvs, int wvd, int NW, float wscale,
                          DEV const float* mats, TG float* qw, TG float* sc, TG float* ow, DEV float* o_part,
@@ -239,6 +293,18 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
   BARRIER();
   // into the packed values' space, as the query was rotated: WHT, then the SO(4) blocks (or the dense P)
   if ((ROT & 1) != 0) wht_rows_lean<D>(ow, R, tid, NTH);
+  if (NATIVE) {  // attn_v5: the split's MMA_N x D partials in the fragments' order (v5_pos_n / v5_pos_d)
+    const int ob = (pbase / R) * MMA_N * D;
+    for (int p = (int)tid; p < MMA_N * D; p += NTH) {
+      const int n = v5_pos_n<D>(p);
+      const int d = v5_pos_d<D>(p);
+      o_part[ob + p] = n >= R                ? 0.0f
+                       : ((ROT & 4) != 0) ? dense_elem<D, false>(mats, ow + n * D, d)
+                       : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + n * D, d)
+                                          : ow[n * D + d];
+    }
+    return;
+  }
   for (int e = (int)tid; e < R * D; e += NTH) {
     o_part[pbase * D + e] = ((ROT & 4) != 0)   ? dense_elem<D, false>(mats, ow + (e / D) * D, e % D)
                             : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + (e / D) * D, e % D)

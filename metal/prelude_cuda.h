@@ -81,6 +81,7 @@ INLINE void atomic_zero_dev(DEV const uint* p) { atomicExch(const_cast<uint*>(p)
 // loads of data other blocks wrote in this launch: through L2, never a stale L1 line
 INLINE float ld_dev(DEV const float* p) { return __ldcg(p); }
 INLINE float4 ld_dev4(DEV const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
+INLINE void st_dev4(DEV float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 // ---- v5 (warp-level streaming): rows of a C fragment, warp sync and vote, a single half ----
 #define FRAG_C_NR 2  // distinct query rows (n) a thread holds in a C fragment: frag_c_n(lane, r), r < FRAG_C_NR
 INLINE int frag_c_r(int e) { return e & 1; }  // which of them element e belongs to

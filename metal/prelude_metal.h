@@ -70,6 +70,7 @@ INLINE uint atomic_inc_dev(DEV const uint* p) {
 INLINE void atomic_zero_dev(DEV const uint* p) { atomic_store_explicit((DEV atomic_uint*)p, 0u, memory_order_relaxed); }
 INLINE float ld_dev(DEV const float* p) { return *((DEV const volatile float*)p); }
 INLINE float4 ld_dev4(DEV const float* p) { return float4(ld_dev(p), ld_dev(p + 1), ld_dev(p + 2), ld_dev(p + 3)); }
+INLINE void st_dev4(DEV float* p, float4 v) { *((DEV float4*)p) = v; }
 // ---- v5 (warp-level streaming): rows of a C fragment, SIMD-group sync and vote, a single half ----
 #define FRAG_C_NR 2  // distinct query rows (n) a thread holds in a C fragment: frag_c_n(lane, r), r < FRAG_C_NR
 INLINE int frag_c_r(int e) { return e; }  // which of them element e belongs to

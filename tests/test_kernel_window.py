@@ -53,7 +53,7 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
                            v_codes=vc, v_norms=c["vnorm"], counter=np.zeros(groups, np.uint32), wk=wk, wv=wv,
                            **({"tlen": np.zeros(T, np.uint32)} if kernel == "attn_v5w" else {})),
                       dict(out=((B, G * Hkv, L, d), "f32"), lse=((B, G * Hkv, L), "f32"),
-                           o_part=((groups, ns, R, d), "f32"), ml_part=((groups, ns, R, 2), "f32")),
+                           o_part=((groups, ns, K.MMA_N if kernel == "attn_v5w" else R, d), "f32"), ml_part=((groups, ns, R, 2), "f32")),
                       (groups, ns), nth, views=views, types={"q": "f32", "out": "f32", "wk": "f16", "wv": "f16"})
     # float64 reference in the rotated space (scores and weights are rotation-invariant), rotated back
     hk = np.arange(G * Hkv) // G

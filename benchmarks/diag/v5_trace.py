@@ -41,14 +41,15 @@ def summarize(tr, phases: tuple[str, ...]) -> dict:
            "span_us": round(float(max(rel[b, 11] for b in last) if last else rel[:, 7].max()) / 1e3, 2),
            "start_spread_us": round(float(rel[:, 0].max()) / 1e3, 2), "sms": len(set(blocks[:, 15, 0].tolist())),
            "phases": []}
-    for k in done:
+    for i, k in enumerate(done):
         rows = last if k >= 8 else range(len(blocks))
+        prev = done[i - 1] if i > 0 else 0  # a phase a variant skips (no stamp) counts in the next one
         ends = [float(rel[b, k]) / 1e3 for b in rows]
-        own = [float(cyc[b, k] - cyc[b, k - 1]) / ghz / 1e3 for b in rows] if k > 0 else []
+        own = [float(cyc[b, k] - cyc[b, prev]) / ghz / 1e3 for b in rows]
         out["phases"].append({"phase": phases[k], "end_median_us": round(statistics.median(ends), 2),
                               "end_max_us": round(max(ends), 2),
-                              "own_median_us": round(statistics.median(own), 2) if own else None,
-                              "own_max_us": round(max(own), 2) if own else None})
+                              "own_median_us": round(statistics.median(own), 2),
+                              "own_max_us": round(max(own), 2)})
     return out
 
 
@@ -83,8 +84,8 @@ def main() -> int:
               f"{best['span_us']} µs (runs {res[T]['spans_us']}), blocks' starts spread {best['start_spread_us']} µs")
         print(f"  {'phase':24s} {'end med':>8s} {'end max':>8s} {'own med':>8s} {'own max':>8s}")
         for p in best["phases"]:
-            print(f"  {p['phase']:24s} {p['end_median_us']:8.2f} {p['end_max_us']:8.2f} "
-                  f"{p['own_median_us'] if p['own_median_us'] is not None else '':>8} {p['own_max_us'] or '':>8}")
+            print(f"  {p['phase']:24s} {p['end_median_us']:8.2f} {p['end_max_us']:8.2f} {p['own_median_us']:8.2f} "
+                  f"{p['own_max_us']:8.2f}")
         del L
         mx.clear_cache()
     if a.json:

@@ -78,9 +78,10 @@ V5_SACC = int(os.environ.get("RQ_V5_SACC", "1"))
 # the warps' merge at the end of a block: 0, four rounds into two slabs; 1 (default), a slab a warp and one barrier
 # where the block's threadgroup memory holds them (H200, 2026-11-30: correct, 1.5 us faster at every context)
 V5_MERGE = int(os.environ.get("RQ_V5_MERGE", "1"))
-# keys at their own width (kv.key_bits) through the GPU kernels (kv_append and attn_v5 with KBITS): checked on the CPU
-# executor only so far, so opt-in; without it such a cache appends with MLX ops and attends by the reference path
-SPLIT_KERNELS = os.environ.get("RQ_SPLIT_KERNELS", "0") == "1"
+# keys at their own width (kv.key_bits) through the GPU kernels (kv_append and attn_v5 with KBITS); on by default since
+# the H200 run of 2026-11-30 (kernels_check's 4-bit-key cases, K4V3 needles through the cache). RQ_SPLIT_KERNELS=0:
+# such a cache appends with MLX ops and attends by the reference path
+SPLIT_KERNELS = os.environ.get("RQ_SPLIT_KERNELS", "1") == "1"
 
 
 @dataclass(frozen=True)
@@ -712,7 +713,7 @@ def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: boo
 # attn_v5's trace (attention_v5(trace=True), CUDA): a block's thread 0 stamps these phase ends (device ns timer and SM
 # cycles, uint32 pairs, 16 slots a block; slot 15's first word: the SM id). Slots 8-11 only in the last block of a head
 V5_TRACE_PHASES = ("start", "table+q loaded", "q rotated", "q fragments", "warp 0 loop end", "all warps' loops end",
-                   "partials written", "counted", "splits' weights", "numerators", "inverse rotation", "stored")
+                   "partials written", "counted", "splits merged", "merged rows shared", "inverse rotation", "stored")
 
 
 def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
@@ -737,7 +738,7 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
     pad = 0
     if vdec == 2 and luts == 32 and be == "cuda":
         pad = (8192 - (1024 + 4 * pool + 4 * klut) % 8192) % 8192
-    return 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * (2 * nwarp * MMA_N + 2 * MMA_N + 2)
+    return 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * (2 * nwarp * MMA_N + 2)
 
 
 def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None,
@@ -1079,8 +1080,8 @@ def append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, b
                  norm_correction: bool = False, key_bits: int | None = None,
                  key_levels: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
     """IsoQuantCache's append on a GPU: kv_append_codes, or None (the caller runs quantize_kv) on CPU,
-    with RQ_APPEND=ops, for shapes the kernel does not cover, or for keys at their own width unless
-    RQ_SPLIT_KERNELS=1 (not yet run on a GPU)."""
+    with RQ_APPEND=ops, for shapes the kernel does not cover, or for keys at their own width with
+    RQ_SPLIT_KERNELS=0."""
     if append_mode() == "ops" or not available():
         return None
     if key_bits is not None and key_bits != bits and not SPLIT_KERNELS:

@@ -713,7 +713,7 @@ def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: boo
 # attn_v5's trace (attention_v5(trace=True), CUDA): a block's thread 0 stamps these phase ends (device ns timer and SM
 # cycles, uint32 pairs, 16 slots a block; slot 15's first word: the SM id). Slots 8-11 only in the last block of a head
 V5_TRACE_PHASES = ("start", "table+q loaded", "q rotated", "q fragments", "warp 0 loop end", "all warps' loops end",
-                   "partials written", "counted", "splits merged", "merged rows shared", "inverse rotation", "stored")
+                   "partials written", "counted", "splits' weights", "numerators", "inverse rotation", "stored")
 
 
 def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
@@ -738,7 +738,7 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
     pad = 0
     if vdec == 2 and luts == 32 and be == "cuda":
         pad = (8192 - (1024 + 4 * pool + 4 * klut) % 8192) % 8192
-    return 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * (2 * nwarp * MMA_N + 2)
+    return 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * (2 * nwarp * MMA_N + 2 * MMA_N + 2)
 
 
 def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 9, call B (after `bash .device/bin/gpu-stage-a`; carry .device/b, .device/bin; timeout 590).
 # 1. Where a launch's time goes: benchmarks/diag/v5_trace.py (phase stamps a block), the default and RQ_V5_MERGE=1.
-# 2. run_s8i_gpu.sh's checks of the one-barrier merge (RQ_V5_MERGE=1): kernels_check's quick v5 set (with the 4-bit-key
+# 2. session 8's prepared checks of the one-barrier merge (RQ_V5_MERGE=1): kernels_check's quick v5 set (with the 4-bit-key
 #    cases), the cache's windowed path, then ncu MERGE 0 against 1 at 256 threads / 132 blocks, PF 2 and PF 1.
 set -u
 OUT=${OUT:-$PWD/s9_out}; mkdir -p "$OUT"

@@ -2,7 +2,7 @@
 # Session 9, call C (warm machine, right after run_s9_gpu.sh; carry .device/b, .device/bin; timeout 590): keys at
 # their own width through the kernels (RQ_SPLIT_KERNELS=1) on the bundled model. rq eval ppl with 4-bit keys, kernels
 # off (MLX ops append, reference attention) and on: equal ppl expected; then the gates and one seed's needles through
-# the kernels (run_s8j_gpu.sh's K4V3 set), as far as the call's time goes.
+# the kernels (session 8's K4V3 set), as far as the call's time goes.
 set -u
 OUT=${OUT:-$PWD/s9c_out}; mkdir -p "$OUT"
 source .device/bin/gpu-env || exit 3

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 9, last call (after `bash .device/bin/gpu-stage-a`; carry .device/b, .device/bin; ~100 s of device time
 # left): the last block's splits merged in one online pass with selects, no branch (round 3's branch serialized the
-# loads: 9-10 us). Phase trace, kernels_check's quick v5 set, ncu kernel-alone; each writes $OUT as it goes.
+# loads: 9-10 us). Phase trace, kernels_check's quick v5 set, ncu kernel-alone (then with RQ_V5_SACC=4); each
+# writes $OUT as it goes. Cherry-pick 34dbe10 first (this script came with it).
 set -u
 OUT=${OUT:-$PWD/s9f_out}; mkdir -p "$OUT"
 source .device/bin/gpu-env || exit 3
@@ -17,4 +18,9 @@ timeout 40 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --
   python3 benchmarks/kernel_time.py --contexts 4096,32768,131072 --reps 2 --methods "v5 256" \
   --v5-configs 256:2:132:1:2:2 --schedule "$OUT/schedule.json" > /dev/null 2>&1
 python3 benchmarks/kernel_time.py --parse "$OUT/ncu.csv" --schedule "$OUT/schedule.json" 2>&1 | tail -4
+echo "== ncu, four score accumulators (RQ_V5_SACC=4: chains of 4 matrix ops; CPU executor only so far) ($(date -u +%T))"
+RQ_V5_SACC=4 timeout 40 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu_s4.csv" \
+  python3 benchmarks/kernel_time.py --contexts 4096,32768,131072 --reps 2 --methods "v5 256" \
+  --v5-configs 256:2:132:1:2:2 --schedule "$OUT/schedule_s4.json" > /dev/null 2>&1
+python3 benchmarks/kernel_time.py --parse "$OUT/ncu_s4.csv" --schedule "$OUT/schedule_s4.json" 2>&1 | tail -4
 echo "== done ($(date -u +%T))"

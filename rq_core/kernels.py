@@ -73,7 +73,8 @@ V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "2"))  # 2: pair table by byte offset
 # (PF 1; correct on the H200 since its ring is 16-byte aligned, 2026-11-30)
 V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "2"))
 # score accumulators per warp step: 2 splits the hi / lo halves of the query into two dependent chains
-# (measured on the H200, 2026-11-30: no faster than 1, 68.9 against 69.2 us at 128K kernel-only)
+# (measured on the H200, 2026-11-30: no faster than 1, 68.9 against 69.2 us at 128K kernel-only); 4 also splits even
+# and odd k-steps (chains of 4 matrix ops instead of 16; CPU executor only, not yet timed)
 V5_SACC = int(os.environ.get("RQ_V5_SACC", "1"))
 # the warps' merge at the end of a block: 0, four rounds into two slabs; 1 (default), a slab a warp and one barrier
 # where the block's threadgroup memory holds them (H200, 2026-11-30: correct, 1.5 us faster at every context)

@@ -474,6 +474,7 @@ def test_v4_cuda_source_runs_on_cpu_executor(case):
                                        stage=2),
                                   dict(G=8, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2),
                                   dict(G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2, merge=1),
+                                  dict(G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2, merge=1, sacc=4),
                                   dict(G=4, d=128, T=300, bits=2, L=2, causal=True, qdtype="bf16", nth=128, pf=2,
                                        stage=0, vdec=2)])
 def test_v5_cuda_source_runs_on_cpu_executor(case):
@@ -487,7 +488,8 @@ def test_v5_cuda_source_runs_on_cpu_executor(case):
 
     r = EK.run_v5(np.random.default_rng(13), seed=5, **case)
     assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
-    assert r["err_half"] < (8e-3 if case.get("qdtype") == "bf16" else 5e-5) and r["lse_err"] < 1e-3
+    # f32 queries: fp32 accumulation level (~2e-7 here); dropping one of SACC 4's chains gives 2e-5
+    assert r["err_half"] < (8e-3 if case.get("qdtype") == "bf16" else 2e-6) and r["lse_err"] < 1e-3
 
 
 def test_v5_pair_decode_table_alignment():

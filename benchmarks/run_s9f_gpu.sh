@@ -2,7 +2,8 @@
 # Session 9, last call (after `bash .device/bin/gpu-stage-a`; carry .device/b, .device/bin; ~100 s of device time
 # left): the last block's splits merged in one online pass with selects, no branch (round 3's branch serialized the
 # loads: 9-10 us). Phase trace, kernels_check's quick v5 set, ncu kernel-alone (then with RQ_V5_SACC=4); each
-# writes $OUT as it goes. Cherry-pick 34dbe10 first (this script came with it).
+# writes $OUT as it goes. First apply the kernel change (applies cleanly on 2026-11-30's HEAD, kernel tests pass):
+#   git show 34dbe10 -- metal/attn_v5.body rq_core/kernels.py tests/test_kernels.py | git apply --3way
 set -u
 OUT=${OUT:-$PWD/s9f_out}; mkdir -p "$OUT"
 source .device/bin/gpu-env || exit 3

@@ -70,7 +70,9 @@ def _emu_substitute(src: str) -> str:
     for fn, emu in (("INLINE void cp_async16(TG uint* dst, DEV const uint* src)",
                      "{ emu::cp_async16(dst, src); }"),
                     ("INLINE void cp_async_commit()", "{}"),
-                    ("INLINE void cp_async_wait()", "{}")):
+                    ("INLINE void cp_async_wait()", "{}"),
+                    # the split counter's acq_rel atomic (inline PTX): blocks run one after another here
+                    ("INLINE uint count_arrive(DEV const uint* p)", "{ return atomicAdd(const_cast<uint*>(p), 1u); }")):
         src, n = re.subn(re.escape(fn) + r" \{\n.*?\n\}\n", fn + " " + emu + "\n", src, count=1, flags=re.S)
         if n == 0 and fn in src:  # a one-line body
             src = re.sub(re.escape(fn) + r" \{[^\n]*\}\n", fn + " " + emu + "\n", src, count=1)
@@ -422,6 +424,9 @@ def main() -> int:
         ("v5 4-bit keys 3-bit values", lambda: run_v5(rng, G=8, d=128, T=700, nth=256, pf=2, vdec=2, key_bits=4)),
         ("v5 4-bit keys 2-bit values ring 1", lambda: run_v5(rng, G=8, d=128, T=600, bits=2, nth=256, pf=1, stage=1,
                                                              vdec=2, key_bits=4)),
+        # session 10: more splits than one round of the last block's partial loads (17)
+        ("v5 20 splits (two load rounds)", lambda: run_v5(rng, G=8, d=128, T=2600, nth=256, pf=1, stage=2, vdec=2,
+                                                         merge=1, blocks=40)),
     ]
     for label, fn in cases:
         try:

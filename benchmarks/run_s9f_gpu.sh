@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran 2026-11-30 as session 10's call 1 (benchmarks/results/s10_2026-11-30/call1): the one-pass merge was no faster
+# (splits merged 4.3-5.0 us against 4.4) and stays out of the kernel; so did SACC 4 (50.1 against 50.4 us at 128K).
 # Session 9, last call (after `bash .device/bin/gpu-stage-a`; carry .device/b, .device/bin; ~100 s of device time
 # left): the last block's splits merged in one online pass with selects, no branch (round 3's branch serialized the
 # loads: 9-10 us). Phase trace, kernels_check's quick v5 set, ncu kernel-alone (then with RQ_V5_SACC=4); each

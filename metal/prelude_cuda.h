@@ -78,6 +78,15 @@ INLINE void store_f(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 // the counter lives in an input buffer (MLX passes inputs as const): the kernel owns it, see kernels.py
 INLINE uint atomic_inc_dev(DEV const uint* p) { return atomicAdd(const_cast<uint*>(p), 1u); }
 INLINE void atomic_zero_dev(DEV const uint* p) { atomicExch(const_cast<uint*>(p), 0u); }
+// a block's arrival at the split counter: release of the partials its threads wrote before the barrier that
+// precedes it, acquire of the other blocks' (one acq_rel atomic at device scope; no fences needed around it)
+INLINE uint count_arrive(DEV const uint* p) {
+  uint old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(const_cast<uint*>(p)) : "memory");
+  return old;
+}
+#define COUNT_RELEASE()
+#define COUNT_ACQUIRE()
 // loads of data other blocks wrote in this launch: through L2, never a stale L1 line
 INLINE float ld_dev(DEV const float* p) { return __ldcg(p); }
 INLINE float4 ld_dev4(DEV const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }

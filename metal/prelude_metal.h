@@ -68,6 +68,10 @@ INLINE uint atomic_inc_dev(DEV const uint* p) {
   return atomic_fetch_add_explicit((DEV atomic_uint*)p, 1u, memory_order_relaxed);
 }
 INLINE void atomic_zero_dev(DEV const uint* p) { atomic_store_explicit((DEV atomic_uint*)p, 0u, memory_order_relaxed); }
+// a block's arrival at the split counter (CUDA: one acq_rel atomic); here fences on both sides of a relaxed one
+INLINE uint count_arrive(DEV const uint* p) { return atomic_inc_dev(p); }
+#define COUNT_RELEASE() DEVICE_FENCE()
+#define COUNT_ACQUIRE() DEVICE_FENCE()
 INLINE float ld_dev(DEV const float* p) { return *((DEV const volatile float*)p); }
 INLINE float4 ld_dev4(DEV const float* p) { return float4(ld_dev(p), ld_dev(p + 1), ld_dev(p + 2), ld_dev(p + 3)); }
 INLINE void st_dev4(DEV float* p, float4 v) { *((DEV float4*)p) = v; }

@@ -61,11 +61,13 @@ ROT_SIGN = 8  # rwht_so4: random signs before the WHT; mats [Hkv, 5D] (each head
 V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
 # v5: blocks of V5_NTH threads (each warp streams its own steps), about V5_BLOCKS blocks in all.
 # Default: 256 threads, code rows through a 2-slot cp.async ring (STAGE 2, PF 1), pair decode (VDEC 2), 132
-# blocks (one an SM on the H200): the fastest measured there (ncu, 2026-11-30, kernel alone: 29.9 us at 32K and
-# 58.7 at 128K, against 35.9 and 60.5 with 264 blocks; docs/KERNEL_NOTES.md, "Session 8"). Shapes whose
+# blocks (one an SM on the H200) below 64K tokens and 264 from there (v5_blocks; docs/KERNEL_NOTES.md, "Session 10"). Shapes whose
 # ring does not fit threadgroup memory (head_dim 256 at 3 bits) take STAGE 0 (rows through registers, PF 2).
 # 384 threads x ~165 registers did not launch at head_dim 256; 512 threads with PF 1 did not launch at all.
-V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "132"))
+V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "0"))  # 0: by context (v5_blocks)
+# at long context two blocks an SM (more warps to cover the decode's dependency waits) outweigh merging twice the
+# splits (H200, ncu kernel alone, 2026-11-30: 46.6 against 49.5 us at 128K; 23.2 against 21.2 at 32K)
+V5_BLOCKS_SHORT, V5_BLOCKS_LONG, V5_LONG_T = 132, 264, 65536
 V5_NTH = int(os.environ.get("RQ_V5_NTH", "256"))
 V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets; STAGE 0)
 V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "2"))  # 2: pair table by byte offsets, 1: values by byte permutes, 0: table
@@ -79,6 +81,9 @@ V5_SACC = int(os.environ.get("RQ_V5_SACC", "1"))
 # the warps' merge at the end of a block: 0, four rounds into two slabs; 1 (default), a slab a warp and one barrier
 # where the block's threadgroup memory holds them (H200, 2026-11-30: correct, 1.5 us faster at every context)
 V5_MERGE = int(os.environ.get("RQ_V5_MERGE", "1"))
+# diagnostics: attn_v5 variants under test, RQ_V5_DEFS="A,B" defines RQ_V5_A and RQ_V5_B in its source (the kernel's
+# name carries them, so MLX caches each variant apart)
+V5_DEFS = tuple(d for d in os.environ.get("RQ_V5_DEFS", "").split(",") if d)
 # keys at their own width (kv.key_bits) through the GPU kernels (kv_append and attn_v5 with KBITS); on by default since
 # the H200 run of 2026-11-30 (kernels_check's 4-bit-key cases, K4V3 needles through the cache). RQ_SPLIT_KERNELS=0:
 # such a cache appends with MLX ops and attends by the reference path
@@ -706,6 +711,8 @@ def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: boo
     outputs = list(spec.outputs)
     if trace:  # diagnostics: phase timestamps a block (V5_TRACE_PHASES) in one more output
         source, name, outputs = "#define RQ_TRACE 1\n" + source, name + "_trace", outputs + ["trace"]
+    for d in V5_DEFS:
+        source, name = f"#define RQ_V5_{d} 1\n" + source, name + "_" + d.lower()
     make = mx.fast.metal_kernel if be == "metal" else mx.fast.cuda_kernel
     return make(name=name, input_names=list(spec.inputs), output_names=outputs, source=source,
                 header=header, ensure_row_contiguous=False)
@@ -717,9 +724,16 @@ V5_TRACE_PHASES = ("start", "table+q loaded", "q rotated", "q fragments", "warp 
                    "partials written", "counted", "splits' weights", "numerators", "inverse rotation", "stored")
 
 
+def v5_blocks(T: int) -> int:
+    """attn_v5's target block count for T packed tokens: RQ_V5_BLOCKS where set, else by context."""
+    if V5_BLOCKS > 0:
+        return V5_BLOCKS
+    return V5_BLOCKS_LONG if T >= V5_LONG_T else V5_BLOCKS_SHORT
+
+
 def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
-    """Split count of attn_v5: about `blocks` (V5_BLOCKS) blocks in all, at least 128 tokens a split."""
-    target = V5_BLOCKS if blocks is None else blocks
+    """Split count of attn_v5: about `blocks` (v5_blocks(T)) blocks in all, at least 128 tokens a split."""
+    target = v5_blocks(T) if blocks is None else blocks
     return max(1, min(-(-T // 128), -(-target // max(1, n_groups)), V5_MAXNS))
 
 
@@ -779,7 +793,7 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     """Single-launch attention, v5: attention_v4's contract (arguments, outputs, counter pool), a kernel
     whose warps stream their own token steps (metal/attn_v5.body). blocks / nth / minb / pf / vdec / stage:
     the grid's target block count, threads per block, the launch bound, the load-ahead depth, the value
-    decode and the copy ring (default V5_BLOCKS, V5_NTH, V5_MINB, V5_PF, V5_VDEC, V5_STAGE; stage > 0
+    decode and the copy ring (default v5_blocks(T), V5_NTH, V5_MINB, V5_PF, V5_VDEC, V5_STAGE; stage > 0
     forces pf = 1). Code rows must start 16-byte aligned (v4's uint4 loads need it too): buffers of more
     than 8 bytes do, and so does every row of them, since the shapes taken have rows of 4k words.
     window: the cache's fp16 segment after the packed tokens, as attention_v4's (attn_v5w: one more split).
@@ -809,7 +823,7 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
         extra, wt = [wk, wv], [("WCAUSAL", int(causal and L > 1))]
         causal, offset = False, valid_len  # every packed token precedes every query
     T, causal, qd, groups = _one_launch_args("v5", q, Hkv, rot, valid_len, offset, causal)
-    target = V5_BLOCKS if blocks is None else blocks
+    target = v5_blocks(T) if blocks is None else blocks
     if window is None:
         ns = v5_plan(T, groups, target)
     else:  # the window's split first, its blocks taken from the target (so they add no wave: at 264 blocks, 2 waves
@@ -1122,6 +1136,8 @@ def full_source(name: str, be: str, template: list[tuple[str, object]],
     outputs = list(spec.outputs)
     if trace:
         source, outputs = "#define RQ_TRACE 1\n" + source, outputs + ["trace"]
+    if name.startswith("attn_v5"):
+        source = "".join(f"#define RQ_V5_{d} 1\n" for d in V5_DEFS) + source
         input_types = dict(input_types or {}, trace="u32")
     types = _TYPE_NAMES[be]
     itypes = dict(INPUT_TYPES, **(input_types or {}))

@@ -4,6 +4,7 @@
 # rounds of 17 with the first round before the weights) against the default: phase trace and ncu kernel-alone
 # for each, CUPTI busy a layer in the 64-layer chain for each (fp16 beside it in both processes), every v5
 # correctness check with the set, then ncu's per-instruction stall sampling of the set at 128K (the main loop).
+# (Its per-variant step moved to gpu_steps.sh's v5_variant after the call ran: the same commands.)
 set -u
 OUT=${OUT:-$PWD/s10c_out}; mkdir -p "$OUT"
 source .device/bin/gpu-env || exit 3
@@ -11,18 +12,8 @@ source benchmarks/gpu_steps.sh
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 NEW=ACQREL,PRELOAD,NPRE
 for defs in "" $NEW; do
+  v5_variant "$defs"
   tag=${defs:-base}; tag=${tag//,/_}
-  echo "== $tag ($(date -u +%T))"
-  RQ_V5_DEFS=$defs timeout 30 python3 benchmarks/diag/v5_trace.py --contexts 4096,32768,131072 --reps 3 \
-    > "$OUT/trace_$tag.txt" 2>&1
-  grep -v Warning "$OUT/trace_$tag.txt" | grep -E "^==|q rotated|partials written|counted|weights|numerators|stored" \
-    | sed -E 's/blocks on .*span/span/; s/\(runs.*//'
-  RQ_V5_DEFS=$defs timeout 40 "$NCU" --clock-control none --metrics gpu__time_duration.sum --csv \
-    --log-file "$OUT/ncu_$tag.csv" python3 benchmarks/kernel_time.py --contexts 4096,32768,131072 --reps 3 \
-    --methods "v5 256" --v5-configs 256:2:132:1:2:2 --schedule "$OUT/sched_$tag.json" > /dev/null 2>&1
-  python3 benchmarks/kernel_time.py --parse "$OUT/ncu_$tag.csv" --schedule "$OUT/sched_$tag.json" 2>&1 \
-    | grep "^| [0-9]" | sed "s/^/$tag /" | tee -a "$OUT/ncu.txt"
-  rm -f "$OUT/ncu_$tag.csv" "$OUT/sched_$tag.json"
   echo "== CUPTI busy $tag ($(date -u +%T))"
   RQ_V5_DEFS=$defs timeout 100 python3 benchmarks/diag/chain_timeline.py --contexts 131072,32768 --layers 64 --reps 3 \
     --methods "fp16,v5" --out "$OUT/busy_{T}.json" > "$OUT/busy_$tag.log" 2>&1

@@ -195,8 +195,9 @@ def iso_v4_window(L, i, nw=32, version="v4", key="win"):
                    mx.random.normal((1, HKV, nw, D)).astype(mx.float16)) for _ in range(len(L["kc"]))]
         mx.eval(L[key])
     f = K.attention_v5 if version == "v5" else K.attention_v4
+    lse = {"want_lse": False} if version == "v5" else {}  # as the cache calls it
     return f(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-             bits=BITS, scale=SCALE, valid_len=T, window=L[key][i])[0]
+             bits=BITS, scale=SCALE, valid_len=T, window=L[key][i], **lse)[0]
 
 
 def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=None):
@@ -204,7 +205,8 @@ def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=Non
     load-ahead depth, value decode, copy-ring stages)."""
     T = L["kc"][i].shape[2]
     return K.attention_v5(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-                          bits=BITS, scale=SCALE, valid_len=T, nth=nth, minb=minb, blocks=blocks, pf=pf, vdec=vdec, stage=stage)[0]
+                          bits=BITS, scale=SCALE, valid_len=T, nth=nth, minb=minb, blocks=blocks, pf=pf, vdec=vdec, stage=stage,
+                          want_lse=False)[0]
 
 
 def iso_v5_unminified(L, i):

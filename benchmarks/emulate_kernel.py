@@ -236,6 +236,21 @@ def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str, key_bits: int 
     return qin, q64, kc, vc, consts, views
 
 
+def one_launch_outputs(kernel: str, out_shape: tuple, tq: str, groups: int, ns: int, R: int) -> dict:
+    """The outputs of a one-launch kernel for emulate(): v4's four, or v5's out and one scratch."""
+    B, Hq, L, d = out_shape
+    if kernel.startswith("attn_v5"):
+        return dict(out=(out_shape, tq), scratch=((K.v5_scratch_size(groups, ns, R, d),), "f32"))
+    return dict(out=(out_shape, tq), lse=((B, Hq, L), "f32"), o_part=((groups, ns, R, d), "f32"),
+                ml_part=((groups, ns, R, 2), "f32"))
+
+
+def split_scratch(kernel: str, outs: dict, groups: int, R: int) -> None:
+    """v5: lse as attention_v5 reads it from the end of the scratch output."""
+    if kernel.startswith("attn_v5"):
+        outs["lse"] = outs["scratch"][-groups * R:].reshape(outs["out"].shape[:3])
+
+
 def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0,
            kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=None,
            key_bits=None):
@@ -266,10 +281,10 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
                         v_norms=c["vnorm"], counter=counter,
                         **({"tlen": np.zeros(T, np.uint32)} if kernel == "attn_v5" else {})),
-                   dict(out=((B, G * Hkv, L, d), tq), lse=((B, G * Hkv, L), "f32"), o_part=((groups, ns, K.MMA_N if kernel == "attn_v5" else R, d), "f32"),
-                        ml_part=((groups, ns, R, 2), "f32")),
+                   one_launch_outputs(kernel, (B, G * Hkv, L, d), tq, groups, ns, R),
                    (groups, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed, offsets=offsets,
                    layout=layout)
+    split_scratch(kernel, outs, groups, R)
     ref = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,
                        offset=T - L, causal=causal, T=T, rot=rot, key_levels=c["klevels"])
     got = outs["out"].astype(np.float64)

@@ -142,4 +142,5 @@ const uint TID = threadIdx.x;
 const uint NT = blockDim.x;
 const uint BX = blockIdx.x;
 const uint BY = blockIdx.y;
+const uint NBX = gridDim.x;
 const uint NBY = gridDim.y;

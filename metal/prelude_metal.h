@@ -127,4 +127,5 @@ const uint TID = thread_position_in_threadgroup.x;
 const uint NT = threads_per_threadgroup.x;
 const uint BX = threadgroup_position_in_grid.x;
 const uint BY = threadgroup_position_in_grid.y;
+const uint NBX = threadgroups_per_grid.x;
 const uint NBY = threadgroups_per_grid.y;

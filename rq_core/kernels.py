@@ -117,16 +117,17 @@ SPECS: dict[str, Spec] = {
     "attn_v4w": Spec("attn_v4.body",
                      ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "wk", "wv"),
                      ("out", "lse", "o_part", "ml_part"), contiguous=False, defines="#define RQ_WINDOW 1\n"),
-    # v5: v4's contract, warp-level streaming (docs/KERNEL_NOTES.md, "v5")
+    # v5: v4's contract, warp-level streaming (docs/KERNEL_NOTES.md, "v5"); its scratch is one output
+    # (v5_scratch_size: o_part, ml_part, then lse), each more output costing MLX host time a launch
     # tlen: any array of valid_len elements (its shape carries T: a view shared by every layer of a step,
     # where slicing k_norms to T was one more graph node a layer)
     "attn_v5": Spec("attn_v5.body",
                     ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "tlen"),
-                    ("out", "lse", "o_part", "ml_part"), contiguous=False),
+                    ("out", "scratch"), contiguous=False),
     # v5 plus the fp16 window as one more split (common.h, window_split)
     "attn_v5w": Spec("attn_v5.body",
                      ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "tlen", "wk", "wv"),
-                     ("out", "lse", "o_part", "ml_part"), contiguous=False, defines="#define RQ_WINDOW 1\n"),
+                     ("out", "scratch"), contiguous=False, defines="#define RQ_WINDOW 1\n"),
     "attn_combine": Spec("attn_combine.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "attn_merge": Spec("attn_merge.body", ("o_part", "ml_part", "mats"), ("out", "lse")),
     "rotate_query": Spec("rotate.body", ("inp", "mats", "prm"), ("out",)),
@@ -789,7 +790,8 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
                  nth: int | None = None, minb: int | None = None, pf: int | None = None,
                  vdec: int | None = None, stage: int | None = None,
                  window: tuple[mx.array, mx.array] | None = None, key_bits: int | None = None,
-                 key_levels: mx.array | None = None, trace: bool = False) -> tuple[mx.array, ...]:
+                 key_levels: mx.array | None = None, trace: bool = False,
+                 want_lse: bool = True) -> tuple[mx.array, ...]:
     """Single-launch attention, v5: attention_v4's contract (arguments, outputs, counter pool), a kernel
     whose warps stream their own token steps (metal/attn_v5.body). blocks / nth / minb / pf / vdec / stage:
     the grid's target block count, threads per block, the launch bound, the load-ahead depth, the value
@@ -799,7 +801,8 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     window: the cache's fp16 segment after the packed tokens, as attention_v4's (attn_v5w: one more split).
     key_bits / key_levels: keys at their own width and codebook (kv.key_bits; k_codes rows of D * key_bits / 32
     words), else the values' `bits` and `levels`. trace: also return the phase stamps, uint32 [groups, ns, 16, 2]
-    (V5_TRACE_PHASES; CUDA only)."""
+    (V5_TRACE_PHASES; CUDA only). want_lse=False: lse comes back None (no slice of the scratch made: a graph node
+    a layer that the caches do not read)."""
     if backend() is None:
         raise KernelUnsupported("no GPU backend")
     B, Hq, L, D = q.shape
@@ -837,10 +840,16 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
                   ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
                   ("VDEC", vdec), ("STAGE", stage), ("MERGE", V5_MERGE)] + wt,
         grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
-        output_shapes=[(B, Hq, L, D), (B, Hq, L), (groups, ns, MMA_N, D), (groups, ns, R, 2)] + [(groups, ns, 16, 2)] * trace,
-        output_dtypes=[qd.dtype, mx.float32, mx.float32, mx.float32] + [mx.uint32] * trace,
+        output_shapes=[(B, Hq, L, D), (v5_scratch_size(groups, ns, R, D),)] + [(groups, ns, 16, 2)] * trace,
+        output_dtypes=[qd.dtype, mx.float32] + [mx.uint32] * trace,
         init_value=0 if trace else float("nan") if POISON else None)
-    return (res[0], res[1], res[4]) if trace else (res[0], res[1])
+    lse = res[1][-groups * R:].reshape(B, Hq, L) if want_lse else None
+    return (res[0], lse, res[2]) if trace else (res[0], lse)
+
+
+def v5_scratch_size(groups: int, ns: int, R: int, D: int) -> int:
+    """Floats of attn_v5's scratch output: partials [groups, ns, MMA_N, D], (m, l) [groups, ns, R, 2], lse [groups, R]."""
+    return groups * ns * MMA_N * D + groups * ns * R * 2 + groups * R
 
 
 _ROT_ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -913,7 +922,7 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
                 try:
                     return attention_v5(queries, mats, k_codes, k_norms, v_codes, v_norms, levels, window=window,
                                         key_bits=key_bits if split else None,
-                                        key_levels=key_levels if split else None, **args)[0]
+                                        key_levels=key_levels if split else None, want_lse=False, **args)[0]
                 except KernelUnsupported:
                     if split:  # v4 takes one width
                         return None

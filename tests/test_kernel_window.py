@@ -52,9 +52,9 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
                       dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"],
                            v_codes=vc, v_norms=c["vnorm"], counter=np.zeros(groups, np.uint32), wk=wk, wv=wv,
                            **({"tlen": np.zeros(T, np.uint32)} if kernel == "attn_v5w" else {})),
-                      dict(out=((B, G * Hkv, L, d), "f32"), lse=((B, G * Hkv, L), "f32"),
-                           o_part=((groups, ns, K.MMA_N if kernel == "attn_v5w" else R, d), "f32"), ml_part=((groups, ns, R, 2), "f32")),
+                      EK.one_launch_outputs(kernel, (B, G * Hkv, L, d), "f32", groups, ns, R),
                       (groups, ns), nth, views=views, types={"q": "f32", "out": "f32", "wk": "f16", "wv": "f16"})
+    EK.split_scratch(kernel, outs, groups, R)
     # float64 reference in the rotated space (scores and weights are rotation-invariant), rotated back
     hk = np.arange(G * Hkv) // G
     lv = KC.half_levels(c["levels"]).astype(np.float64)  # the levels as the matrix units see them

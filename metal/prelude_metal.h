@@ -10,6 +10,7 @@
 INLINE float to_float(half x) { return float(x); }
 INLINE float fmax_f(float a, float b) { return fmax(a, b); }
 INLINE float exp2_f(float x) { return exp2(x); }
+INLINE float exp2_fast(float x) { return exp2(x); }  // Metal's exp2 is the fast one already
 INLINE float rsqrt_f(float x) { return rsqrt(x); }
 INLINE float sqrt_f(float x) { return sqrt(x); }
 INLINE float simd_sum_f(float x) { return simd_sum(x); }

@@ -116,6 +116,41 @@ class SplitBitsCache(IsoQuantCache):
                         + self.fp16_len * 2 * self.head_dim * 2)
 
 
+class QJLKeysCache(SplitBitsCache):
+    """Keys as TurboQuant's inner-product quantizer (study only): (key_bits - 1)-bit IsoQuant codes, then one bit per
+    coordinate of a Gaussian sketch S of the residual r (QJL) and |r| in float16. For any query q,
+    <q, k_mse> + sqrt(pi/2) |r| / d <S q, sign(S r)> is an unbiased estimate of <q, k>; it equals <q, k~> for
+    k~ = k_mse + sqrt(pi/2) |r| / d S^T sign(S r), so this cache stores k~ and attends as the others do. Bytes: the
+    key's bits as IsoQuant at key_bits, plus one more float16 norm a key."""
+
+    def __init__(self, **kw: Any) -> None:
+        from rq_core.codebook import get_codebook
+
+        super().__init__(**kw)
+        d, h = int(kw["head_dim"]), int(kw["n_kv_heads"])
+        cb = kw.get("codebook", "sphere")
+        self.k_levels = mx.array(get_codebook(cb, self.key_bits - 1, d).levels.astype("float32"))
+        rng = np.random.default_rng([int(kw.get("seed", 0)), int(kw.get("layer", 0)), 0x0A1])
+        self._S = mx.array(rng.standard_normal((h, d, d)).astype(np.float32))  # a sketch per kv head
+
+    def _qdq_k(self, x: mx.array) -> mx.array:
+        x = x.astype(mx.float32)
+        k_mse = self._qdq(x, self.k_levels, self.key_bits - 1)
+        r = x - k_mse
+        rn = mx.sqrt((r * r).sum(axis=-1, keepdims=True)).astype(mx.float16).astype(mx.float32)
+        S = self._S[None]  # [1, H, d, d]
+        sgn = mx.where(r @ S.transpose(0, 1, 3, 2) >= 0, 1.0, -1.0)  # sign(S r) per token: [B, H, T, d]
+        d = x.shape[-1]
+        return k_mse + (math.sqrt(math.pi / 2) / d) * rn * (sgn @ S)
+
+    @property
+    def nbytes(self) -> int:
+        if self._fk is None:
+            return 0
+        B, H = self._fk.shape[:2]
+        return super().nbytes + B * H * self.packed_len * 2
+
+
 class StudyCache(SplitBitsCache):
     """SplitBitsCache plus two cheap, exact-or-free changes (study only; rq_core is unchanged):
 
@@ -232,10 +267,11 @@ class Setting:
     sink: int = 0  # first tokens kept fp16 (StudyCache)
     center: str = ""  # "k" | "kv": mean-centering before quantization (StudyCache)
     signs: bool = False  # random ±1 per dim before the rotation (StudyCache)
+    qjl: bool = False  # keys: (key_bits - 1)-bit codes + a 1-bit sketch of the residual (QJLKeysCache)
 
     @property
     def emulated(self) -> bool:
-        return self.key_bits is not None or bool(self.sink) or bool(self.center) or self.signs
+        return self.key_bits is not None or bool(self.sink) or bool(self.center) or self.signs or self.qjl
 
     def make_cache(self, model: Any) -> list:
         caches = model.make_cache(self.kv)
@@ -248,7 +284,8 @@ class Setting:
                           codebook=self.kv.codebook, fp16_window=self.kv.fp16_window,
                           norm_correction=self.kv.norm_correction, seed=self.kv.seed)
                 caches[i] = (StudyCache(sink=self.sink, center=self.center, signs=self.signs, **kw)
-                             if self.sink or self.center or self.signs else SplitBitsCache(**kw))
+                             if self.sink or self.center or self.signs
+                             else QJLKeysCache(**kw) if self.qjl else SplitBitsCache(**kw))
         return caches
 
     def bytes_ratio(self, n_layers: int, d: int, tokens: int) -> float:

@@ -7,6 +7,7 @@ cycle as the cache) with --key-bits / --value-bits. --compare pairs result files
     python benchmarks/niah_bits.py --seed 2 --key-bits 4 --value-bits 2 --out K4V2-s2.json
     python benchmarks/niah_bits.py --seed 2 --bits 4 --out bits4-s2.json
     python benchmarks/niah_bits.py --seed 2 --key-bits 4 --real --out K4V3-real-s2.json   # kv.key_bits
+    python benchmarks/niah_bits.py --seed 2 --qjl --out qjl3-s2.json   # keys 2-bit codes + 1-bit residual sketch
     python benchmarks/niah_bits.py --compare fp16=A.json:fp16 K4V2=K4V2-s2.json ...
 """
 
@@ -25,7 +26,8 @@ from rq_core import eval as ev  # noqa: E402
 from rq_core.kv_cache import KVSettings  # noqa: E402
 
 
-def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int | None, real: bool = False) -> dict:
+def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int | None, real: bool = False,
+        qjl: bool = False) -> dict:
     import kv_study
 
     em = ev.load_eval_model(None)
@@ -33,13 +35,13 @@ def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int
     kv = KVSettings(mode="isoquant3", bits=bits, rotation="wht_so4", fp16_window=32,
                     key_bits=key_bits if real else None)
     model = em.model
-    if (key_bits or value_bits) and not real:
+    if (key_bits or value_bits or qjl) and not real:
         model = kv_study._CacheModel(em.model, kv_study.Setting("split", kv, key_bits=key_bits or bits,
-                                                                 value_bits=value_bits or bits))
+                                                                 value_bits=value_bits or bits, qjl=qjl))
     r = ev.niah(model, ids, ev.needle_token_pieces(em.tokenizer), [kv], lengths=[512, 1024, 2048],
                 depths=[0.1, 0.5, 0.9], trials=trials, seed=seed)
     r.update(seed=seed, bits=bits, key_bits=key_bits or bits, value_bits=value_bits or bits,
-             emulated=bool(key_bits or value_bits) and not real)
+             emulated=bool(key_bits or value_bits or qjl) and not real, qjl=qjl)
     return r
 
 
@@ -76,13 +78,15 @@ def main() -> int:
     ap.add_argument("--value-bits", type=int, default=None)
     ap.add_argument("--real", action="store_true", help="--key-bits through the cache itself (kv.key_bits; "
                     "values at --bits), not the emulation")
+    ap.add_argument("--qjl", action="store_true", help="keys as (key bits - 1)-bit codes plus a 1-bit sketch of the "
+                    "residual (kv_study.QJLKeysCache, TurboQuant's inner-product quantizer)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs="+", default=None, metavar="NAME=FILE[:MODE][,FILE[:MODE]...]")
     a = ap.parse_args()
     if a.compare:
         compare(a.compare, a.trials)
         return 0
-    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real)
+    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real, a.qjl)
     print(json.dumps({k: v["accuracy"] for k, v in r["modes"].items()}))
     if a.out:
         Path(a.out).write_text(json.dumps(r))

@@ -10,8 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kv_study import (SplitBitsCache, Setting, StudyCache, all_settings, packed_bytes,  # noqa: E402
-                                 paired_stats, pairwise)
+from benchmarks.kv_study import (QJLKeysCache, SplitBitsCache, Setting, StudyCache, all_settings,  # noqa: E402
+                                 packed_bytes, paired_stats, pairwise)
 from rq_core.errors import RQError  # noqa: E402
 from rq_core.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, dequantize_kv, make_kv_cache,  # noqa: E402
                               quantize_kv)
@@ -208,3 +208,21 @@ def test_signs_are_the_rotation_r_after_d():
     by = {s.name: s for s in all_settings(2)}
     cache = by["wht_so4 signs win32 s3"].make_cache(_FakeModel())[1]
     assert isinstance(cache, StudyCache) and cache._signs is not None and cache.fp16_window == 32
+
+
+def test_qjl_keys_are_an_unbiased_inner_product_estimate():
+    """QJLKeysCache: (bits - 1)-bit codes plus a 1-bit sketch of the residual. Over many keys the estimate of <q, k>
+    has slope 1 against the truth (the MSE codes alone shrink it), and the cache counts one more float16 a key."""
+    c = QJLKeysCache(key_bits=3, value_bits=3, head_dim=128, n_kv_heads=2, layer=0)
+    x = _rand((1, 2, 3000, 128), 7)
+    q = _rand((1, 2, 1, 128), 8)
+    true = np.array((x * q).sum(-1)).ravel()
+    slope = lambda k: float(np.polyfit(true, np.array((k * q).sum(-1)).ravel(), 1)[0])  # noqa: E731
+    s_qjl, s_mse = slope(c._qdq_k(x)), slope(c._qdq(x, c.k_levels, 2))
+    assert abs(s_qjl - 1) < 0.02 and s_mse < 0.95, (s_qjl, s_mse)
+    assert c.k_levels.size == 4 and c.v_levels.size == 8
+    c = QJLKeysCache(key_bits=3, value_bits=3, head_dim=D, n_kv_heads=HKV, layer=0)
+    _run(c, steps=1)
+    plain = SplitBitsCache(key_bits=3, value_bits=3, head_dim=D, n_kv_heads=HKV, layer=0)
+    _run(plain, steps=1)
+    assert c.packed_len == plain.packed_len > 0 and c.nbytes == plain.nbytes + 2 * HKV * c.packed_len

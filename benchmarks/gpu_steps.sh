@@ -54,20 +54,20 @@ peer_table() {
   grep -E "^\||FAILED|Error" "$OUT/table.log"
 }
 
-# one attn_v5 variant (RQ_V5_DEFS=$1; "" the default): phase trace summary and ncu kernel-alone at 4K / 32K / 128K,
-# tagged lines appended to $OUT/ncu.txt (session 10's A/B calls)
+# one attn_v5 variant (RQ_V5_DEFS=$1; "" the default; $2 the launch bound's blocks an SM, default 2): phase trace
+# summary and ncu kernel-alone at 4K / 32K / 128K, tagged lines appended to $OUT/ncu.txt (session 10's A/B calls)
 v5_variant() {
-  local defs=$1 tag ncu
-  tag=${defs:-base}; tag=${tag//,/_}
+  local defs=$1 minb=${2:-2} tag ncu
+  tag=${defs:-base}; tag=${tag//,/_}; [ "$minb" = 2 ] || tag=${tag}_minb$minb
   ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
   echo "== $tag ($(date -u +%T))"
-  RQ_V5_DEFS=$defs timeout 30 python3 benchmarks/diag/v5_trace.py --contexts 4096,32768,131072 --reps 3 \
+  RQ_V5_DEFS=$defs RQ_V5_MINB=$minb timeout 30 python3 benchmarks/diag/v5_trace.py --contexts 4096,32768,131072 --reps 3 \
     > "$OUT/trace_$tag.txt" 2>&1
   grep -v Warning "$OUT/trace_$tag.txt" | grep -E "^==|q rotated|q fragments|partials written|counted|weights|numerators|stored" \
     | sed -E 's/blocks on .*span/span/; s/\(runs.*//'
   RQ_V5_DEFS=$defs timeout 40 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
     --log-file "$OUT/ncu_$tag.csv" python3 benchmarks/kernel_time.py --contexts 4096,32768,131072 --reps 3 \
-    --methods "v5 256" --v5-configs 256:2:132:1:2:2 --schedule "$OUT/sched_$tag.json" > /dev/null 2>&1
+    --methods "v5 256" --v5-configs 256:$minb:132:1:2:2 --schedule "$OUT/sched_$tag.json" > /dev/null 2>&1
   python3 benchmarks/kernel_time.py --parse "$OUT/ncu_$tag.csv" --schedule "$OUT/sched_$tag.json" 2>&1 \
     | grep "^| [0-9]" | sed "s/^/$tag /" | tee -a "$OUT/ncu.txt"
   rm -f "$OUT/ncu_$tag.csv" "$OUT/sched_$tag.json"

@@ -65,9 +65,10 @@ V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
 # ring does not fit threadgroup memory (head_dim 256 at 3 bits) take STAGE 0 (rows through registers, PF 2).
 # 384 threads x ~165 registers did not launch at head_dim 256; 512 threads with PF 1 did not launch at all.
 V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "0"))  # 0: by context (v5_blocks)
-# at long context two blocks an SM (more warps to cover the decode's dependency waits) outweigh merging twice the
-# splits (H200, ncu kernel alone, 2026-11-30: 46.6 against 49.5 us at 128K; 23.2 against 21.2 at 32K)
-V5_BLOCKS_SHORT, V5_BLOCKS_LONG, V5_LONG_T = 132, 264, 65536
+# one block an SM at every context, its registers uncapped by the launch bound (V5_MINB): at 128K that beat two
+# blocks an SM at 128 registers (H200, ncu kernel alone, 2026-11-30: 44.0 against 47.5 us at 132 blocks and ~46.7
+# at 264); RQ_V5_BLOCKS=264 with RQ_V5_MINB=2 is the session-10 default for long contexts
+V5_BLOCKS_SHORT, V5_BLOCKS_LONG, V5_LONG_T = 132, 132, 65536
 V5_NTH = int(os.environ.get("RQ_V5_NTH", "256"))
 V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets; STAGE 0)
 V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "2"))  # 2: pair table by byte offsets, 1: values by byte permutes, 0: table
@@ -685,15 +686,15 @@ V5_MAXNS = 128  # splits per (batch, kv head) attn_v5's last block merges (MAXNS
 
 
 # CUDA: blocks of attn_v5 resident per SM that the compiler must allow for (register cap through
-# __launch_bounds__); -1 (default): 2 at 256 threads (the default configuration: two blocks per SM need <= 128
-# registers, and nvcc 13 gives the window variant 167-180 without the bound, 128 with it and <= 24 bytes of
-# spills), else none; 0: no bound.
+# __launch_bounds__); -1 (default): 1 at 256 threads (one block an SM: nvcc gives 168-186 registers and a shorter
+# warp step than at 2, whose 128-register cap two blocks an SM need), else none; 0: no bound. At 1 the partials'
+# merge loads up to 33 splits in one round (NC33 in the body), which the 128-register cap could not hold.
 V5_MINB = int(os.environ.get("RQ_V5_MINB", "-1"))
 
 
 def _v5_minb(nth: int, minb: int | None) -> int:
     minb = V5_MINB if minb is None else minb
-    return (2 if nth == 256 else 0) if minb < 0 else minb
+    return (1 if nth == 256 else 0) if minb < 0 else minb
 
 
 @functools.lru_cache(maxsize=None)
@@ -708,6 +709,8 @@ def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: boo
     if be == "cuda" and minb > 0:
         header += f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({nth}, {minb})\n"
         name += f"_lb{minb}"
+        if minb == 1:  # registers for one round of 33 partial loads in the merge
+            source = "#define RQ_V5_NC33 1\n" + source
     spec = SPECS[kname]
     outputs = list(spec.outputs)
     if trace:  # diagnostics: phase timestamps a block (V5_TRACE_PHASES) in one more output
@@ -722,7 +725,10 @@ def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: boo
 # attn_v5's trace (attention_v5(trace=True), CUDA): a block's thread 0 stamps these phase ends (device ns timer and SM
 # cycles, uint32 pairs, 16 slots a block; slot 15's first word: the SM id). Slots 8-11 only in the last block of a head
 V5_TRACE_PHASES = ("start", "table+q loaded", "q rotated", "q fragments", "warp 0 loop end", "all warps' loops end",
-                   "partials written", "counted", "splits' weights", "numerators", "inverse rotation", "stored")
+                   "partials written", "counted", "splits' weights", "numerators", "inverse rotation", "stored",
+                   "warp 0's (m, l) in", "warp 0's weights")
+# the stamps' order in a launch (12 and 13 fall inside the weights phase, 8)
+V5_TRACE_ORDER = (0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 8, 9, 10, 11)
 
 
 def v5_blocks(T: int) -> int:

@@ -25,6 +25,8 @@ def summarize(tr, phases: tuple[str, ...]) -> dict:
     """tr: uint32 [groups, ns, 16, 2] of one launch -> phase table (µs)."""
     import numpy as np
 
+    import rq_core.kernels as K
+
     blocks = tr.reshape(-1, 16, 2).astype(np.int64)
     t = blocks[:, :, 0]
     c = blocks[:, :, 1]
@@ -32,7 +34,8 @@ def summarize(tr, phases: tuple[str, ...]) -> dict:
     rel = (t - t0) % (1 << 32)  # the ns timer's low word, relative to the first block's start
     cyc = (c - c[:, :1]) % (1 << 32)
     last = [b for b in range(len(blocks)) if t[b, 11] != 0]
-    done = [k for k in range(12) if k != 0 and (t[:, k] != 0).any()]
+    order = getattr(K, "V5_TRACE_ORDER", tuple(range(12)))
+    done = [k for k in order if k != 0 and (t[:, k] != 0).any()]
     # SM clock (cycles per ns) from blocks that ran long enough for the ns timer's granularity not to matter
     span_b = rel[:, 7] - rel[:, 0]
     ok = span_b > 2000
@@ -42,7 +45,7 @@ def summarize(tr, phases: tuple[str, ...]) -> dict:
            "start_spread_us": round(float(rel[:, 0].max()) / 1e3, 2), "sms": len(set(blocks[:, 15, 0].tolist())),
            "phases": []}
     for i, k in enumerate(done):
-        rows = last if k >= 8 else range(len(blocks))
+        rows = last if k >= 8 else range(len(blocks))  # 8 on (12, 13 too): the last blocks' phases
         prev = done[i - 1] if i > 0 else 0  # a phase a variant skips (no stamp) counts in the next one
         ends = [float(rel[b, k]) / 1e3 for b in rows]
         own = [float(cyc[b, k] - cyc[b, prev]) / ghz / 1e3 for b in rows]

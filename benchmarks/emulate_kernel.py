@@ -444,11 +444,6 @@ def main() -> int:
         # session 10: more splits than one round of the last block's partial loads (17)
         ("v5 20 splits (two load rounds)", lambda: run_v5(rng, G=8, d=128, T=2600, nth=256, pf=1, stage=2, vdec=2,
                                                          merge=1, blocks=40)),
-        # session 11: half queries, so half partials divided by their l (both merges of the warps), 33 splits
-        ("v5 f16 33 splits (half partials)", lambda: run_v5(rng, G=8, d=128, T=4300, nth=256, pf=1, stage=2, vdec=2,
-                                                           merge=1, blocks=66, qdtype="f16")),
-        ("v5 bf16 rounds' merge (half partials)", lambda: run_v5(rng, G=4, d=128, T=1000, nth=256, pf=1, stage=2,
-                                                                vdec=2, merge=0, qdtype="bf16")),
     ]
     for label, fn in cases:
         try:

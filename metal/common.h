@@ -6,16 +6,6 @@
 
 INLINE int imin(int a, int b) { return a < b ? a : b; }
 
-// is_f32<T>::value: whether a kernel's element type is float (both backends' C++ has no one spelling of is_same)
-template <typename T>
-struct is_f32 {
-  static constexpr bool value = false;
-};
-template <>
-struct is_f32<float> {
-  static constexpr bool value = true;
-};
-
 // A lane-replicated pair table holds entry c of lane l at c * 32 + l (4-byte entries), so entry c's bytes
 // start at c << 7. pair_off: the fw-bit pair index at bit p (< 32) of the 64-bit hi:lo as that byte offset,
 // in one shift and one mask (index, scale and address were a shift, a mask and a multiply-add).
@@ -221,8 +211,7 @@ INLINE void accum_chunk32(THR const uint* w, float wt, TG const float* lv, THR f
 // wkd / wvd. WCAUSAL: query row n sees
 // window token j <= NW - LQ + n % LQ. qw, ow: R*D floats, sc: R*128 floats of threadgroup memory; every
 // thread of the block calls it (barriers).
-template <int D, int R, int LQ, int ROT, int WCAUSAL, int NTH, bool NATIVE = false, bool PH = false, typename TQ,
-          typename TW>
+template <int D, int R, int LQ, int ROT, int WCAUSAL, int NTH, bool NATIVE = false, typename TQ, typename TW>
 INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV const TW* wk, int wkb, int wks,
                          int wkd, DEV const TW* wv, int wvb, int wvs, int wvd, int NW, float wscale,
                          DEV const float* mats, TG float* qw, TG float* sc, TG float* ow, DEV float* o_part,
@@ -284,10 +273,6 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
       ml_part[(pbase + r) * 2] = m;
       ml_part[(pbase + r) * 2 + 1] = l;
     }
-    if (PH) {  // attn_v5's half partials are divided by l (the weights this lane wrote above)
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-      for (int j = lane; j < NW; j += 32) sc[r * WT + j] *= inv;
-    }
   }
   BARRIER();
   // values: a thread per head dim (coalesced across threads), all R rows at once
@@ -309,24 +294,14 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
   // into the packed values' space, as the query was rotated: WHT, then the SO(4) blocks (or the dense P)
   if ((ROT & 1) != 0) wht_rows_lean<D>(ow, R, tid, NTH);
   if (NATIVE) {  // attn_v5: the split's MMA_N x D partials in the fragments' order (v5_pos_n / v5_pos_d)
-    const int ob = (pbase / R) * MMA_N * D;  // in elements (PH: halves, two a word)
-    for (int p2 = (int)tid; p2 < MMA_N * D / 2; p2 += NTH) {
-      float v[2];
-      UNROLL for (int u = 0; u < 2; ++u) {
-        const int p = 2 * p2 + u;
-        const int n = v5_pos_n<D>(p);
-        const int d = v5_pos_d<D>(p);
-        v[u] = n >= R                ? 0.0f
-               : ((ROT & 4) != 0) ? dense_elem<D, false>(mats, ow + n * D, d)
-               : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + n * D, d)
-                                  : ow[n * D + d];
-      }
-      if (PH) {
-        st_dev_h2(o_part + ob / 2 + p2, v[0], v[1]);
-      } else {
-        o_part[ob + 2 * p2] = v[0];
-        o_part[ob + 2 * p2 + 1] = v[1];
-      }
+    const int ob = (pbase / R) * MMA_N * D;
+    for (int p = (int)tid; p < MMA_N * D; p += NTH) {
+      const int n = v5_pos_n<D>(p);
+      const int d = v5_pos_d<D>(p);
+      o_part[ob + p] = n >= R                ? 0.0f
+                       : ((ROT & 4) != 0) ? dense_elem<D, false>(mats, ow + n * D, d)
+                       : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + n * D, d)
+                                          : ow[n * D + d];
     }
     return;
   }

@@ -118,25 +118,6 @@ INLINE hf hf_zero() { return __float2half_rn(0.0f); }
 INLINE uint byte_perm(uint a, uint b, uint s) { return __byte_perm(a, b, s); }
 INLINE uint h2_bits(h2 v) { return *reinterpret_cast<THR uint*>(&v); }
 INLINE h2 bits_h2(uint u) { return *reinterpret_cast<THR h2*>(&u); }
-// four halves at p (8 bytes, 8-byte aligned) as a float4, and back; one half pair (4 bytes)
-INLINE float4 ld_dev_h4(DEV const float* p) {
-  const uint2 u = __ldcg(reinterpret_cast<const uint2*>(p));
-  const h2 a = bits_h2(u.x);
-  const h2 b = bits_h2(u.y);
-  float4 v;
-  v.x = to_float(a.x);
-  v.y = to_float(a.y);
-  v.z = to_float(b.x);
-  v.w = to_float(b.y);
-  return v;
-}
-INLINE void st_dev_h4(DEV float* p, float4 v) {
-  uint2 u;
-  u.x = h2_bits(make_h2(v.x, v.y));
-  u.y = h2_bits(make_h2(v.z, v.w));
-  *reinterpret_cast<uint2*>(p) = u;
-}
-INLINE void st_dev_h2(DEV float* p, float a, float b) { *reinterpret_cast<uint*>(p) = h2_bits(make_h2(a, b)); }
 // asynchronous 16-byte copies device -> threadgroup memory (cp.async, L2 only), committed as a group;
 // cp_async_wait<N>: until at most N of this thread's groups are pending
 INLINE void cp_async16(TG uint* dst, DEV const uint* src) {

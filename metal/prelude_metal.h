@@ -76,16 +76,6 @@ INLINE uint count_arrive(DEV const uint* p) { return atomic_inc_dev(p); }
 INLINE float ld_dev(DEV const float* p) { return *((DEV const volatile float*)p); }
 INLINE float4 ld_dev4(DEV const float* p) { return float4(ld_dev(p), ld_dev(p + 1), ld_dev(p + 2), ld_dev(p + 3)); }
 INLINE void st_dev4(DEV float* p, float4 v) { *((DEV float4*)p) = v; }
-// four halves at p (8 bytes, 8-byte aligned) as a float4, and back; one half pair (4 bytes)
-INLINE float4 ld_dev_h4(DEV const float* p) {
-  const h2 a = as_type<h2>(((DEV const volatile uint*)p)[0]);
-  const h2 b = as_type<h2>(((DEV const volatile uint*)p)[1]);
-  return float4(float(a.x), float(a.y), float(b.x), float(b.y));
-}
-INLINE void st_dev_h4(DEV float* p, float4 v) {
-  *((DEV uint2*)p) = uint2(as_type<uint>(make_h2(v.x, v.y)), as_type<uint>(make_h2(v.z, v.w)));
-}
-INLINE void st_dev_h2(DEV float* p, float a, float b) { *((DEV uint*)p) = as_type<uint>(make_h2(a, b)); }
 // ---- v5 (warp-level streaming): rows of a C fragment, SIMD-group sync and vote, a single half ----
 #define FRAG_C_NR 2  // distinct query rows (n) a thread holds in a C fragment: frag_c_n(lane, r), r < FRAG_C_NR
 INLINE int frag_c_r(int e) { return e; }  // which of them element e belongs to

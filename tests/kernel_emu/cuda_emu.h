@@ -30,7 +30,6 @@
 struct alignas(2) __half { _Float16 v; };
 struct alignas(4) __half2 { __half x, y; };
 struct alignas(2) __nv_bfloat16 { uint16_t v; };
-struct alignas(8) uint2 { unsigned x, y; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
@@ -60,7 +59,6 @@ inline float __int_as_float(int i) {
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __ldcg(const float* p) { return *p; }
 inline float4 __ldcg(const float4* p) { return *p; }
-inline uint2 __ldcg(const uint2* p) { return *p; }
 inline void __threadfence() {}
 inline unsigned atomicAdd(unsigned* p, unsigned v) {
   unsigned o = *p;

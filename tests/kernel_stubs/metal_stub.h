@@ -11,11 +11,6 @@ typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef _Float16 half;
 typedef half float16_t;
-struct uint2 {
-  uint x, y;
-  uint2() = default;
-  uint2(uint a, uint b) : x(a), y(b) {}
-};
 struct uint3 { uint x, y, z; };
 struct uint4 {
   uint x, y, z, w;

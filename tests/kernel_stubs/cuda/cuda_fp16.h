@@ -11,7 +11,6 @@ struct rq_dim3 { unsigned x, y, z; };
 extern rq_dim3 threadIdx, blockIdx, blockDim, gridDim;
 struct __half { unsigned short v; };
 struct __half2 { __half x, y; };
-struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
@@ -36,4 +35,3 @@ unsigned atomicExch(unsigned*, unsigned);
 void __threadfence();
 float __ldcg(const float*);
 float4 __ldcg(const float4*);
-uint2 __ldcg(const uint2*);

@@ -444,6 +444,11 @@ def main() -> int:
         # session 10: more splits than one round of the last block's partial loads (17)
         ("v5 20 splits (two load rounds)", lambda: run_v5(rng, G=8, d=128, T=2600, nth=256, pf=1, stage=2, vdec=2,
                                                          merge=1, blocks=40)),
+        # session 11: half queries with 33 splits (one round of partial loads under NC33), the rounds' merge in bf16
+        ("v5 f16 33 splits", lambda: run_v5(rng, G=8, d=128, T=4300, nth=256, pf=1, stage=2, vdec=2, merge=1,
+                                            blocks=66, qdtype="f16")),
+        ("v5 bf16 rounds' merge", lambda: run_v5(rng, G=4, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2, merge=0,
+                                                 qdtype="bf16")),
     ]
     for label, fn in cases:
         try:

@@ -60,15 +60,15 @@ ROT_SIGN = 8  # rwht_so4: random signs before the WHT; mats [Hkv, 5D] (each head
 # splits, so fewer splits make a shorter tail (2 per SM on the H200's 132 SMs). RQ_V4_BLOCKS tunes it.
 V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
 # v5: blocks of V5_NTH threads (each warp streams its own steps), about V5_BLOCKS blocks in all.
-# Default: 256 threads, code rows through a 2-slot cp.async ring (STAGE 2, PF 1), pair decode (VDEC 2), 132
-# blocks (one an SM on the H200) below 64K tokens and 264 from there (v5_blocks; docs/KERNEL_NOTES.md, "Session 10"). Shapes whose
+# Default: 256 threads, code rows through a 2-slot cp.async ring (STAGE 2, PF 1), pair decode (VDEC 2), one block
+# an SM at every context (v5_blocks: 132 on the H200; docs/KERNEL_NOTES.md, "Session 11"). Shapes whose
 # ring does not fit threadgroup memory (head_dim 256 at 3 bits) take STAGE 0 (rows through registers, PF 2).
 # 384 threads x ~165 registers did not launch at head_dim 256; 512 threads with PF 1 did not launch at all.
-V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "0"))  # 0: by context (v5_blocks)
+V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "0"))  # 0: one block an SM (v5_blocks)
 # one block an SM at every context, its registers uncapped by the launch bound (V5_MINB): at 128K that beat two
 # blocks an SM at 128 registers (H200, ncu kernel alone, 2026-11-30: 44.0 against 47.5 us at 132 blocks and ~46.7
-# at 264); RQ_V5_BLOCKS=264 with RQ_V5_MINB=2 is the session-10 default for long contexts
-V5_BLOCKS_SHORT, V5_BLOCKS_LONG, V5_LONG_T = 132, 132, 65536
+# at 264); RQ_V5_BLOCKS=264 with RQ_V5_MINB=2 is the earlier default for contexts from 64K
+V5_BLOCKS_DEFAULT = 132
 V5_NTH = int(os.environ.get("RQ_V5_NTH", "256"))
 V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets; STAGE 0)
 V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "2"))  # 2: pair table by byte offsets, 1: values by byte permutes, 0: table
@@ -731,17 +731,41 @@ V5_TRACE_PHASES = ("start", "table+q loaded", "q rotated", "q fragments", "warp 
 V5_TRACE_ORDER = (0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 8, 9, 10, 11)
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_sm_count() -> int | None:
+    """Streaming multiprocessors of CUDA device 0, from the driver (MLX's device_info does not report them);
+    None where the driver cannot be asked."""
+    import ctypes
+
+    try:
+        cu = ctypes.CDLL("libcuda.so.1")
+        dev, n = ctypes.c_int(), ctypes.c_int()
+        if cu.cuInit(0) != 0 or cu.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+            return None
+        # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+        if cu.cuDeviceGetAttribute(ctypes.byref(n), 16, dev) != 0 or n.value <= 0:
+            return None
+        return n.value
+    except (OSError, AttributeError):
+        return None
+
+
 def v5_blocks(T: int) -> int:
-    """attn_v5's target block count for T packed tokens: RQ_V5_BLOCKS where set, else by context."""
+    """attn_v5's target block count (T: packed tokens; the same at every context now): RQ_V5_BLOCKS where set,
+    else one block an SM on CUDA (the default launch bound allows one: a second wave would double the time), else
+    V5_BLOCKS_DEFAULT (the H200's 132 SMs)."""
     if V5_BLOCKS > 0:
         return V5_BLOCKS
-    return V5_BLOCKS_LONG if T >= V5_LONG_T else V5_BLOCKS_SHORT
+    if backend() == "cuda":
+        return cuda_sm_count() or V5_BLOCKS_DEFAULT
+    return V5_BLOCKS_DEFAULT
 
 
 def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
-    """Split count of attn_v5: about `blocks` (v5_blocks(T)) blocks in all, at least 128 tokens a split."""
+    """Split count of attn_v5: at most `blocks` (v5_blocks(T)) blocks in all (rounded down: at one block an SM, a
+    block past the target would run in a second wave), at least 128 tokens a split."""
     target = v5_blocks(T) if blocks is None else blocks
-    return max(1, min(-(-T // 128), -(-target // max(1, n_groups)), V5_MAXNS))
+    return max(1, min(-(-T // 128), target // max(1, n_groups), V5_MAXNS))
 
 
 def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec: int = 1,

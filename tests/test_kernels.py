@@ -596,3 +596,23 @@ def test_kernels_check_v5_plumbing(monkeypatch):
     err, nan, err_h = KC.run_case(K, mx, c, T=300, bits=3, path="v5", strategy=None, causal=False, offset=299,
                                   rot=3, mma=True, qdtype="f16", variant="v5", v5cfg=(512, 0, 1))
     assert seen == [(512, 0, 1)] and nan == 0 and err_h < 1e-3
+
+
+def test_v5_blocks_one_an_sm(monkeypatch):
+    """attn_v5's grid: one block an SM of the CUDA device (its launch bound allows one), the H200's 132 where the
+    driver cannot be asked or on other backends, RQ_V5_BLOCKS over both."""
+    monkeypatch.setattr(K, "V5_BLOCKS", 0)
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "cuda_sm_count", lambda: 108)
+    assert K.v5_blocks(4096) == 108 and K.v5_plan(131072, 4) == 27
+    monkeypatch.setattr(K, "cuda_sm_count", lambda: None)
+    assert K.v5_blocks(131072) == K.V5_BLOCKS_DEFAULT == 132
+    monkeypatch.setattr(K, "backend", lambda: "metal")
+    assert K.v5_blocks(32768) == 132
+    monkeypatch.setattr(K, "V5_BLOCKS", 264)
+    assert K.v5_blocks(32768) == 264
+    # a group count that does not divide the grid rounds the splits down: no block past one an SM
+    monkeypatch.setattr(K, "V5_BLOCKS", 0)
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "cuda_sm_count", lambda: 132)
+    assert K.v5_plan(131072, 8) == 16 and K.v5_plan(131072, 5) == 26 and K.v5_plan(131072, 200) == 1

@@ -13,7 +13,7 @@ options) and write both files atomically before MLX evaluates the launch. MLX's 
 embedded in libmlx; ours (`_UTILS`) declares the two types the generated signatures name (Shape, Strides,
 sized by the installed MLX's config.h). Any failure leaves MLX to compile as before.
 
-Checked on the H200 (2026-11-30, `benchmarks/run_s8b_gpu.sh`): a second process's first launch of attn_v5w
+Checked on the H200 (2026-11-30, `benchmarks/device_runs/run_s8b_gpu.sh`): a second process's first launch of attn_v5w
 took 0.024 s against 3.15 s, with output identical to MLX's own compile; `rq run`'s first decode step
 0.053 s against 2.67 s.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the two-GPU machine (after gpu-stage-a): GPU 0 trains the real-size model on the
 # variable-offset copy task for ~8 minutes (does induction form, and when? the weights are kept as a
-# phase-1 init for the needle training); GPU 1 runs benchmarks/run_v5_gpu.sh (v5's cp.async ring).
+# phase-1 init for the needle training); GPU 1 runs benchmarks/device_runs/run_v5_gpu.sh (v5's cp.async ring).
 set -u
 OUT=${OUT:-$PWD/x2_out}; mkdir -p "$OUT/ind" "$OUT/v5"
 source .device/bin/gpu-env || exit 3
@@ -15,7 +15,7 @@ nvidia-smi -L
   rm -f "$OUT/ind/ck/tokenizer"*.json "$OUT/ind/ck/train_log".* "$OUT/ind/ck/generation_config.json" ) &
 P0=$!
 ( export CUDA_VISIBLE_DEVICES=1
-  OUT="$OUT/v5" SKIP=${V5_SKIP:-4} bash benchmarks/run_v5_gpu.sh > "$OUT/v5/run.log" 2>&1 ) &
+  OUT="$OUT/v5" SKIP=${V5_SKIP:-4} bash benchmarks/device_runs/run_v5_gpu.sh > "$OUT/v5/run.log" 2>&1 ) &
 P1=$!
 wait $P0 $P1
 echo "== induction run"; grep -v "^ *$" "$OUT/ind/train.log" | tail -25

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # attn_v5 on the H200 in ~2 minutes of device time (when little is left): one call on a machine where
 # gpu-env finds MLX staged (else first `bash .device/bin/gpu-stage-a` carrying .device/a and .device/bin):
-#     run: bash benchmarks/run_v5_quick.sh      carry: [".device/b", ".device/bin"]     timeout_s: 200
+#     run: bash benchmarks/device_runs/run_v5_quick.sh      carry: [".device/b", ".device/bin"]     timeout_s: 200
 #   1. kernels_check --only v5 --quick-v5: 9 cases, 4 shape classes, against float64 (<= 60 s)
 #   2. GPU time of the kernels alone at 32K and 128K under ncu: v4, v5 configurations (<= 70 s)
 #   3. attention.py at 32K and 128K, 16 layers per evaluation: fp16 SDPA, v4, v5 (<= 70 s)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Last device call of session 5 on nvidia-h200-x2, after `bash .device/bin/gpu-stage-a`:
-#   run: bash benchmarks/run_x2_final.sh    timeout_s: 590
+#   run: bash benchmarks/device_runs/run_x2_final.sh    timeout_s: 590
 #   carry: [".device/b", ".device/bin", ".train/train_ids.npy", ".train/heldout_ids.npy", ".train/tokenizer.json",
 #           ".train/tokens.json", ".train/xfer"]
 # GPU 0: phase 2 continues from the first call's checkpoint (held-out ppl 72.1, needles 0.84 at 2048), which

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # attn_v5 on the H200 in ONE device call (after `bash .device/bin/gpu-stage-a` carrying .device/a and .device/bin):
-#     run: bash benchmarks/run_v5_gpu.sh      carry: [".device/b", ".device/bin"]     timeout_s: 400
+#     run: bash benchmarks/device_runs/run_v5_gpu.sh      carry: [".device/b", ".device/bin"]     timeout_s: 400
 # Steps, each under its own time limit (docs/KERNEL_NOTES.md, "v5"):
 #   1. kernels_check --only v5 (+ extra thread/launch-bound configurations): correctness against float64
 #   2. GPU time of the kernels alone (ncu --clock-control none: gpu__time_duration, DRAM bytes), v4 vs v5

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # attn_v4w (v4 + the cache's fp16 window in the same launch) on the H200 in ONE device call, after
 # `bash .device/bin/gpu-stage-a` (carry .device/a, .device/bin):
-#     run: bash benchmarks/run_window_gpu.sh      carry: [".device/b", ".device/bin"]     timeout_s: 300
+#     run: bash benchmarks/device_runs/run_window_gpu.sh      carry: [".device/b", ".device/bin"]     timeout_s: 300
 #   1. the caches' GPU path against float64 (IsoQuant-3 with fp16 windows 1, 32 and 128, contexts 5,000 and
 #      40,000; v4 only: TurboQuant stays on v3 + matmuls by default)
 #   2. µs per layer, chained layers (as in a decode step): v4 against v4 + a 32-token window, fp16 SDPA

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The v4 measurement for the H200 (docs/KERNEL_NOTES.md, "v4: commands"), as ONE device call after
 # call 1 (`bash .device/bin/gpu-stage-a`, carrying .device/a and .device/bin):
-#     run: bash benchmarks/run_v4_gpu.sh      carry: [".device/b", ".device/bin"]     timeout_s: 580
+#     run: bash benchmarks/device_runs/run_v4_gpu.sh      carry: [".device/b", ".device/bin"]     timeout_s: 580
 # Steps, each under its own time limit so later ones still run and print (~8 min in all, worst case):
 #   1. kernels_check --only v4   correctness of attn_v4 against float64 math, outputs poisoned (<= 170 s)
 #   2. v4_cache_check            the caches' RQ_ATTN=v3 / v3r / v4 paths against float64 math (<= 50 s)

@@ -2,7 +2,7 @@
 # Session 6 (2026-11-30): the fp16 window as one more split (attn_v4w / attn_v5w) and v5's new default
 # configuration (256 threads, 2-slot cp.async ring, 264 blocks; STAGE 0 where the ring does not fit), checked
 # and timed on the H200 in ONE device call after `bash .device/bin/gpu-stage-a` (carry .device/a, .device/bin):
-#     run: bash benchmarks/run_s6_gpu.sh      carry: [".device/b", ".device/bin"]     timeout_s: 590
+#     run: bash benchmarks/device_runs/run_s6_gpu.sh      carry: [".device/b", ".device/bin"]     timeout_s: 590
 #   1. kernels_check --only v5: every single-launch case (contexts 1 to 131072, G 1/4/8, d 64/128/256, 2-4 bits,
 #      f16/bf16 queries, causal, no rotation, dense, three launches in a row) with the defaults
 #   2. the caches' GPU path against float64 with fp16 windows 1, 32, 128 (RQ_ATTN = v4 and v5)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Two-GPU device work in ONE call on nvidia-h200-x2, after `bash .device/bin/gpu-stage-a` (carry .device/a,
 # .device/bin):
-#   run: bash benchmarks/run_x2_next.sh     timeout_s: 590
+#   run: bash benchmarks/device_runs/run_x2_next.sh     timeout_s: 590
 #   carry: [".device/b", ".device/bin", ".train/train_ids.npy", ".train/heldout_ids.npy", ".train/tokenizer.json",
 #           ".train/tokens.json"]
 # First call: GPU 0 trains the reference model in two phases (scripts/train_two_phase_gpu.sh, seed 0: copy

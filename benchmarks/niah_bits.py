@@ -8,6 +8,7 @@ cycle as the cache) with --key-bits / --value-bits. --compare pairs result files
     python benchmarks/niah_bits.py --seed 2 --bits 4 --out bits4-s2.json
     python benchmarks/niah_bits.py --seed 2 --key-bits 4 --real --out K4V3-real-s2.json   # kv.key_bits
     python benchmarks/niah_bits.py --seed 2 --qjl --out qjl3-s2.json   # keys 2-bit codes + 1-bit residual sketch
+    python benchmarks/niah_bits.py --seed 2 --pairvq --out pairvq3-s2.json   # keys: a 2-D codebook a coordinate pair
     python benchmarks/niah_bits.py --compare fp16=A.json:fp16 K4V2=K4V2-s2.json ...
 """
 
@@ -27,7 +28,7 @@ from rq_core.kv_cache import KVSettings  # noqa: E402
 
 
 def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int | None, real: bool = False,
-        qjl: bool = False) -> dict:
+        qjl: bool = False, pairvq: bool = False) -> dict:
     import kv_study
 
     em = ev.load_eval_model(None)
@@ -35,13 +36,15 @@ def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int
     kv = KVSettings(mode="isoquant3", bits=bits, rotation="wht_so4", fp16_window=32,
                     key_bits=key_bits if real else None)
     model = em.model
-    if (key_bits or value_bits or qjl) and not real:
+    emulated = bool(key_bits or value_bits or qjl or pairvq) and not real
+    if emulated:
         model = kv_study._CacheModel(em.model, kv_study.Setting("split", kv, key_bits=key_bits or bits,
-                                                                 value_bits=value_bits or bits, qjl=qjl))
+                                                                 value_bits=value_bits or bits, qjl=qjl,
+                                                                 pairvq=pairvq))
     r = ev.niah(model, ids, ev.needle_token_pieces(em.tokenizer), [kv], lengths=[512, 1024, 2048],
                 depths=[0.1, 0.5, 0.9], trials=trials, seed=seed)
     r.update(seed=seed, bits=bits, key_bits=key_bits or bits, value_bits=value_bits or bits,
-             emulated=bool(key_bits or value_bits or qjl) and not real, qjl=qjl)
+             emulated=emulated, qjl=qjl, pairvq=pairvq)
     return r
 
 
@@ -80,13 +83,15 @@ def main() -> int:
                     "values at --bits), not the emulation")
     ap.add_argument("--qjl", action="store_true", help="keys as (key bits - 1)-bit codes plus a 1-bit sketch of the "
                     "residual (kv_study.QJLKeysCache, TurboQuant's inner-product quantizer)")
+    ap.add_argument("--pairvq", action="store_true", help="keys with a 2-D codebook a pair of rotated coordinates "
+                    "at the same bits (kv_study.PairVQKeysCache)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs="+", default=None, metavar="NAME=FILE[:MODE][,FILE[:MODE]...]")
     a = ap.parse_args()
     if a.compare:
         compare(a.compare, a.trials)
         return 0
-    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real, a.qjl)
+    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real, a.qjl, a.pairvq)
     print(json.dumps({k: v["accuracy"] for k, v in r["modes"].items()}))
     if a.out:
         Path(a.out).write_text(json.dumps(r))

@@ -38,7 +38,7 @@ def test_phases_from_stamps():
     r = V.summarize(_stamps(), K.V5_TRACE_PHASES)
     assert r["blocks"] == 6 and r["sms"] == 6 and abs(r["clock_ghz"] - 1.8) < 1e-3
     ph = {p["phase"]: p for p in r["phases"]}
-    assert [p["phase"] for p in r["phases"]] == list(K.V5_TRACE_PHASES[1:])
+    assert [p["phase"] for p in r["phases"]] == [K.V5_TRACE_PHASES[k] for k in range(1, 12)]
     assert abs(ph["warp 0 loop end"]["own_median_us"] - 4.0) < 1e-3
     assert abs(ph["q rotated"]["own_median_us"] - 1.0) < 1e-3
     # the first block starts at 0; the last one 500 ns later; its last stamp 11 + 3 us after its start
@@ -55,3 +55,22 @@ def test_unstamped_phase_counts_in_the_next():
     ph = {p["phase"]: p for p in r["phases"]}
     assert "table+q loaded" not in ph
     assert abs(ph["q rotated"]["own_median_us"] - 2.0) < 1e-3
+
+
+def test_weights_stamps_in_launch_order():
+    """Stamps 12 and 13 (inside the last block's weights phase) read between "counted" (7) and the weights (8)."""
+    import v5_trace as V
+
+    import rq_core.kernels as K
+
+    tr = _stamps()
+    for g in range(2):  # the last block of each group: 12 at 7.25 us of its phases, 13 at 7.5 (cycles likewise)
+        for k, frac in ((12, 0.25), (13, 0.5)):
+            tr[g, 2, k] = tr[g, 2, 7] + np.array([round(1_000 * frac), round(1_800 * frac)], np.uint32)
+    r = V.summarize(tr, K.V5_TRACE_PHASES)
+    names = [p["phase"] for p in r["phases"]]
+    i = names.index("counted")
+    assert names[i + 1:i + 4] == [K.V5_TRACE_PHASES[12], K.V5_TRACE_PHASES[13], "splits' weights"]
+    ph = {p["phase"]: p for p in r["phases"]}
+    assert abs(ph[K.V5_TRACE_PHASES[12]]["own_median_us"] - 0.25) < 1e-3
+    assert abs(ph["splits' weights"]["own_median_us"] - 0.5) < 1e-3

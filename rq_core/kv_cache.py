@@ -39,7 +39,7 @@ class KVSettings:
     norm_correction: bool = False  # store n / ||c||; measured no better (benchmarks/README.md)
     seed: int = 0
     # keys at their own width (None: `bits`). 4 with bits 3 kept fp16's needle retention on the bundled model
-    # (README, "Needles and bits"). The GPU kernels take one width: a split cache attends by the reference path.
+    # (README, "Needles and bits"). The GPU kernels take both widths (RQ_SPLIT_KERNELS=0: the reference path).
     key_bits: int | None = None
 
 

@@ -616,3 +616,27 @@ def test_v5_blocks_one_an_sm(monkeypatch):
     monkeypatch.setattr(K, "backend", lambda: "cuda")
     monkeypatch.setattr(K, "cuda_sm_count", lambda: 132)
     assert K.v5_plan(131072, 8) == 16 and K.v5_plan(131072, 5) == 26 and K.v5_plan(131072, 200) == 1
+
+
+def test_v5_launch_bound_and_merge_round(monkeypatch):
+    """The default CUDA build of attn_v5: launch bound (256, 1) (one block an SM, registers uncapped) with the
+    merge's 33 partial loads in one round (RQ_V5_NC33); at (256, 2) the 128-register cap keeps rounds of 17."""
+    import mlx.core as mx
+
+    seen = {}
+
+    def fake(**kw):
+        seen[kw["name"]] = kw
+        return kw
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake)
+    K._kernel_v5.cache_clear()
+    try:
+        assert K._v5_minb(256, None) == (1 if K.V5_MINB < 0 else K.V5_MINB)
+        one = K._kernel_v5("cuda", 256, 1)
+        two = K._kernel_v5("cuda", 256, 2)
+    finally:
+        K._kernel_v5.cache_clear()
+    assert "__launch_bounds__(256, 1)" in one["header"] and "#define RQ_V5_NC33 1" in one["source"]
+    assert "__launch_bounds__(256, 2)" in two["header"] and "#define RQ_V5_NC33" not in two["source"]
+    assert one["name"] != two["name"]  # MLX caches modules by name

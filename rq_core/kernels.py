@@ -686,9 +686,9 @@ V5_MAXNS = 128  # splits per (batch, kv head) attn_v5's last block merges (MAXNS
 
 
 # CUDA: blocks of attn_v5 resident per SM that the compiler must allow for (register cap through
-# __launch_bounds__); -1 (default): 1 at 256 threads (one block an SM: nvcc gives 168-186 registers and a shorter
-# warp step than at 2, whose 128-register cap two blocks an SM need), else none; 0: no bound. At 1 the partials'
-# merge loads up to 33 splits in one round (NC33 in the body), which the 128-register cap could not hold.
+# __launch_bounds__); -1 (default): 1 at 256 threads (one block an SM: nvcc gives 200 registers, 255 to the window
+# variant, and a shorter warp step than at 2, whose 128-register cap two blocks an SM need), else none; 0: no bound.
+# At 1 the partials' merge loads up to 33 splits in one round (NC33 in the body), which the cap could not hold.
 V5_MINB = int(os.environ.get("RQ_V5_MINB", "-1"))
 
 
@@ -723,7 +723,7 @@ def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: boo
 
 
 # attn_v5's trace (attention_v5(trace=True), CUDA): a block's thread 0 stamps these phase ends (device ns timer and SM
-# cycles, uint32 pairs, 16 slots a block; slot 15's first word: the SM id). Slots 8-11 only in the last block of a head
+# cycles, uint32 pairs, 16 slots a block; slot 15's first word: the SM id). Slots 8-13 only in the last block of a head
 V5_TRACE_PHASES = ("start", "table+q loaded", "q rotated", "q fragments", "warp 0 loop end", "all warps' loops end",
                    "partials written", "counted", "splits' weights", "numerators", "inverse rotation", "stored",
                    "warp 0's (m, l) in", "warp 0's weights")

@@ -70,6 +70,8 @@ def _emu_substitute(src: str) -> str:
     for fn, emu in (("INLINE void cp_async16(TG uint* dst, DEV const uint* src)",
                      "{ emu::cp_async16(dst, src); }"),
                     ("INLINE void cp_async_commit()", "{}"),
+                    # the register transpose (inline PTX): emulated from the PTX ISA's layout
+                    ("INLINE uint movm_trans(uint x)", "{ return emu::movm_trans(x); }"),
                     ("INLINE void cp_async_wait()", "{}"),
                     # the hardware's exp2 approximation (inline PTX): the library's exp2f
                     ("INLINE float exp2_fast(float x)", "{ return exp2f(x); }"),

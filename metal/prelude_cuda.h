@@ -66,6 +66,14 @@ INLINE int frag_c_m(int lane, int e) { return (lane >> 2) + 8 * (e >> 1); }
 INLINE int frag_c_n(int lane, int e) { return 2 * (lane & 3) + (e & 1); }
 INLINE void frag_a_set(THR FragA& a, int i, int q, h2 v) { a.x[i + 2 * q] = *reinterpret_cast<THR uint*>(&v); }
 INLINE void frag_b_set(THR FragB& b, int r, h2 v) { b.x[r] = *reinterpret_cast<THR uint*>(&v); }
+// B register r (k x n) from C elements 2r, 2r + 1 of the same matrix held with k as the C's m (tokens x rows): an 8x8
+// transpose in registers (movmatrix, sm_75+), so the softmax's weights reach the value mma without threadgroup memory
+INLINE uint movm_trans(uint x) {
+  uint y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+INLINE void frag_b_from_c(THR FragB& b, int r, h2 v) { b.x[r] = movm_trans(*reinterpret_cast<THR uint*>(&v)); }
 INLINE void frag_c_zero(THR FragC& c) { c.x[0] = 0.0f; c.x[1] = 0.0f; c.x[2] = 0.0f; c.x[3] = 0.0f; }
 INLINE float frag_c_get(THR FragC& c, int e) { return c.x[e]; }
 INLINE void frag_c_scale(THR FragC& c, int e, float f) { c.x[e] *= f; }

@@ -54,6 +54,9 @@ INLINE int frag_c_m(int lane, int e) { return frag_fm(lane); }
 INLINE int frag_c_n(int lane, int e) { return frag_fn(lane) + e; }
 INLINE void frag_a_set(THR FragA& a, int i, int q, h2 v) { a.thread_elements()[0] = v.x; a.thread_elements()[1] = v.y; }
 INLINE void frag_b_set(THR FragB& b, int r, h2 v) { b.thread_elements()[0] = v.x; b.thread_elements()[1] = v.y; }
+// B register r (k x n) from C elements 2r, 2r + 1 of the same matrix held with k as the C's m: on simdgroup matrices
+// a lane holds the same (m, n) of C as (k, n) of B, so no data moves
+INLINE void frag_b_from_c(THR FragB& b, int r, h2 v) { b.thread_elements()[0] = v.x; b.thread_elements()[1] = v.y; }
 INLINE void frag_c_zero(THR FragC& c) { c = make_filled_simdgroup_matrix<float, 8, 8>(0.0f); }
 INLINE float frag_c_get(THR FragC& c, int e) { return c.thread_elements()[e]; }
 INLINE void frag_c_scale(THR FragC& c, int e, float f) { c.thread_elements()[e] *= f; }

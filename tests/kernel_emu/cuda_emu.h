@@ -235,6 +235,22 @@ inline void mma(float c[4], const unsigned a[4], const unsigned b[2]) {
     c[e] = s;
   }
 }
+// movmatrix.sync.aligned.m8n8.trans.b16, from the PTX ISA: an 8x8 matrix of 16-bit elements, lane l holding row
+// l >> 2, columns 2 (l % 4) and 2 (l % 4) + 1 (low half first); each lane gets the same places of the transpose
+inline unsigned movm_trans(unsigned x) {
+  const int lane = cur & 31;
+  const int base = cur & ~31;
+  mma_b[cur][0] = x;
+  warp_barrier();
+  unsigned y = 0;
+  for (int j = 0; j < 2; ++j) {  // the transpose's (row lane >> 2, col 2 (lane % 4) + j) = source (2 (lane % 4) + j, lane >> 2)
+    const int row = 2 * (lane & 3) + j, col = lane >> 2;
+    const unsigned src = mma_b[base + 4 * row + (col >> 1)][0];
+    y |= ((src >> (16 * (col & 1))) & 0xffffu) << (16 * j);
+  }
+  warp_barrier();
+  return y;
+}
 }  // namespace emu
 
 // ---------------------------------------------------------------------------------------------

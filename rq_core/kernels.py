@@ -778,7 +778,8 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
     nwarp = nth // 32
     np_ = 1 << (2 * bits)
     luts = 32 if np_ * 32 * 4 <= 8192 else 1
-    pool = 2 * R * D + max(nwarp * R * (step + 4), R * V5_MAXNS)
+    scratch = nwarp * R * (step + 4) if "PWSCR" in V5_DEFS else 0  # the weights' per-warp scratch (a probe now)
+    pool = 2 * R * D + max(scratch, R * V5_MAXNS)
     ring = nwarp * stage * step * (D * bits // 32 + D * kbits // 32) if stage > 0 else 4
     klut = (1 << (2 * kbits)) if kbits != bits else 0
     pad = 0

@@ -44,6 +44,21 @@ def summarize(tr, phases: tuple[str, ...]) -> dict:
            "span_us": round(float(max(rel[b, 11] for b in last) if last else rel[:, 7].max()) / 1e3, 2),
            "start_spread_us": round(float(rel[:, 0].max()) / 1e3, 2), "sms": len(set(blocks[:, 15, 0].tolist())),
            "phases": []}
+    # blocks resident at once on an SM (their start to partials-written intervals overlapping): whether a grid of more
+    # blocks than SMs runs them side by side or in waves (shared memory and registers decide)
+    by_sm: dict[int, list[tuple[int, int]]] = {}
+    for b in range(len(blocks)):
+        by_sm.setdefault(int(blocks[b, 15, 0]), []).append((int(rel[b, 0]), int(rel[b, 7])))
+    conc = []
+    for iv in by_sm.values():
+        ev = sorted([(a, 1) for a, _ in iv] + [(e, -1) for _, e in iv])
+        cur = top = 0
+        for _, d in ev:
+            cur += d
+            top = max(top, cur)
+        conc.append(top)
+    out["resident_max"] = max(conc)
+    out["resident_median"] = float(statistics.median(conc))
     for i, k in enumerate(done):
         rows = last if k >= 8 else range(len(blocks))  # 8 on (12, 13 too): the last blocks' phases
         prev = done[i - 1] if i > 0 else 0  # a phase a variant skips (no stamp) counts in the next one
@@ -84,7 +99,8 @@ def main() -> int:
         best = min(runs, key=lambda s: s["span_us"])
         res[T] = {"best": best, "spans_us": [s["span_us"] for s in runs]}
         print(f"== T={T}: {best['blocks']} blocks on {best['sms']} SMs, clock {best['clock_ghz']} GHz, span "
-              f"{best['span_us']} µs (runs {res[T]['spans_us']}), blocks' starts spread {best['start_spread_us']} µs")
+              f"{best['span_us']} µs (runs {res[T]['spans_us']}), blocks' starts spread {best['start_spread_us']} µs, "
+              f"resident an SM at once: median {best['resident_median']:g}, max {best['resident_max']}")
         print(f"  {'phase':24s} {'end med':>8s} {'end max':>8s} {'own med':>8s} {'own max':>8s}")
         for p in best["phases"]:
             print(f"  {p['phase']:24s} {p['end_median_us']:8.2f} {p['end_max_us']:8.2f} {p['own_median_us']:8.2f} "

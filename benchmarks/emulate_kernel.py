@@ -449,6 +449,9 @@ def main() -> int:
         # session 11: half queries with 33 splits (one round of partial loads under NC33), the rounds' merge in bf16
         ("v5 f16 33 splits", lambda: run_v5(rng, G=8, d=128, T=4300, nth=256, pf=1, stage=2, vdec=2, merge=1,
                                             blocks=66, qdtype="f16")),
+        # session 12: 384 threads with a one-slot ring, the merge's warps sharing slabs in two rounds (NSL = 6)
+        ("v5 384 thr ring 1 shared slabs", lambda: run_v5(rng, G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2,
+                                                          merge=1, blocks=12)),
         ("v5 bf16 rounds' merge", lambda: run_v5(rng, G=4, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2, merge=0,
                                                  qdtype="bf16")),
     ]

@@ -60,7 +60,7 @@ ROT_SIGN = 8  # rwht_so4: random signs before the WHT; mats [Hkv, 5D] (each head
 # splits, so fewer splits make a shorter tail (2 per SM on the H200's 132 SMs). RQ_V4_BLOCKS tunes it.
 V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
 # v5: blocks of V5_NTH threads (each warp streams its own steps), about V5_BLOCKS blocks in all.
-# Default: 256 threads, code rows through a 2-slot cp.async ring (STAGE 2, PF 1), pair decode (VDEC 2), one block
+# Default: 256 threads, code rows through a 1-slot cp.async ring (STAGE 1, PF 1), pair decode (VDEC 2), one block
 # an SM at every context (v5_blocks: 132 on the H200; docs/KERNEL_NOTES.md, "Session 11"). Shapes whose
 # ring does not fit threadgroup memory (head_dim 256 at 3 bits) take STAGE 0 (rows through registers, PF 2).
 # 384 threads x ~165 registers did not launch at head_dim 256; 512 threads with PF 1 did not launch at all.
@@ -73,8 +73,10 @@ V5_NTH = int(os.environ.get("RQ_V5_NTH", "256"))
 V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets; STAGE 0)
 V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "2"))  # 2: pair table by byte offsets, 1: values by byte permutes, 0: table
 # 0: code rows through registers; n > 0: an n-slot per-warp ring in threadgroup memory filled by cp.async
-# (PF 1; correct on the H200 since its ring is 16-byte aligned, 2026-11-30)
-V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "2"))
+# (PF 1; correct on the H200 since its ring is 16-byte aligned, 2026-11-30). One slot (the copy for a warp's next
+# step issued as it reads this one) beat two at every context on the H200 (2026-11-30, session 12, ncu kernel alone:
+# 10.9 / 17.7 / 39.6 us against 11.0 / 18.6 / 42.1 at 4K / 32K / 128K)
+V5_STAGE = int(os.environ.get("RQ_V5_STAGE", "1"))
 # score accumulators per warp step: 2 splits the hi / lo halves of the query into two dependent chains
 # (measured on the H200, 2026-11-30: no faster than 1, 68.9 against 69.2 us at 128K kernel-only); 4 also splits even
 # and odd k-steps (chains of 4 matrix ops instead of 16; CPU executor only, not yet timed)
@@ -778,8 +780,7 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
     nwarp = nth // 32
     np_ = 1 << (2 * bits)
     luts = 32 if np_ * 32 * 4 <= 8192 else 1
-    scratch = nwarp * R * (step + 4) if "PWSCR" in V5_DEFS else 0  # the weights' per-warp scratch (a probe now)
-    pool = 2 * R * D + max(scratch, R * V5_MAXNS)
+    pool = 2 * R * D + R * V5_MAXNS
     ring = nwarp * stage * step * (D * bits // 32 + D * kbits // 32) if stage > 0 else 4
     klut = (1 << (2 * kbits)) if kbits != bits else 0
     pad = 0

@@ -269,7 +269,7 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
     merge = K.V5_MERGE if merge is None else merge
     if kernel == "attn_v5":
         ns = K.v5_plan(T, groups, blocks)
-        nth = nth or K.V5_NTH
+        nth = nth or K.v5_nth(T)
     else:
         ns = K.v4_plan(T, groups, blocks)
         nth = K.NTH

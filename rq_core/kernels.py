@@ -59,7 +59,7 @@ ROT_SIGN = 8  # rwht_so4: random signs before the WHT; mats [Hkv, 5D] (each head
 # v4: aim for about this many (kv head, split) blocks; the last block of each kv head merges all its
 # splits, so fewer splits make a shorter tail (2 per SM on the H200's 132 SMs). RQ_V4_BLOCKS tunes it.
 V4_BLOCKS = int(os.environ.get("RQ_V4_BLOCKS", "264"))
-# v5: blocks of V5_NTH threads (each warp streams its own steps), about V5_BLOCKS blocks in all.
+# v5: blocks of v5_nth(T) threads (each warp streams its own steps), about V5_BLOCKS blocks in all.
 # Default: 256 threads, code rows through a 1-slot cp.async ring (STAGE 1, PF 1), pair decode (VDEC 2), one block
 # an SM at every context (v5_blocks: 132 on the H200; docs/KERNEL_NOTES.md, "Session 11"). Shapes whose
 # ring does not fit threadgroup memory (head_dim 256 at 3 bits) take STAGE 0 (rows through registers, PF 2).
@@ -69,7 +69,19 @@ V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "0"))  # 0: one block an SM (v5_b
 # blocks an SM at 128 registers (H200, ncu kernel alone, 2026-11-30: 44.0 against 47.5 us at 132 blocks and ~46.7
 # at 264); RQ_V5_BLOCKS=264 with RQ_V5_MINB=2 is the earlier default for contexts from 64K
 V5_BLOCKS_DEFAULT = 132
-V5_NTH = int(os.environ.get("RQ_V5_NTH", "256"))
+V5_NTH = int(os.environ.get("RQ_V5_NTH", "0"))  # 0: by context (v5_nth)
+# from this many packed tokens, 384 threads (12 warps, 168 registers, one ring slot) instead of 256: their loop is ~18%
+# shorter but their merge ~1.8 us longer (H200, 2026-11-30, ncu kernel alone: 34.7 against 36.0 us at 128K, 18.5
+# against 16.7 at 32K; the crossover interpolated)
+V5_NTH_LONG = 90_000
+
+
+def v5_nth(T: int) -> int:
+    """attn_v5's threads a block for T packed tokens: RQ_V5_NTH where set, else 384 from V5_NTH_LONG tokens on CUDA
+    (where 12 warps fit: one ring slot), else 256."""
+    if V5_NTH > 0:
+        return V5_NTH
+    return 384 if T >= V5_NTH_LONG and backend() == "cuda" else 256
 V5_PF = int(os.environ.get("RQ_V5_PF", "2"))  # steps each warp's loads run ahead (register sets; STAGE 0)
 V5_VDEC = int(os.environ.get("RQ_V5_VDEC", "2"))  # 2: pair table by byte offsets, 1: values by byte permutes, 0: table
 # 0: code rows through registers; n > 0: an n-slot per-warp ring in threadgroup memory filled by cp.async
@@ -696,7 +708,7 @@ V5_MINB = int(os.environ.get("RQ_V5_MINB", "-1"))
 
 def _v5_minb(nth: int, minb: int | None) -> int:
     minb = V5_MINB if minb is None else minb
-    return (1 if nth == 256 else 0) if minb < 0 else minb
+    return (1 if nth in (256, 384) else 0) if minb < 0 else minb
 
 
 @functools.lru_cache(maxsize=None)
@@ -728,9 +740,10 @@ def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: boo
 # cycles, uint32 pairs, 16 slots a block; slot 15's first word: the SM id). Slots 8-13 only in the last block of a head
 V5_TRACE_PHASES = ("start", "table+q loaded", "q rotated", "q fragments", "warp 0 loop end", "all warps' loops end",
                    "partials written", "counted", "splits' weights", "numerators", "inverse rotation", "stored",
-                   "warp 0's (m, l) in", "warp 0's weights")
-# the stamps' order in a launch (12 and 13 fall inside the weights phase, 8)
-V5_TRACE_ORDER = (0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 8, 9, 10, 11)
+                   "warp 0's (m, l) in", "warp 0's weights", "warps' slabs merged")
+# the stamps' order in a launch (14 falls inside the partials phase, 6; 12 and 13 inside the weights phase, 8)
+V5_TRACE_ORDER = (0, 1, 2, 3, 4, 5, 14, 6, 7, 12, 13, 8, 9, 10, 11)
+V5_TRACE_LAST = (8, 9, 10, 11, 12, 13)  # the stamps only the last block of a head writes
 
 
 @functools.lru_cache(maxsize=None)
@@ -793,7 +806,7 @@ def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int
           vdec: int = 1, kbits: int | None = None) -> bool:
     """Shapes attn_v5 covers: those of the matrix-unit kernels (keys and values each), within the threadgroup
     memory limit."""
-    nth = V5_NTH if nth is None else nth
+    nth = v5_nth(0) if nth is None else nth
     stage = V5_STAGE if stage is None else stage
     kb = bits if kbits is None else kbits
     return (mma_ok(D, bits, R) and mma_ok(D, kb, R) and nth % 64 == 0 and stage >= 0
@@ -827,7 +840,7 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     """Single-launch attention, v5: attention_v4's contract (arguments, outputs, counter pool), a kernel
     whose warps stream their own token steps (metal/attn_v5.body). blocks / nth / minb / pf / vdec / stage:
     the grid's target block count, threads per block, the launch bound, the load-ahead depth, the value
-    decode and the copy ring (default v5_blocks(T), V5_NTH, V5_MINB, V5_PF, V5_VDEC, V5_STAGE; stage > 0
+    decode and the copy ring (default v5_blocks(T), v5_nth(valid_len), V5_MINB, V5_PF, V5_VDEC, V5_STAGE; stage > 0
     forces pf = 1). Code rows must start 16-byte aligned (v4's uint4 loads need it too): buffers of more
     than 8 bytes do, and so does every row of them, since the shapes taken have rows of 4k words.
     window: the cache's fp16 segment after the packed tokens, as attention_v4's (attn_v5w: one more split).
@@ -847,8 +860,9 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
         if k_codes.shape[3] * 32 != D * kb:
             raise KernelUnsupported(f"v5: key rows of {k_codes.shape[3]} words for {kb}-bit keys")
     be = backend() or "cuda"
-    nth, stage, pf, vdec = _v5_config(D, bits, R, be, V5_NTH if nth is None else nth, stage, pf, V5_STAGE, V5_PF,
-                                      V5_VDEC if vdec is None else vdec, kb)
+    nth = v5_nth(valid_len) if nth is None else nth
+    nth, stage, pf, vdec = _v5_config(D, bits, R, be, nth, stage, pf, V5_STAGE, V5_PF, V5_VDEC if vdec is None else vdec,
+                                      kb)
     extra, wt = [], []
     if window is not None:
         wk, wv = window

@@ -105,6 +105,7 @@ def test_v4_window_matches_float64(case):
     dict(G=8, d=128, T=300, NW=32, nth=256, stage=2, vdec=2, merge=1),  # the warps' merge in one barrier
     dict(G=8, d=128, T=300, NW=32, nth=256, stage=0, vdec=2, key_bits=4),  # keys at 4 bits, values at 3 (K4V3)
     dict(G=4, d=256, T=200, NW=5, nth=128, vdec=2),  # pair decode, rows through registers (no ring)
+    dict(G=8, d=128, T=900, NW=32, nth=384, stage=1, vdec=2, merge=1),  # long contexts' 384 threads, shared slabs
 ])
 def test_v5_window_matches_float64(case):
     r = run_window(np.random.default_rng(11), kernel="attn_v5w", **case)

@@ -570,7 +570,8 @@ def test_v5_plan_and_shapes():
         assert K.v5_ok(128, 3, 8, be, 512, 0) and K.v5_ok(256, 3, 8, be, 512, 0) and K.v5_ok(64, 4, 8, be, 512, 0)
     assert not K.v5_ok(128, 3, 16, "cuda") and not K.v5_ok(128, 3, 8, "cuda", 96)
     # the default (256 threads, 1-slot ring) fits CUDA at head_dim 128; head_dim 256 and Metal take STAGE 0
-    assert K.v5_ok(128, 3, 8, "cuda", K.V5_NTH, K.V5_STAGE) or "RQ_V5_NTH" in __import__("os").environ
+    assert K.v5_ok(128, 3, 8, "cuda", K.v5_nth(4096), K.V5_STAGE) or "RQ_V5_NTH" in __import__("os").environ
+    # 384 threads (long contexts on CUDA) fit with the default ring only
     assert not K.v5_ok(256, 3, 8, "cuda", 256, 2) and K.v5_ok(256, 3, 8, "cuda", 256, 0)
     # the copy ring: 2 slots of 8 warps fit CUDA's 48 KB, 3 do not; Metal: no. With the pair decode's padded table
     # the bytes are nvcc's reports (sm_90, 2026-11-30): 36,424 (1 slot), 48,712 (2), 42,824 (384 threads, 1 slot)
@@ -625,6 +626,21 @@ def test_v5_blocks_one_an_sm(monkeypatch):
     monkeypatch.setattr(K, "backend", lambda: "cuda")
     monkeypatch.setattr(K, "cuda_sm_count", lambda: 132)
     assert K.v5_plan(131072, 8) == 16 and K.v5_plan(131072, 5) == 26 and K.v5_plan(131072, 200) == 1
+
+
+def test_v5_threads_by_context(monkeypatch):
+    """attn_v5's threads a block: 256, and 384 (one ring slot, launch bound (384, 1)) from V5_NTH_LONG packed tokens
+    on CUDA; RQ_V5_NTH over both."""
+    monkeypatch.setattr(K, "V5_NTH", 0)
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    assert K.v5_nth(32768) == 256 and K.v5_nth(K.V5_NTH_LONG - 1) == 256
+    assert K.v5_nth(K.V5_NTH_LONG) == 384 and K.v5_nth(131072) == 384
+    assert K._v5_minb(384, None) == 1 and K._v5_minb(256, None) == 1 and K._v5_minb(512, None) == 0
+    assert K.v5_ok(128, 3, 8, "cuda", 384, K.V5_STAGE) and not K.v5_ok(128, 3, 8, "cuda", 384, 2)
+    monkeypatch.setattr(K, "backend", lambda: "metal")
+    assert K.v5_nth(131072) == 256
+    monkeypatch.setattr(K, "V5_NTH", 128)
+    assert K.v5_nth(131072) == 128
 
 
 def test_v5_launch_bound_and_merge_round(monkeypatch):

@@ -74,3 +74,23 @@ def test_weights_stamps_in_launch_order():
     ph = {p["phase"]: p for p in r["phases"]}
     assert abs(ph[K.V5_TRACE_PHASES[12]]["own_median_us"] - 0.25) < 1e-3
     assert abs(ph["splits' weights"]["own_median_us"] - 0.5) < 1e-3
+
+
+def test_slab_stamp_every_block():
+    """Stamp 14 (the warps' slabs merged) is every block's and reads between the loops' end (5) and the partials (6)."""
+    import v5_trace as V
+
+    import rq_core.kernels as K
+
+    tr = _stamps()
+    for g in range(2):
+        for s in range(3):  # every block: 14 at 0.75 of the way from stamp 5 to stamp 6
+            tr[g, s, 14] = tr[g, s, 5] + np.array([750, round(1_800 * 0.75)], np.uint32)
+    r = V.summarize(tr, K.V5_TRACE_PHASES)
+    names = [p["phase"] for p in r["phases"]]
+    i = names.index("all warps' loops end")
+    assert names[i + 1:i + 3] == [K.V5_TRACE_PHASES[14], "partials written"]
+    ph = {p["phase"]: p for p in r["phases"]}
+    assert abs(ph[K.V5_TRACE_PHASES[14]]["own_median_us"] - 0.75) < 1e-3
+    assert abs(ph["partials written"]["own_median_us"] - 0.25) < 1e-3
+    assert ph[K.V5_TRACE_PHASES[14]]["end_max_us"] < ph["partials written"]["end_max_us"]

@@ -60,7 +60,7 @@ def summarize(tr, phases: tuple[str, ...]) -> dict:
     out["resident_max"] = max(conc)
     out["resident_median"] = float(statistics.median(conc))
     for i, k in enumerate(done):
-        rows = last if k >= 8 else range(len(blocks))  # 8 on (12, 13 too): the last blocks' phases
+        rows = last if k in getattr(K, "V5_TRACE_LAST", range(8, 14)) else range(len(blocks))  # the last blocks' phases
         prev = done[i - 1] if i > 0 else 0  # a phase a variant skips (no stamp) counts in the next one
         ends = [float(rel[b, k]) / 1e3 for b in rows]
         own = [float(cyc[b, k] - cyc[b, prev]) / ghz / 1e3 for b in rows]

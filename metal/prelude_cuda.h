@@ -36,6 +36,7 @@ INLINE uint funnel_r(uint lo, uint hi, uint sh) { return __funnelshift_r(lo, hi,
 INLINE uint4 load_u4(DEV const uint* p) { return *reinterpret_cast<const uint4*>(p); }
 INLINE uint4 zero_u4() { return make_uint4(0u, 0u, 0u, 0u); }
 INLINE float4 load_f4(TG const float* p) { return *reinterpret_cast<const float4*>(p); }
+INLINE float4 zero_f4() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
 INLINE float log2_f(float x) { return log2f(x); }
 #define NEG_INF_F __int_as_float(0xff800000)
 // ---- matrix fragments: mma.sync m16n8k16, f16 inputs, f32 accumulators (PTX ISA fragment layouts) ----

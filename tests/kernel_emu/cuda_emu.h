@@ -32,6 +32,7 @@ struct alignas(4) __half2 { __half x, y; };
 struct alignas(2) __nv_bfloat16 { uint16_t v; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline float __half2float(__half h) { return (float)h.v; }
 inline __half __float2half_rn(float f) { return {(_Float16)f}; }

@@ -499,6 +499,22 @@ def test_v5_cuda_source_runs_on_cpu_executor(case):
     assert r["err_half"] < tol and r["lse_err"] < 1e-3
 
 
+def test_v5_shared_slabs_in_registers_on_cpu_executor(monkeypatch):
+    """RQ_V5_NSL3 (384 threads' merge with round 1 summed in registers, no read-modify-write): correct against
+    float64 on the CPU executor, f32 and f16 queries (its H200 runs were timing only)."""
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ and ucontext (Linux)")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import emulate_kernel as EK
+
+    monkeypatch.setattr(K, "V5_DEFS", ("NSL3",))
+    for qd, tol in (("f32", 2e-6), ("f16", 5e-4)):
+        r = EK.run_v5(np.random.default_rng(17), seed=7, G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2, merge=1,
+                      sacc=1, blocks=12, qdtype=qd)
+        assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
+        assert r["err_half"] < tol and r["lse_err"] < 1e-3
+
+
 def test_v5_pair_decode_table_alignment():
     """VDEC 2 addresses its table by OR-ing lane and entry bits onto an 8 KB aligned base: the padded layout is
     the one the host budgets, and a layout that breaks the alignment makes the kernel write NaN, never a

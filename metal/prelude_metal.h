@@ -21,7 +21,7 @@ INLINE uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : ((lo >>
 INLINE uint4 load_u4(DEV const uint* p) { return *((DEV const uint4*)p); }
 INLINE uint4 zero_u4() { return uint4(0u); }
 INLINE float4 load_f4(TG const float* p) { return *((TG const float4*)p); }
-INLINE float4 zero_f4() { return float4(0.0f); }
+INLINE float4 zero_f4() { return float4(0.0f, 0.0f, 0.0f, 0.0f); }
 INLINE float log2_f(float x) { return log2(x); }
 #define NEG_INF_F (-INFINITY)
 // ---- matrix fragments: simdgroup_matrix 8x8x8, half inputs, float accumulators ----

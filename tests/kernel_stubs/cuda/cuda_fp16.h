@@ -13,6 +13,7 @@ struct __half { unsigned short v; };
 struct __half2 { __half x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 float __half2float(__half);
 __half __float2half_rn(float);

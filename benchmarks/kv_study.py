@@ -194,6 +194,49 @@ class PairVQKeysCache(SplitBitsCache):
         return self.rotation.inverse(zq / math.sqrt(d)) * n16
 
 
+@functools.lru_cache(maxsize=None)
+def pair_codebook_points(n: int, d: int, seed: int = 0, iters: int = 40) -> np.ndarray:
+    """An n-point codebook for pairs of rotated coordinates (log2(n) / 2 bits a coordinate: 128 points are 3.5 bits,
+    32 are 2.5): Lloyd's algorithm on pairs drawn from the sphere's marginal, started from n of those pairs."""
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal((4096, d))
+    z = (u / np.linalg.norm(u, axis=1, keepdims=True) * math.sqrt(d)).reshape(-1, 2)
+    c = z[rng.choice(len(z), n, replace=False)].copy()
+    for _ in range(iters):
+        a = ((z[:, None, :] - c[None]) ** 2).sum(-1).argmin(1)
+        for k in range(n):
+            if (a == k).any():
+                c[k] = z[a == k].mean(0)
+    return c.astype(np.float32)
+
+
+class PairVQCache(SplitBitsCache):
+    """Keys and values each with a 2-D codebook of its own size (study only): pair points (PK, PV) give
+    log2(PK) / 2 and log2(PV) / 2 bits a coordinate. (128, 32) moves half a bit a coordinate from values to keys at
+    IsoQuant-3's bytes (7 + 5 bits a pair of coordinates, against 6 + 6)."""
+
+    def __init__(self, *, pair_points: tuple[int, int], **kw: Any) -> None:
+        super().__init__(**kw)
+        d = int(kw["head_dim"])
+        self._CK = mx.array(pair_codebook_points(int(pair_points[0]), d, seed=1))
+        self._CV = mx.array(pair_codebook_points(int(pair_points[1]), d, seed=2))
+
+    def _pq(self, x: mx.array, C: mx.array) -> mx.array:
+        x = x.astype(mx.float32)
+        d = x.shape[-1]
+        n = mx.linalg.norm(x, axis=-1, keepdims=True)
+        z = self.rotation.forward(x / mx.where(n > 0, n, 1.0)) * math.sqrt(d)
+        p = z.reshape(*z.shape[:-1], d // 2, 1, 2)
+        zq = C[((p - C) ** 2).sum(-1).argmin(-1)].reshape(z.shape)
+        return self.rotation.inverse(zq / math.sqrt(d)) * n.astype(mx.float16).astype(mx.float32)
+
+    def _qdq_k(self, x: mx.array) -> mx.array:
+        return self._pq(x, self._CK)
+
+    def _qdq_v(self, x: mx.array) -> mx.array:
+        return self._pq(x, self._CV)
+
+
 class StudyCache(SplitBitsCache):
     """SplitBitsCache plus two cheap, exact-or-free changes (study only; rq_core is unchanged):
 
@@ -312,11 +355,12 @@ class Setting:
     signs: bool = False  # random ±1 per dim before the rotation (StudyCache)
     qjl: bool = False  # keys: (key_bits - 1)-bit codes + a 1-bit sketch of the residual (QJLKeysCache)
     pairvq: bool = False  # keys: a 2-D codebook a pair of coordinates (PairVQKeysCache)
+    pair_points: tuple = ()  # (keys', values') points of 2-D codebooks (PairVQCache)
 
     @property
     def emulated(self) -> bool:
         return (self.key_bits is not None or bool(self.sink) or bool(self.center) or self.signs or self.qjl
-                or self.pairvq)
+                or self.pairvq or bool(self.pair_points))
 
     def make_cache(self, model: Any) -> list:
         caches = model.make_cache(self.kv)
@@ -331,6 +375,7 @@ class Setting:
                 caches[i] = (StudyCache(sink=self.sink, center=self.center, signs=self.signs, **kw)
                              if self.sink or self.center or self.signs
                              else QJLKeysCache(**kw) if self.qjl else PairVQKeysCache(**kw) if self.pairvq
+                             else PairVQCache(pair_points=self.pair_points, **kw) if self.pair_points
                              else SplitBitsCache(**kw))
         return caches
 

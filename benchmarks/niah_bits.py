@@ -28,7 +28,7 @@ from rq_core.kv_cache import KVSettings  # noqa: E402
 
 
 def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int | None, real: bool = False,
-        qjl: bool = False, pairvq: bool = False) -> dict:
+        qjl: bool = False, pairvq: bool = False, pair_points: tuple = ()) -> dict:
     import kv_study
 
     em = ev.load_eval_model(None)
@@ -36,15 +36,15 @@ def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int
     kv = KVSettings(mode="isoquant3", bits=bits, rotation="wht_so4", fp16_window=32,
                     key_bits=key_bits if real else None)
     model = em.model
-    emulated = bool(key_bits or value_bits or qjl or pairvq) and not real
+    emulated = bool(key_bits or value_bits or qjl or pairvq or pair_points) and not real
     if emulated:
         model = kv_study._CacheModel(em.model, kv_study.Setting("split", kv, key_bits=key_bits or bits,
                                                                  value_bits=value_bits or bits, qjl=qjl,
-                                                                 pairvq=pairvq))
+                                                                 pairvq=pairvq, pair_points=tuple(pair_points)))
     r = ev.niah(model, ids, ev.needle_token_pieces(em.tokenizer), [kv], lengths=[512, 1024, 2048],
                 depths=[0.1, 0.5, 0.9], trials=trials, seed=seed)
     r.update(seed=seed, bits=bits, key_bits=key_bits or bits, value_bits=value_bits or bits,
-             emulated=emulated, qjl=qjl, pairvq=pairvq)
+             emulated=emulated, qjl=qjl, pairvq=pairvq, pair_points=list(pair_points))
     return r
 
 
@@ -85,13 +85,16 @@ def main() -> int:
                     "residual (kv_study.QJLKeysCache, TurboQuant's inner-product quantizer)")
     ap.add_argument("--pairvq", action="store_true", help="keys with a 2-D codebook a pair of rotated coordinates "
                     "at the same bits (kv_study.PairVQKeysCache)")
+    ap.add_argument("--pair-points", default="", help="K,V: keys and values with 2-D codebooks of K and V points "
+                    "(kv_study.PairVQCache; 128,32 is 3.5 + 2.5 bits a coordinate, IsoQuant-3's bytes)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs="+", default=None, metavar="NAME=FILE[:MODE][,FILE[:MODE]...]")
     a = ap.parse_args()
     if a.compare:
         compare(a.compare, a.trials)
         return 0
-    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real, a.qjl, a.pairvq)
+    pp = tuple(int(x) for x in a.pair_points.split(",")) if a.pair_points else ()
+    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real, a.qjl, a.pairvq, pp)
     print(json.dumps({k: v["accuracy"] for k, v in r["modes"].items()}))
     if a.out:
         Path(a.out).write_text(json.dumps(r))

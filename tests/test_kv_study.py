@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kv_study import (PairVQKeysCache, QJLKeysCache, SplitBitsCache, Setting, StudyCache, all_settings,  # noqa: E402
+from benchmarks.kv_study import (PairVQCache, PairVQKeysCache, pair_codebook_points, QJLKeysCache, SplitBitsCache, Setting, StudyCache, all_settings,  # noqa: E402
                                  packed_bytes, paired_stats, pairwise)
 from rq_core.errors import RQError  # noqa: E402
 from rq_core.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, dequantize_kv, make_kv_cache,  # noqa: E402
@@ -242,3 +242,27 @@ def test_pair_codebook_keys_lower_the_error_at_the_same_bytes():
     plain = SplitBitsCache(key_bits=3, value_bits=3, head_dim=D, n_kv_heads=HKV, layer=0)
     _run(plain, steps=1)
     assert c.packed_len == plain.packed_len > 0 and c.nbytes == plain.nbytes
+
+
+def test_pair_codebooks_of_any_size_move_bits_between_keys_and_values():
+    """pair_codebook_points: n points a pair of rotated coordinates (log2(n) / 2 bits a coordinate), Lloyd-fitted;
+    16 points (2 bits a coordinate) beat the scalar 2-bit codebook on the sphere's marginal. PairVQCache with
+    (128, 32) points: keys finer than values, each below / above the 3-bit scalar error."""
+    from rq_core.codebook import get_codebook
+
+    d = 32
+    rng = np.random.default_rng(3)
+    u = rng.standard_normal((600, d))
+    z = (u / np.linalg.norm(u, axis=1, keepdims=True) * math.sqrt(d)).reshape(-1, 2)
+    c = pair_codebook_points(16, d, iters=8)
+    assert c.shape == (16, 2)
+    e_vq = ((z[:, None, :] - c[None]) ** 2).sum(-1).min(1).mean() / 2
+    lv = get_codebook("sphere", 2, d).levels
+    e_sc = ((z.reshape(-1)[:, None] - lv[None]) ** 2).min(1).mean()
+    assert e_vq < e_sc, (e_vq, e_sc)
+    pc = PairVQCache(pair_points=(128, 32), key_bits=3, value_bits=3, head_dim=D, n_kv_heads=HKV, layer=0)
+    x = _rand((1, HKV, 300, D), 4)
+    err = lambda y: float(((y - x) ** 2).sum().item())  # noqa: E731
+    e3 = err(pc._qdq(x, pc.k_levels, 3))
+    assert err(pc._qdq_k(x)) < 0.8 * e3 < e3 < err(pc._qdq_v(x))
+    _run(pc, steps=1)

@@ -500,6 +500,8 @@ def all_settings(n_layers: int) -> list[Setting]:
         S.append(Setting(f"wht_so4 K4V3 win32 s{seed}", iso(fp16_window=32, seed=seed), key_bits=4, value_bits=3))
     for seed in range(3):  # keys with a 2-D codebook a coordinate pair, same bytes (session 11, needles)
         S.append(Setting(f"wht_so4 pairvq win32 s{seed}", iso(fp16_window=32, seed=seed), pairvq=True))
+    for seed in range(3):  # keys and values with 2-D codebooks of 128 and 32 points: 3.5 + 2.5 bits (session 12)
+        S.append(Setting(f"wht_so4 PP128x32 win32 s{seed}", iso(fp16_window=32, seed=seed), pair_points=(128, 32)))
     S = [s for s in S if s is not None]
     return S
 
@@ -622,6 +624,7 @@ PAIRS += [(f"wht_so4 {x} s{i}", f"wht_so4 s{i}") for i in range(3)
 PAIRS += [(f"wht_so4 {x} s{i}", f"wht_so4 win32 s{i}") for i in range(3) for x in ("win16", "win8")]
 PAIRS += [(f"wht_so4 win32 s{i}", f"turbo3 win32 s{i}") for i in (1, 2)]
 PAIRS += [(f"wht_so4 pairvq win32 s{i}", f"wht_so4 win32 s{i}") for i in range(3)]
+PAIRS += [(f"wht_so4 PP128x32 win32 s{i}", f"wht_so4 win32 s{i}") for i in range(3)]
 
 
 def row_bytes(r: dict, n_layers: int, d: int, tokens: int) -> float:

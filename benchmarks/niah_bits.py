@@ -9,6 +9,7 @@ cycle as the cache) with --key-bits / --value-bits. --compare pairs result files
     python benchmarks/niah_bits.py --seed 2 --key-bits 4 --real --out K4V3-real-s2.json   # kv.key_bits
     python benchmarks/niah_bits.py --seed 2 --qjl --out qjl3-s2.json   # keys 2-bit codes + 1-bit residual sketch
     python benchmarks/niah_bits.py --seed 2 --pairvq --out pairvq3-s2.json   # keys: a 2-D codebook a coordinate pair
+    python benchmarks/niah_bits.py --seed 2 --pair-points 128,32 --out pp-s2.json   # 2-D codebooks: 3.5 + 2.5 bits
     python benchmarks/niah_bits.py --compare fp16=A.json:fp16 K4V2=K4V2-s2.json ...
 """
 

@@ -49,6 +49,22 @@ def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int
     return r
 
 
+def gates(key_bits: int | None, value_bits: int | None, pair_points: tuple = ()) -> dict:
+    """`rq eval gates`' twelve gates (the bundled thresholds) for the emulated setting, against fp16."""
+    import dataclasses
+
+    import kv_study
+
+    em = ev.load_eval_model(None)
+    ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
+    kv = KVSettings(mode="isoquant3", bits=3, rotation="wht_so4", fp16_window=32)
+    model = kv_study._CacheModel(em.model, kv_study.Setting("split", kv, key_bits=key_bits or 3,
+                                                             value_bits=value_bits or 3, pair_points=tuple(pair_points)))
+    rep = ev.GateRunner(dataclasses.replace(em, model=model), ev.load_gates(), ids).run(kv)
+    return {"key_bits": key_bits or 3, "value_bits": value_bits or 3, "pair_points": list(pair_points),
+            "gates": rep.gates, "passed": rep.passed}
+
+
 def hits(spec: str, first: int) -> list[int]:
     """FILE[:MODE] -> the mode's needle outcomes, the first `first` of each cell (default mode: the non-fp16 one)."""
     path, _, mode = spec.partition(":")
@@ -88,6 +104,7 @@ def main() -> int:
                     "at the same bits (kv_study.PairVQKeysCache)")
     ap.add_argument("--pair-points", default="", help="K,V: keys and values with 2-D codebooks of K and V points "
                     "(kv_study.PairVQCache; 128,32 is 3.5 + 2.5 bits a coordinate, IsoQuant-3's bytes)")
+    ap.add_argument("--gates", action="store_true", help="the twelve gates for the emulated setting instead of needles")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs="+", default=None, metavar="NAME=FILE[:MODE][,FILE[:MODE]...]")
     a = ap.parse_args()
@@ -95,6 +112,14 @@ def main() -> int:
         compare(a.compare, a.trials)
         return 0
     pp = tuple(int(x) for x in a.pair_points.split(",")) if a.pair_points else ()
+    if a.gates:
+        g = gates(a.key_bits, a.value_bits, pp)
+        text = json.dumps(g, indent=1)
+        if a.out:
+            Path(a.out).write_text(text)
+        print(f"{g['passed']} of {len(g['gates'])} gates passed: "
+              + ", ".join(f"{x['name']} {'ok' if x['passed'] else 'FAIL'}" for x in g["gates"]))
+        return 0
     r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real, a.qjl, a.pairvq, pp)
     print(json.dumps({k: v["accuracy"] for k, v in r["modes"].items()}))
     if a.out:

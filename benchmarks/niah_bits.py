@@ -60,7 +60,10 @@ def gates(key_bits: int | None, value_bits: int | None, pair_points: tuple = ())
     kv = KVSettings(mode="isoquant3", bits=3, rotation="wht_so4", fp16_window=32)
     model = kv_study._CacheModel(em.model, kv_study.Setting("split", kv, key_bits=key_bits or 3,
                                                              value_bits=value_bits or 3, pair_points=tuple(pair_points)))
-    rep = ev.GateRunner(dataclasses.replace(em, model=model), ev.load_gates(), ids).run(kv)
+    runner = ev.GateRunner(em, ev.load_gates(), ids)
+    runner.reference()  # fp16 through the plain model: the wrapper builds the study's caches whatever it is asked
+    runner.em = dataclasses.replace(em, model=model)
+    rep = runner.run(kv)
     return {"key_bits": key_bits or 3, "value_bits": value_bits or 3, "pair_points": list(pair_points),
             "gates": rep.gates, "passed": rep.passed}
 

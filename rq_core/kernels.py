@@ -71,9 +71,9 @@ V5_BLOCKS = int(os.environ.get("RQ_V5_BLOCKS", "0"))  # 0: one block an SM (v5_b
 V5_BLOCKS_DEFAULT = 132
 V5_NTH = int(os.environ.get("RQ_V5_NTH", "0"))  # 0: by context (v5_nth)
 # from this many packed tokens, 384 threads (12 warps, 168 registers, one ring slot) instead of 256: their loop is ~18%
-# shorter but their warps' merge ~1.6 us longer (H200, 2026-11-30, ncu kernel alone: 34.7 against 36.0 us at 128K,
-# 18.5 against 16.7 at 32K; the crossover interpolated)
-V5_NTH_LONG = 90_000
+# shorter but their warps' merge longer (H200, 2026-11-30, ncu kernel alone with the merge's first round summed in
+# registers: 34.4 against 35.7 us at 128K, 17.7 against 16.7 at 32K; the crossover interpolated)
+V5_NTH_LONG = 75_000
 
 
 def v5_nth(T: int) -> int:

@@ -499,15 +499,16 @@ def test_v5_cuda_source_runs_on_cpu_executor(case):
     assert r["err_half"] < tol and r["lse_err"] < 1e-3
 
 
-def test_v5_shared_slabs_in_registers_on_cpu_executor(monkeypatch):
-    """RQ_V5_NSL3 (384 threads' merge with round 1 summed in registers, no read-modify-write): correct against
-    float64 on the CPU executor, f32 and f16 queries (its H200 runs were timing only)."""
+def test_v5_shared_slabs_added_in_place_on_cpu_executor(monkeypatch):
+    """RQ_V5_NSLADD (384 threads' merge with warps 0-5 adding into the slabs in place, session 12's default; the
+    default now sums round 1 in registers, the 384-thread case above): correct against float64 on the CPU executor,
+    f32 and f16 queries."""
     if shutil.which("g++") is None or not sys.platform.startswith("linux"):
         pytest.skip("needs g++ and ucontext (Linux)")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import emulate_kernel as EK
 
-    monkeypatch.setattr(K, "V5_DEFS", ("NSL3",))
+    monkeypatch.setattr(K, "V5_DEFS", ("NSLADD",))
     for qd, tol in (("f32", 2e-6), ("f16", 5e-4)):
         r = EK.run_v5(np.random.default_rng(17), seed=7, G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2, merge=1,
                       sacc=1, blocks=12, qdtype=qd)

@@ -700,15 +700,22 @@ V5_MAXNS = 128  # splits per (batch, kv head) attn_v5's last block merges (MAXNS
 
 
 # CUDA: blocks of attn_v5 resident per SM that the compiler must allow for (register cap through
-# __launch_bounds__); -1 (default): 1 at 256 threads (one block an SM: nvcc gives 200 registers, 255 to the window
-# variant, and a shorter warp step than at 2, whose 128-register cap two blocks an SM need), else none; 0: no bound.
-# At 1 the partials' merge loads up to 33 splits in one round (NC33 in the body), which the cap could not hold.
+# __launch_bounds__); -1 (default): 1 from 256 threads (one block an SM: at 256 nvcc gives 186 registers, 254 to the
+# window variant, and a shorter warp step than at 2, whose 128-register cap two blocks an SM need; 448 and 512 threads
+# must fit 128), else none; 0: no bound. At 1 with up to 384 threads the partials' merge loads up to 33 splits in one
+# round (NC33 in the body, v5_source_defines), which a 128-register cap could not hold.
 V5_MINB = int(os.environ.get("RQ_V5_MINB", "-1"))
 
 
 def _v5_minb(nth: int, minb: int | None) -> int:
     minb = V5_MINB if minb is None else minb
-    return (1 if nth in (256, 384) else 0) if minb < 0 else minb
+    return (1 if nth >= 256 else 0) if minb < 0 else minb
+
+
+def v5_source_defines(nth: int, minb: int) -> tuple[str, ...]:
+    """Defines attn_v5's CUDA source takes from its launch bound: RQ_V5_NC33 (one round of 33 partial loads in the
+    merge) where one block of at most 384 threads an SM leaves the registers for it."""
+    return ("RQ_V5_NC33",) if minb == 1 and nth <= 384 else ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -723,8 +730,7 @@ def _kernel_v5(be: str, nth: int, minb: int, window: bool = False, minified: boo
     if be == "cuda" and minb > 0:
         header += f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({nth}, {minb})\n"
         name += f"_lb{minb}"
-        if minb == 1:  # registers for one round of 33 partial loads in the merge
-            source = "#define RQ_V5_NC33 1\n" + source
+        source = "".join(f"#define {d} 1\n" for d in v5_source_defines(nth, minb)) + source
     spec = SPECS[kname]
     outputs = list(spec.outputs)
     if trace:  # diagnostics: phase timestamps a block (V5_TRACE_PHASES) in one more output
@@ -785,8 +791,8 @@ def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
 
 def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec: int = 1,
              kbits: int | None = None) -> int:
-    """Threadgroup bytes of attn_v5 (the body's arena: pool, the keys' own table where kbits differs, the pair
-    table, the ring; then the small arrays). vdec 2 on CUDA pads the pair table to the next 8 KB boundary of the
+    """Threadgroup bytes of attn_v5 (the body's arena: the (m, l) arrays, pool, the keys' own table where kbits
+    differs, the pair table, the ring; then two words). vdec 2 on CUDA pads the pair table to the next 8 KB boundary of the
     shared window (above the block's 1 KB reserved), as the body's LUTPAD does."""
     kbits = bits if kbits is None else kbits
     step = 16 if be == "cuda" else 8
@@ -796,10 +802,11 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
     pool = 2 * R * D + R * V5_MAXNS
     ring = nwarp * stage * step * (D * bits // 32 + D * kbits // 32) if stage > 0 else 4
     klut = (1 << (2 * kbits)) if kbits != bits else 0
+    small = 2 * nwarp * MMA_N + 2 * MMA_N  # the warps' (m, l) and the rows' (m, l), first in the arena
     pad = 0
     if vdec == 2 and luts == 32 and be == "cuda":
-        pad = (8192 - (1024 + 4 * pool + 4 * klut) % 8192) % 8192
-    return 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * (2 * nwarp * MMA_N + 2 * MMA_N + 2)
+        pad = (8192 - (1024 + 4 * small + 4 * pool + 4 * klut) % 8192) % 8192
+    return 4 * small + 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * 2
 
 
 def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None,

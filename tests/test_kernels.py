@@ -480,8 +480,11 @@ def test_v4_cuda_source_runs_on_cpu_executor(case):
                                   # the default since session 12: one ring slot, half queries -> single fp16 operands
                                   dict(G=8, d=128, T=1000, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1,
                                        qdtype="f16"),
-                                  # 384 threads: the warps' merge shares slabs over two barriers (NSL = 6)
-                                  dict(G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12)])
+                                  # 384 threads: the warps' merge shares slabs (NSL = 6), round 1 summed in registers
+                                  dict(G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12),
+                                  # 512 threads (128 registers; the (m, l) arrays in the table's padding), f16 queries
+                                  dict(G=8, d=128, T=3000, nth=512, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
+                                       qdtype="f16")])
 def test_v5_cuda_source_runs_on_cpu_executor(case):
     """attn_v5's CUDA rendering executed as host C++ (as the v4 test above): warps streaming their own steps,
     per-warp softmax state, the in-block merge, the last block's merge; counters left zeroed. The second
@@ -527,7 +530,7 @@ def test_v5_pair_decode_table_alignment():
 
     r = EK.run_v5(np.random.default_rng(23), G=8, d=128, T=200, nth=256, pf=1, stage=2, vdec=2)
     assert r["nan"] == 0 and r["err_half"] < 5e-5
-    assert r["smem_bytes"] == K._v5_smem(128, 3, 8, 256, "cuda", 2, vdec=2) == 48712
+    assert r["smem_bytes"] == K._v5_smem(128, 3, 8, 256, "cuda", 2, vdec=2) == 48136
     r = EK.run_v5(np.random.default_rng(23), G=8, d=128, T=200, nth=256, pf=1, stage=2, vdec=2, layout="worst")
     assert r["nan"] == 2 * 8 * 128  # every output element: 2 kv heads x 8 rows x d
 
@@ -591,9 +594,12 @@ def test_v5_plan_and_shapes():
     # 384 threads (long contexts on CUDA) fit with the default ring only
     assert not K.v5_ok(256, 3, 8, "cuda", 256, 2) and K.v5_ok(256, 3, 8, "cuda", 256, 0)
     # the copy ring: 2 slots of 8 warps fit CUDA's 48 KB, 3 do not; Metal: no. With the pair decode's padded table
-    # the bytes are nvcc's reports (sm_90, 2026-11-30): 36,424 (1 slot), 48,712 (2), 42,824 (384 threads, 1 slot)
+    # the bytes are nvcc's reports (sm_90, benchmarks/diag/nvcc_v5.py, 2026-11-30): 35,848 (1 slot), 48,136 (2), 41,992
+    # (384 threads, 1 slot), 45,064 (448), 48,136 (512: fits since the (m, l) arrays sit in the table's padding)
     assert K._v5_smem(128, 3, 8, 256, "cuda", 2) == 45640
-    assert [K._v5_smem(128, 3, 8, n, "cuda", st, 2) for n, st in ((256, 1), (256, 2), (384, 1))] == [36424, 48712, 42824]
+    assert [K._v5_smem(128, 3, 8, n, "cuda", st, 2) for n, st in ((256, 1), (256, 2), (384, 1), (448, 1), (512, 1))] \
+        == [35848, 48136, 41992, 45064, 48136]
+    assert K.v5_ok(128, 3, 8, "cuda", 512, 1, 2)
     assert K.v5_ok(128, 3, 8, "cuda", 256, 2) and not K.v5_ok(128, 3, 8, "cuda", 256, 3)
     assert not K.v5_ok(128, 3, 8, "metal", 256, 2)
 
@@ -652,7 +658,8 @@ def test_v5_threads_by_context(monkeypatch):
     monkeypatch.setattr(K, "backend", lambda: "cuda")
     assert K.v5_nth(32768) == 256 and K.v5_nth(K.V5_NTH_LONG - 1) == 256
     assert K.v5_nth(K.V5_NTH_LONG) == 384 and K.v5_nth(131072) == 384
-    assert K._v5_minb(384, None) == 1 and K._v5_minb(256, None) == 1 and K._v5_minb(512, None) == 0
+    assert K._v5_minb(384, None) == 1 and K._v5_minb(256, None) == 1 and K._v5_minb(512, None) == 1
+    assert K._v5_minb(128, None) == 0
     assert K.v5_ok(128, 3, 8, "cuda", 384, K.V5_STAGE) and not K.v5_ok(128, 3, 8, "cuda", 384, 2)
     monkeypatch.setattr(K, "backend", lambda: "metal")
     assert K.v5_nth(131072) == 256
@@ -677,8 +684,11 @@ def test_v5_launch_bound_and_merge_round(monkeypatch):
         assert K._v5_minb(256, None) == (1 if K.V5_MINB < 0 else K.V5_MINB)
         one = K._kernel_v5("cuda", 256, 1)
         two = K._kernel_v5("cuda", 256, 2)
+        big = K._kernel_v5("cuda", 512, 1)
     finally:
         K._kernel_v5.cache_clear()
     assert "__launch_bounds__(256, 1)" in one["header"] and "#define RQ_V5_NC33 1" in one["source"]
     assert "__launch_bounds__(256, 2)" in two["header"] and "#define RQ_V5_NC33" not in two["source"]
+    # 512 threads: one block an SM caps registers at 128 anyway, so rounds of 17
+    assert "__launch_bounds__(512, 1)" in big["header"] and "#define RQ_V5_NC33" not in big["source"]
     assert one["name"] != two["name"]  # MLX caches modules by name

@@ -51,7 +51,31 @@ def main() -> int:
         bar = sum(x[2] for x in p if x[1].startswith("BAR") or " BAR." in x[1])
         print(f"{name:10s} samples {s:8d} ({100 * s / total:5.1f}%)  at barriers {100 * bar / total:5.1f}%  "
               f"instructions executed {sum(x[3] for x in p):12d}")
+    reasons = loop_stall_reasons(sys.argv[1], lo, hi)
+    if reasons:
+        n = sum(reasons.values()) or 1
+        print("main loop's warp states (samples): " + ", ".join(
+            f"{k.removeprefix('stall_')} {100 * v / n:.1f}%" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1])
+            if v > 0))
     return 0
+
+
+def loop_stall_reasons(path: str, lo: int, hi: int) -> dict[str, int]:
+    """Samples by warp state (ncu's stall_* columns: `selected` is issuing) over the instructions in [lo, hi]."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
+        lines = [ln for ln in f if not ln.startswith('"Kernel Name"')]
+    out: dict[str, int] = {}
+    for r in csv.DictReader(lines):
+        try:
+            a = int(r["Address"], 16)
+        except (KeyError, ValueError):
+            continue
+        if lo <= a <= hi:
+            for k, v in r.items():
+                if k and k.startswith("stall_") and "(Not Issued)" not in k and v not in ("", "-"):
+                    out[k] = out.get(k, 0) + int(v)
+    return out
 
 
 if __name__ == "__main__":

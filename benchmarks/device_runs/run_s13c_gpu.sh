@@ -8,7 +8,7 @@ source .device/bin/gpu-env || exit 3
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
 for n in 384 512; do
   echo "== ncu profile, $n threads, 128K ($(date -u +%T))"
-  timeout 150 "$NCU" --clock-control none -k regex:attn_v5 --launch-skip 1 --launch-count 1 --sampling-interval 1 \
+  timeout 150 "$NCU" --clock-control none -k regex:attn_v5 --launch-skip 1 --launch-count 1 --warp-sampling-interval 1 \
     --section ComputeWorkloadAnalysis --section InstructionStats --section SchedulerStats --section WarpStateStats \
     --section SourceCounters --section MemoryWorkloadAnalysis \
     --metrics smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_fmaheavy.sum,smsp__inst_executed_pipe_lsu.sum,smsp__inst_executed_pipe_tensor.sum,smsp__inst_executed_pipe_xu.sum,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fmaheavy_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__cycles_elapsed.avg \

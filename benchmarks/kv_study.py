@@ -197,17 +197,11 @@ class PairVQKeysCache(SplitBitsCache):
 @functools.lru_cache(maxsize=None)
 def pair_codebook_points(n: int, d: int, seed: int = 0, iters: int = 40) -> np.ndarray:
     """An n-point codebook for pairs of rotated coordinates (log2(n) / 2 bits a coordinate: 128 points are 3.5 bits,
-    32 are 2.5): Lloyd's algorithm on pairs drawn from the sphere's marginal, started from n of those pairs."""
-    rng = np.random.default_rng(seed)
-    u = rng.standard_normal((4096, d))
-    z = (u / np.linalg.norm(u, axis=1, keepdims=True) * math.sqrt(d)).reshape(-1, 2)
-    c = z[rng.choice(len(z), n, replace=False)].copy()
-    for _ in range(iters):
-        a = ((z[:, None, :] - c[None]) ** 2).sum(-1).argmin(1)
-        for k in range(n):
-            if (a == k).any():
-                c[k] = z[a == k].mean(0)
-    return c.astype(np.float32)
+    32 are 2.5): Lloyd's algorithm on pairs drawn from the sphere's marginal (rq_core.codebook, whose `pair_codebook`
+    the cache's kv.pair_points use: seed 1 for keys, 2 for values, as here)."""
+    from rq_core.codebook import _pair_lloyd
+
+    return _pair_lloyd(n, d, seed, iters)
 
 
 class PairVQCache(SplitBitsCache):

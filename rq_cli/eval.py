@@ -14,6 +14,9 @@ app = typer.Typer(no_args_is_help=True)
 MODEL_ARG = typer.Argument(None, help="Checkpoint directory or Hugging Face hub id (default: the bundled model).")
 KEY_BITS = typer.Option(None, "--key-bits", help="Keys at this many bits, values at the mode's 3 (e.g. 4: needles "
                                                  "kept on the bundled model, 14% more KV bytes).")
+PAIR_POINTS = typer.Option(None, "--pair-points",
+                           help="2-D codebooks: keys' and values' points a pair of coordinates, e.g. 128,32 "
+                                "(IsoQuant-3's bytes; needles kept on the bundled model). Reference path only.")
 
 
 def _ids(em, text: Optional[str]):
@@ -40,6 +43,7 @@ def ppl(
     step: int = typer.Option(32, "--step", help="Decode tokens per step while scoring (1 = token by token)."),
     text: Optional[str] = typer.Option(None, "--text", help="Text file to score (default: the bundled held-out plays)."),
     key_bits: Optional[int] = KEY_BITS,
+    pair_points: Optional[str] = PAIR_POINTS,
     fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
                                               help="Newest tokens kept unquantized in a compressed cache "
                                                    "(default 32, as `rq run`; 0 = none)."),
@@ -53,7 +57,8 @@ def ppl(
     _positive("--step", step)
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
-    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits))
+    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits),
+                           pair_points=_pair_points(kv, pair_points, key_bits))
     em = load_eval_model(model)
     gpu_first_run_note()
     ctx = check_context(em.context if context is None else context, em.context)
@@ -74,6 +79,17 @@ def _key_bits(kv: str, n: Optional[int]) -> Optional[int]:
     from rq_core.codebook import check_bits
 
     return check_bits(n)
+
+
+def _pair_points(kv: str, spec: Optional[str], key_bits: Optional[int]) -> Optional[tuple[int, int]]:
+    """--pair-points "K,V" for a compressed mode (fp16 ignores it)."""
+    if spec is None or kv == "fp16":
+        return None
+    if key_bits is not None:
+        raise RQError("--key-bits and --pair-points cannot be combined")
+    from rq_core.codebook import check_pair_points
+
+    return check_pair_points(_parse_list(spec, int, "--pair-points"))
 
 
 def _window(n: Optional[int]) -> int:
@@ -107,6 +123,7 @@ def niah_cmd(
     trials: int = typer.Option(4, "--trials", help="Needles per cell."),
     seed: int = typer.Option(0, "--seed"),
     key_bits: Optional[int] = KEY_BITS,
+    pair_points: Optional[str] = PAIR_POINTS,
     fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
                                               help="Newest tokens kept unquantized in a compressed cache "
                                                    "(default 32, as `rq run`; 0 = none)."),
@@ -122,7 +139,7 @@ def niah_cmd(
         raise RQError("--depths must lie in [0, 1]")
     modes = ["fp16"] + [m for m in _parse_list(kv, str, "--kv") if m != "fp16"]
     settings = [kv_settings(m, rotation if m == "isoquant3" else None, fp16_window=_window(fp16_window),
-                            key_bits=_key_bits(m, key_bits))
+                            key_bits=_key_bits(m, key_bits), pair_points=_pair_points(m, pair_points, key_bits))
                 for m in modes]
     em = load_eval_model(model)
     gpu_first_run_note()
@@ -160,6 +177,7 @@ def gates_cmd(
     rotation: Optional[str] = typer.Option(None, "--rotation", help="IsoQuant rotation (default wht_so4)."),
     gates_file: Optional[str] = typer.Option(None, "--gates", help="Thresholds TOML (default: the bundled gates.toml)."),
     key_bits: Optional[int] = KEY_BITS,
+    pair_points: Optional[str] = PAIR_POINTS,
     fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
                                               help="Newest tokens kept unquantized in a compressed cache "
                                                    "(default 32, as `rq run`; 0 = none)."),
@@ -171,7 +189,8 @@ def gates_cmd(
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only")
     cfg = load_gates(gates_file)
-    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits))
+    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits),
+                           pair_points=_pair_points(kv, pair_points, key_bits))
     em = load_eval_model(model)
     gpu_first_run_note()
     rep = GateRunner(em, cfg, _ids(em, None)).run(settings)

@@ -142,6 +142,7 @@ def run(
         print_json({"text": text_out, **d, "kv_mode": kv, "kv_window": settings.fp16_window,
                     "rotation": settings.rotation if kv == "isoquant3" else None,
                     "kv_key_bits": settings.key_bits if kv != "fp16" else None,
+                    "kv_pair_points": list(settings.pair_points) if kv != "fp16" and settings.pair_points else None,
                     "settings_from": source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
         return
     tail = stream.flush()

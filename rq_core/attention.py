@@ -95,13 +95,14 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
       causal   query i sees keys j ≤ offset + i (with causal=False every valid key is seen)
       mask     optional [.., L, valid_len] keep-mask (bool) or additive mask, broadcastable to [B, Hq, L, T]
       key_bits, key_levels: keys at their own width and codebook (None: `bits`, `levels`; no kernel then)
+      levels [n, 2] (and key_levels): pair codebooks, one `bits`-bit field a pair of coordinates (no kernel then)
     Returns (õ [B, Hq, L, d] float32 in the rotated space — apply Rᵀ — , logsumexp [B, Hq, L] float32)
     so the result can be merged with attention over another segment (see `merge`).
     """
     from rq_core import kernels  # GPU kernels (Metal/CUDA) when MLX has a GPU; this path otherwise
 
-    split = key_bits is not None and key_bits != bits
-    if not split and kernels.can_dispatch(q_rot, k_codes, bits, mask, offset=offset, causal=causal,
+    split = key_levels is not None
+    if not split and levels.ndim == 1 and kernels.can_dispatch(q_rot, k_codes, bits, mask, offset=offset, causal=causal,
                                           valid_len=valid_len):
         return kernels.packed_attention(q_rot, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
                                         offset=offset, causal=causal, valid_len=valid_len)
@@ -111,11 +112,10 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
     kbits, klevels = (key_bits, key_levels.astype(mx.float32)) if split else (bits, levels)
 
     def chunk_fn(k0: int, k1: int):
-        kidx = unpack(k_codes[:, :, k0:k1], kbits, d)
-        vidx = unpack(v_codes[:, :, k0:k1], bits, d)
         kscale = k_norms[:, :, k0:k1].astype(mx.float32) * inv_sqrt_d
         vscale = v_norms[:, :, k0:k1].astype(mx.float32) * inv_sqrt_d
-        return klevels[kidx], kscale, levels[vidx], vscale
+        return (decode(k_codes[:, :, k0:k1], klevels, kbits, d), kscale, decode(v_codes[:, :, k0:k1], levels, bits, d),
+                vscale)
 
     return online_attention(q_rot, k_codes.shape[1], valid_len, chunk_fn, scale=scale, q_pos0=offset,
                             causal=causal, mask=mask, chunk=chunk)
@@ -151,10 +151,17 @@ def merge(parts: list[tuple[mx.array, mx.array]]) -> mx.array:
 # Oracle for tests: dequantize everything, then attend with one plain softmax.
 
 
+def decode(codes: mx.array, levels: mx.array, bits: int, d: int) -> mx.array:
+    """[.., W] codes → the codebook's values [.., d] in unit-variance units: levels[idx] for a scalar codebook,
+    points[idx] (a pair of coordinates a field) for a pair codebook [n, 2]."""
+    if levels.ndim == 2:
+        return levels[unpack(codes, bits, d // 2)].reshape(*codes.shape[:-1], d)
+    return levels[unpack(codes, bits, d)]
+
+
 def dequantize_rotated(codes: mx.array, norms: mx.array, levels: mx.array, bits: int, d: int) -> mx.array:
     """[B, H, T, W] codes + [B, H, T] norms → rotated-space vectors m · levels[idx] / √d, float32."""
-    idx = unpack(codes, bits, d)
-    return levels.astype(mx.float32)[idx] * (norms.astype(mx.float32)[..., None] / math.sqrt(d))
+    return decode(codes, levels.astype(mx.float32), bits, d) * (norms.astype(mx.float32)[..., None] / math.sqrt(d))
 
 
 def reference_attention(q: mx.array, keys: mx.array, values: mx.array, *, scale: float, offset: int = 0,

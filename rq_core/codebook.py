@@ -209,3 +209,60 @@ def get_codebook(spec: str, bits: int, d: int) -> Codebook:
     if cb.bits != bits:
         raise RQError(f"codebook {spec} has {cb.bits} bits, but {bits} bits were asked for")
     return cb
+
+
+# ---------------------------------------------------------------------------------------------
+# 2-D codebooks: one index for a pair of rotated coordinates (docs/FORMAT.md, "Pair codebooks")
+
+PAIR_POINTS = (16, 32, 64, 128, 256)  # 2 to 4 bits a coordinate, in half bits
+PAIR_SEEDS = {"keys": 1, "values": 2}  # the study's seeds (benchmarks/README.md, "Needles and bits")
+_PAIR_ASSET = Path(__file__).resolve().parent / "assets" / "pair_codebooks.json"
+
+
+def check_pair_points(points) -> tuple[int, int]:
+    """(keys' points, values' points), each one of PAIR_POINTS."""
+    try:
+        pk, pv = (int(p) for p in points)
+    except (TypeError, ValueError):
+        raise RQError(f"pair points must be two numbers, keys' and values' (got {points!r})") from None
+    for p in (pk, pv):
+        if p not in PAIR_POINTS:
+            raise RQError(f"pair codebooks have {', '.join(map(str, PAIR_POINTS))} points (got {p})")
+    return pk, pv
+
+
+def _pair_lloyd(n: int, d: int, seed: int, iters: int = 40) -> np.ndarray:
+    """Lloyd's algorithm (k-means) on 2^20 / d · 2 pairs of coordinates of √d·u, u uniform on the sphere in R^d,
+    started from n of those pairs."""
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal((4096, d))
+    z = (u / np.linalg.norm(u, axis=1, keepdims=True) * math.sqrt(d)).reshape(-1, 2)
+    c = z[rng.choice(len(z), n, replace=False)].copy()
+    zz = (z**2).sum(1)
+    a = np.empty(len(z), np.int64)
+    for _ in range(iters):
+        for s in range(0, len(z), 65536):  # nearest point, in slabs (no [pairs, n] temporary of the whole set)
+            a[s : s + 65536] = (zz[s : s + 65536, None] - 2 * z[s : s + 65536] @ c.T + (c**2).sum(1)).argmin(1)
+        cnt = np.bincount(a, minlength=n)
+        ok = cnt > 0
+        for j in range(2):
+            c[ok, j] = np.bincount(a, z[:, j], minlength=n)[ok] / cnt[ok]
+    return c.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=32)
+def pair_codebook(n: int, d: int, role: str) -> np.ndarray:
+    """The n-point codebook [n, 2] float32 for pairs (z_2i, z_2i+1) of rotated coordinates in units of unit
+    variance, role "keys" or "values" (their own seeds). Shipped for head dims 64, 128 and 256
+    (assets/pair_codebooks.json); other dims are fitted here (seconds)."""
+    if n not in PAIR_POINTS:
+        raise RQError(f"pair codebooks have {', '.join(map(str, PAIR_POINTS))} points (got {n})")
+    seed = PAIR_SEEDS[role]
+    key = f"d{d}_n{n}_s{seed}"
+    if _PAIR_ASSET.is_file():
+        import json
+
+        pts = json.loads(_PAIR_ASSET.read_text()).get(key)
+        if pts is not None:
+            return np.asarray(pts, np.float32).reshape(n, 2)
+    return _pair_lloyd(n, d, seed)

@@ -114,6 +114,8 @@ def label(kv: KVSettings) -> str:
     if kv.mode == "fp16":
         return name
     name = f"{name}+w{kv.fp16_window}" if kv.fp16_window else name
+    if kv.pair_points:
+        return f"{name}+p{kv.pair_points[0]}x{kv.pair_points[1]}"
     return f"{name}+k{kv.key_bits}" if kv.key_bits not in (None, kv.bits) else name
 
 
@@ -171,11 +173,13 @@ class PPLResult:
     nll: float
     fp16_window: int = 0
     key_bits: Optional[int] = None  # keys at their own width (None: the mode's bits)
+    pair_points: Optional[tuple[int, int]] = None  # pair codebooks' points, keys' and values' (None: scalar)
 
     def as_dict(self) -> dict:
         return {"ppl": self.ppl, "tokens": self.tokens, "kv_mode": self.kv_mode, "rotation": self.rotation,
                 "context": self.context, "windows": self.windows, "prefill": self.prefill, "nll": self.nll,
-                "fp16_window": self.fp16_window, "key_bits": self.key_bits}
+                "fp16_window": self.fp16_window, "key_bits": self.key_bits,
+                "pair_points": list(self.pair_points) if self.pair_points else None}
 
 
 def check_context(context: int, em_context: int) -> int:
@@ -202,7 +206,8 @@ def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, pre
     return PPLResult(ppl=math.exp(nll), tokens=count, kv_mode=kv.mode, rotation=rotation_of(kv), context=context,
                      windows=len(wins), prefill=prefill, nll=nll,
                      fp16_window=kv.fp16_window if kv.mode != "fp16" else 0,
-                     key_bits=kv.key_bits if kv.mode != "fp16" else None)
+                     key_bits=kv.key_bits if kv.mode != "fp16" else None,
+                     pair_points=kv.pair_points if kv.mode != "fp16" else None)
 
 
 @dataclass

@@ -958,6 +958,8 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
     version = attn_version()
     if version == "v3" or valid_len < 1 or not available() or (window is not None and version == "v3r"):
         return None
+    if levels.ndim != 1 or (key_levels is not None and key_levels.ndim != 1):
+        return None  # pair codebooks: the caller's reference path
     B, Hq, L, D = queries.shape
     Hkv = k_codes.shape[1]
     split = key_bits is not None and key_bits != bits
@@ -1159,8 +1161,8 @@ def append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, b
     """IsoQuantCache's append on a GPU: kv_append_codes, or None (the caller runs quantize_kv) on CPU,
     with RQ_APPEND=ops, for shapes the kernel does not cover, or for keys at their own width with
     RQ_SPLIT_KERNELS=0."""
-    if append_mode() == "ops" or not available():
-        return None
+    if append_mode() == "ops" or not available() or levels.ndim != 1 or (key_levels is not None and key_levels.ndim != 1):
+        return None  # pair codebooks ([n, 2] levels): no kernel yet
     if key_bits is not None and key_bits != bits and not SPLIT_KERNELS:
         return None
     try:

@@ -41,6 +41,10 @@ class KVSettings:
     # keys at their own width (None: `bits`). 4 with bits 3 kept fp16's needle retention on the bundled model
     # (README, "Needles and bits"). The GPU kernels take both widths (RQ_SPLIT_KERNELS=0: the reference path).
     key_bits: int | None = None
+    # 2-D codebooks (keys' points, values' points), e.g. (128, 32): one index a pair of rotated coordinates, log2(n)
+    # / 2 bits a coordinate. (128, 32) has IsoQuant-3's bytes and kept needles level with fp16 on the bundled model
+    # (README, "Needles and bits"). CPU / reference path only: no GPU kernel takes them yet.
+    pair_points: tuple[int, int] | None = None
 
 
 class KVCache(Protocol):
@@ -133,7 +137,8 @@ class FP16Cache:
 
 def quantize_kv(x: mx.array, rotation, levels: mx.array, bits: int, *, norm_correction: bool = False
                 ) -> tuple[mx.array, mx.array]:
-    """Quantize vectors x [B, H, T, d] → (codes uint32 [B, H, T, W], stored norms float16 [B, H, T])."""
+    """Quantize vectors x [B, H, T, d] → (codes uint32 [B, H, T, W], stored norms float16 [B, H, T]).
+    levels [2^bits]: a scalar codebook; [n, 2]: a pair codebook (bits = log2 n, one field a pair of coordinates)."""
     from rq_core.packing import pack
 
     d = x.shape[-1]
@@ -142,6 +147,13 @@ def quantize_kv(x: mx.array, rotation, levels: mx.array, bits: int, *, norm_corr
     u = x / mx.where(n > 0, n, 1.0)[..., None]  # u = 0 when n = 0
     z = rotation.forward(u) * math.sqrt(d)
     levels = levels.astype(mx.float32)
+    if levels.ndim == 2:
+        idx = nearest_pair(z, levels)
+        m = n
+        if norm_correction:
+            c_norm = mx.sqrt((levels[idx] ** 2).sum((-1, -2))) / math.sqrt(d)
+            m = n / mx.maximum(c_norm, 1e-12)
+        return pack(idx, bits), m.astype(mx.float16)
     thresholds = (levels[1:] + levels[:-1]) / 2
     idx = mx.zeros(z.shape, mx.uint32)
     for i in range(thresholds.shape[0]):  # index = number of thresholds < z (no [.., d, 2^b] temporary)
@@ -151,6 +163,21 @@ def quantize_kv(x: mx.array, rotation, levels: mx.array, bits: int, *, norm_corr
         c_norm = mx.sqrt((levels[idx] ** 2).sum(-1)) / math.sqrt(d)
         m = n / mx.maximum(c_norm, 1e-12)
     return pack(idx, bits), m.astype(mx.float16)
+
+
+def nearest_pair(z: mx.array, points: mx.array) -> mx.array:
+    """Index of the nearest of points [n, 2] for each pair (z_2i, z_2i+1) of z [..., d] → uint32 [..., d / 2], in
+    slabs of tokens (the [.., d / 2, n] distances of a 4,096-token chunk would be ~0.5 GB)."""
+    *lead, d = z.shape
+    p = z.reshape(*lead, d // 2, 2)
+    c2 = (points**2).sum(-1)
+    flat = p.reshape(-1, d // 2, 2)
+    step = max(1, (1 << 22) // ((d // 2) * points.shape[0]))
+    out = []
+    for a in range(0, flat.shape[0], step):
+        q = flat[a : a + step]
+        out.append(mx.argmin(c2 - 2 * (q @ points.T), axis=-1).astype(mx.uint32))  # |q|^2 is the same for all
+    return mx.concatenate(out, axis=0).reshape(*lead, d // 2)
 
 
 def dequantize_kv(codes: mx.array, norms: mx.array, rotation, levels: mx.array, bits: int, d: int) -> mx.array:
@@ -175,8 +202,9 @@ class IsoQuantCache:
 
     def __init__(self, *, head_dim: int, n_kv_heads: int, layer: int = 0, bits: int = 3,
                  rotation: str = "wht_so4", codebook: str = "sphere", fp16_window: int = 0,
-                 norm_correction: bool = False, seed: int = 0, key_bits: int | None = None) -> None:
-        from rq_core.codebook import check_bits, get_codebook
+                 norm_correction: bool = False, seed: int = 0, key_bits: int | None = None,
+                 pair_points: tuple[int, int] | None = None) -> None:
+        from rq_core.codebook import check_bits, check_pair_points, get_codebook, pair_codebook
         from rq_core.rotation import Rotation, check_dim
 
         self.head_dim = check_dim(head_dim)
@@ -196,6 +224,21 @@ class IsoQuantCache:
         self.k_levels = (mx.array(get_codebook(codebook, kb, head_dim).levels.astype("float32")) if self.key_bits
                          else self.levels)
         self.k_words = (head_dim * kb + 31) // 32
+        # pair codebooks: levels become [n, 2] point tables and bits / key_bits the fields' widths (log2 n, one field
+        # a pair of coordinates); the kernels see 2-D levels and decline
+        self.pair_points = None
+        if pair_points is not None:
+            if key_bits is not None:
+                raise RQError("kv.key_bits and kv.pair_points cannot both be set")
+            if codebook != "sphere":
+                raise RQError(f"pair codebooks are fitted to the sphere's marginal (kv.codebook = {codebook!r})")
+            self.pair_points = check_pair_points(pair_points)
+            pk, pv = self.pair_points
+            self.levels = mx.array(pair_codebook(pv, head_dim, "values"))
+            self.k_levels = mx.array(pair_codebook(pk, head_dim, "keys"))
+            self.bits, self.key_bits = pv.bit_length() - 1, pk.bit_length() - 1
+            self.words = (head_dim // 2 * self.bits + 31) // 32
+            self.k_words = (head_dim // 2 * self.key_bits + 31) // 32
         self.k_codes: mx.array | None = None
         self.v_codes: mx.array | None = None
         self.k_norms: mx.array | None = None
@@ -258,7 +301,7 @@ class IsoQuantCache:
                                    key_levels=self.k_levels if self.key_bits else None)
         if out is not None:
             return out
-        if self.key_bits:  # keys at their own width and codebook
+        if self.key_bits or self.pair_points:  # keys at their own width and codebook
             k = quantize_kv(keys, self.rotation, self.k_levels, self.key_bits, norm_correction=self.norm_correction)
             return (*k, *self.compress(values))
         return (*self.compress(keys), *self.compress(values))
@@ -380,7 +423,8 @@ def make_kv_cache(settings: KVSettings, *, layer: int, n_kv_heads: int, head_dim
     cls = TurboQuantCache if settings.mode == "turbo3" else IsoQuantCache
     kw = dict(head_dim=head_dim, n_kv_heads=n_kv_heads, layer=layer, bits=settings.bits,
               codebook=settings.codebook, fp16_window=settings.fp16_window,
-              norm_correction=settings.norm_correction, seed=settings.seed, key_bits=settings.key_bits)
+              norm_correction=settings.norm_correction, seed=settings.seed, key_bits=settings.key_bits,
+              pair_points=settings.pair_points)
     if cls is IsoQuantCache:
         kw["rotation"] = settings.rotation
     return cls(**kw)

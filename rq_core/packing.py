@@ -15,12 +15,12 @@ import numpy as np
 
 from rq_core.errors import RQError
 
-PACK_BITS = (1, 2, 3, 4)
+PACK_BITS = (1, 2, 3, 4, 5, 6, 7, 8)  # 5-8: the pair codebooks' fields (one index a pair of coordinates)
 
 
 def _check(bits: int) -> int:
     if bits not in PACK_BITS:
-        raise RQError(f"bits must be 1, 2, 3 or 4 (got {bits})")
+        raise RQError(f"packed fields must be 1 to 8 bits wide (got {bits})")
     return bits
 
 
@@ -62,6 +62,13 @@ def pack(idx: mx.array, bits: int) -> mx.array:
     return words[..., :W]
 
 
+@functools.lru_cache(maxsize=None)
+def _byte_tables(bits: int, n: int) -> tuple[mx.array, mx.array]:
+    """Value i's first byte and its shift in that byte (bits <= 8: a value spans at most two bytes)."""
+    pos = np.arange(n, dtype=np.int64) * bits
+    return mx.array((pos >> 3).astype(np.int32)), mx.array((pos & 7).astype(np.uint32))
+
+
 def unpack(words: mx.array, bits: int, n: int) -> mx.array:
     """Unpack uint32 words [..., W] into n indices [..., n] (uint32).
 
@@ -75,6 +82,11 @@ def unpack(words: mx.array, bits: int, n: int) -> mx.array:
         raise ValueError(f"{W} words cannot hold {n} {bits}-bit values")
     lead = words.shape[:-1]
     b = mx.view(mx.contiguous(words.astype(mx.uint32)), mx.uint8).astype(mx.uint32)  # [..., 4W]
+    if bits > 4:  # 8 values would overflow a 32-bit unit: each value from the two bytes it touches
+        lo, sh = _byte_tables(bits, n)
+        b = mx.concatenate([b, mx.zeros((*lead, 1), mx.uint32)], axis=-1)
+        two = mx.take(b, lo, axis=-1) | (mx.take(b, lo + 1, axis=-1) << 8)
+        return (two >> sh) & ((1 << bits) - 1)
     if (4 * W) % bits:
         b = mx.concatenate([b, mx.zeros((*lead, bits - (4 * W) % bits), mx.uint32)], axis=-1)
     g = b.reshape(*lead, -1, bits)  # units of `bits` bytes = 8 values each

@@ -202,6 +202,18 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
         _typed(src, "kv.key_bits", kv.key_bits, int)
         if not 1 <= kv.key_bits <= 4:
             raise RQError(f"{src}: kv.key_bits = {kv.key_bits} must be between 1 and 4")
+    if kv.pair_points is not None:
+        pp = kv.pair_points
+        if not isinstance(pp, list) or len(pp) != 2 or not all(isinstance(p, int) and not isinstance(p, bool)
+                                                                for p in pp):
+            raise RQError(f"{src}: kv.pair_points must be two integers, keys' and values' points (got {pp!r})")
+        from rq_core.codebook import PAIR_POINTS
+
+        if any(p not in PAIR_POINTS for p in pp):
+            raise RQError(f"{src}: kv.pair_points = {pp} must each be one of {', '.join(map(str, PAIR_POINTS))}")
+        if kv.key_bits is not None:
+            raise RQError(f"{src}: kv.key_bits and kv.pair_points cannot both be set")
+        kv.pair_points = (pp[0], pp[1])
     _typed(src, "kv.fp16_window", kv.fp16_window, int)
     _typed(src, "kv.seed", kv.seed, int)
     _typed(src, "kv.norm_correction", kv.norm_correction, bool)

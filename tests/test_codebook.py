@@ -75,3 +75,21 @@ def test_bad_inputs(tmp_path):
         Codebook.load(bad)
     with pytest.raises(RQError, match="not found"):
         Codebook.load(tmp_path / "missing.toml")
+
+
+def test_pair_codebooks_shipped_equal_their_fit():
+    """assets/pair_codebooks.json holds exactly what `_pair_lloyd` fits (float32), for every head dim it covers;
+    checked here on the cheapest entry and on an entry computed on the fly (head dim 32 is not shipped)."""
+    from rq_core.codebook import PAIR_POINTS, _pair_lloyd, check_pair_points, pair_codebook
+
+    pair_codebook.cache_clear()
+    shipped = pair_codebook(16, 64, "keys")
+    assert shipped.shape == (16, 2) and shipped.dtype == np.float32
+    np.testing.assert_array_equal(shipped, _pair_lloyd(16, 64, 1))
+    fitted = pair_codebook(16, 32, "values")
+    np.testing.assert_array_equal(fitted, _pair_lloyd(16, 32, 2))
+    # Lloyd's points are the means of their cells: the codebook is centred like the marginal
+    assert abs(float(fitted.mean())) < 0.05
+    assert check_pair_points([128, 32]) == (128, 32) and 256 in PAIR_POINTS
+    with pytest.raises(RQError):
+        check_pair_points([128, 3])

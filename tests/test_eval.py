@@ -179,8 +179,26 @@ def test_cli_ppl_key_bits():
     assert ev.label(ev.kv_settings("isoquant3", key_bits=3)) == "isoquant3/wht_so4"  # the mode's own width
 
 
+def test_cli_ppl_pair_points():
+    """--pair-points: 2-D codebooks through the reference path, reported in the JSON; they change the perplexity."""
+    def ppl(*extra):
+        r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--context", "64", "--windows", "1",
+                                "--fp16-window", "4", "--json", *extra])
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    base, pp = ppl(), ppl("--pair-points", "128,32")
+    assert base["pair_points"] is None and pp["pair_points"] == [128, 32]
+    assert pp["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
+    assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, pair_points=(128, 32))) == \
+        "isoquant3/wht_so4+w32+p128x32"
+
+
 @pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--fp16-window", "-1"], ["eval", "ppl", "--kv", "turbo3", "--rotation", "so3"],
                                   ["eval", "ppl", "--kv", "isoquant3", "--key-bits", "9"],
+                                  ["eval", "ppl", "--kv", "isoquant3", "--pair-points", "128,33"],
+                                  ["eval", "ppl", "--kv", "isoquant3", "--pair-points", "128"],
+                                  ["eval", "niah", "--pair-points", "128,32", "--key-bits", "4"],
                                   ["eval", "ppl", "--context", "100000"], ["eval", "niah", "--depths", "1.5"],
                                   ["eval", "gates", "--rotation", "bogus"]])
 def test_cli_bad_input_is_one_line(argv):

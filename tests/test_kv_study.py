@@ -62,6 +62,64 @@ def test_cache_key_bits_matches_the_emulation(window):
     assert c.nbytes == B * HKV * (T * packed_bytes(4, 3, D) + window * 4 * D)
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_cache_pair_points_matches_the_emulation(window):
+    """IsoQuantCache(pair_points=(128, 32)): one 7-bit field a pair of rotated key coordinates and a 5-bit one for
+    values, packed, attended by the reference path; the same outputs as kv_study's PairVQCache (the emulation behind
+    the measured needles), IsoQuant-3's bytes."""
+    kw = dict(head_dim=D, n_kv_heads=HKV, layer=1, rotation="wht_so4", fp16_window=window, seed=2)
+    c = IsoQuantCache(bits=3, pair_points=(128, 32), **kw)
+    real = _run(c)
+    emul = _run(PairVQCache(pair_points=(128, 32), key_bits=3, value_bits=3, **kw))
+    assert mx.abs(real - emul).max().item() < 1e-4
+    assert c.k_codes.shape[-1] == -(-D // 2 * 7 // 32) and c.v_codes.shape[-1] == -(-D // 2 * 5 // 32)
+    assert mx.abs(real - _run(IsoQuantCache(bits=3, **kw))).max().item() > 1e-3  # the codebooks are used
+    T = c.packed_len
+    assert c.nbytes == B * HKV * (T * 4 * (c.k_words + c.words + 1) + window * 2 * D * 2)
+    # at head_dim 128 (a multiple of 128: whole words) the rows are IsoQuant-3's: 14 + 10 words against 12 + 12
+    big = IsoQuantCache(head_dim=128, n_kv_heads=1, pair_points=(128, 32))
+    assert (big.k_words, big.words) == (14, 10)
+    # the stored codes decode to the nearest points: re-quantizing the dequantized keys gives the same codes
+    from rq_core.attention import decode
+
+    z = decode(c.k_codes[:, :, :T], c.k_levels, 7, D)
+    assert mx.array_equal(quantize_kv(c.rotation.inverse(z / math.sqrt(D)), c.rotation, c.k_levels, 7)[0],
+                          c.k_codes[:, :, :T])
+
+
+def test_pair_points_settings():
+    with pytest.raises(RQError, match="cannot both"):
+        IsoQuantCache(head_dim=D, n_kv_heads=HKV, key_bits=4, pair_points=(128, 32))
+    with pytest.raises(RQError, match="points"):
+        IsoQuantCache(head_dim=D, n_kv_heads=HKV, pair_points=(100, 32))
+    with pytest.raises(RQError, match="sphere"):
+        IsoQuantCache(head_dim=D, n_kv_heads=HKV, codebook="gaussian", pair_points=(128, 32))
+    c = make_kv_cache(KVSettings(mode="turbo3", pair_points=(64, 64)), layer=0, n_kv_heads=HKV, head_dim=D)
+    assert c.pair_points == (64, 64) and c.bits == c.key_bits == 6 and c.k_levels.shape == (64, 2)
+    assert not mx.array_equal(c.k_levels, c.levels)  # keys' and values' own seeds
+
+
+def test_pair_codebooks_take_the_reference_path_on_a_gpu(monkeypatch):
+    """The GPU kernels do not take pair codebooks yet: with a GPU backend, append and attention decline (None, the
+    cache's reference path) before any kernel is built."""
+    from rq_core import kernels as K
+
+    def no_kernel(*a, **k):
+        raise AssertionError("a kernel was called with pair codebooks")
+
+    monkeypatch.setattr(K, "available", lambda: True)
+    monkeypatch.setattr(K, "append_mode", lambda: "kernel")
+    monkeypatch.setattr(K, "kv_append_codes", no_kernel)
+    monkeypatch.setattr(K, "attention_v5", no_kernel)
+    monkeypatch.setattr(K, "attention_v4", no_kernel)
+    c = IsoQuantCache(head_dim=D, n_kv_heads=HKV, pair_points=(128, 32))
+    k, v = _rand((B, HKV, 3, D), 1), _rand((B, HKV, 3, D), 2)
+    assert K.append_codes(k, v, c.rotation, c.levels, c.bits, key_bits=c.key_bits, key_levels=c.k_levels) is None
+    kc, kn, vc, vn = c.compress_kv(k, v)
+    assert K.fused_attend(_rand((B, HQ, 1, D), 3), c.rotation, kc, kn, vc, vn, c.levels, bits=c.bits, scale=SCALE,
+                          offset=3, causal=False, valid_len=3, key_bits=c.key_bits, key_levels=c.k_levels) is None
+
+
 def test_key_bits_setting():
     one = make_kv_cache(KVSettings(mode="isoquant3", key_bits=3), layer=0, n_kv_heads=HKV, head_dim=D)
     split = make_kv_cache(KVSettings(mode="isoquant3", key_bits=4), layer=0, n_kv_heads=HKV, head_dim=D)

@@ -10,7 +10,7 @@ from rq_core.packing import pack, pack_np, unpack, unpack_np, words_per_row
 
 
 @settings(max_examples=60, deadline=None)
-@given(bits=st.sampled_from([1, 2, 3, 4]), lead=st.lists(st.integers(1, 3), min_size=0, max_size=3),
+@given(bits=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8]), lead=st.lists(st.integers(1, 3), min_size=0, max_size=3),
        n=st.integers(1, 200), seed=st.integers(0, 2**31))
 def test_round_trip_random_shapes(bits, lead, n, seed):
     idx = np.random.default_rng(seed).integers(0, 2**bits, (*lead, n)).astype(np.uint32)
@@ -35,5 +35,6 @@ def test_3bit_128_is_48_bytes_and_layout():
 
 
 def test_bad_bits():
-    with pytest.raises(RQError):
-        pack(mx.zeros((4,), mx.uint32), 5)
+    for bits in (0, 9):
+        with pytest.raises(RQError):
+            pack(mx.zeros((4,), mx.uint32), bits)

@@ -37,6 +37,9 @@ def test_resolved_round_trip():
     (BASE + "[kv]\nmode = \"int4\"\n", "kv.mode"),
     (BASE + "[kv]\nwindow = 3\n", "unknown key 'kv.window'"),
     (BASE + "[kv]\nkey_bits = 5\n", "kv.key_bits = 5 must be between 1 and 4"),
+    (BASE + "[kv]\npair_points = [128, 33]\n", "kv.pair_points = \\[128, 33\\] must each be one of"),
+    (BASE + "[kv]\npair_points = 128\n", "kv.pair_points must be two integers"),
+    (BASE + "[kv]\npair_points = [128, 32]\nkey_bits = 4\n", "cannot both be set"),
     (BASE + "[pager]\npolicy = \"fifo\"\n", "pager.policy"),
     (BASE + "[pager]\nmemory_budget = \"lots\"\n", "cannot read 'lots'"),
     ('version = 2\n', "'version' must be 1"),
@@ -64,6 +67,8 @@ def test_kv_settings_and_sizes():
     assert r.kv.key_bits is None and "key_bits" not in r.dumps()  # TOML has no null: left out when unset
     r4 = recipe.loads(BASE + '[kv]\nmode = "isoquant3"\nkey_bits = 4\n')
     assert r4.kv.key_bits == 4 and recipe.loads(r4.dumps()).kv.key_bits == 4
+    rp = recipe.loads(BASE + '[kv]\nmode = "isoquant3"\npair_points = [128, 32]\n')
+    assert rp.kv.pair_points == (128, 32) and recipe.loads(rp.dumps()).kv.pair_points == (128, 32)
     assert recipe.parse_size("16GB") == 16 * 10**9
     assert recipe.parse_size("512MiB") == 512 * 2**20
     assert recipe.parse_size("1.5G") == 1.5e9

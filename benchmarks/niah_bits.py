@@ -10,6 +10,7 @@ cycle as the cache) with --key-bits / --value-bits. --compare pairs result files
     python benchmarks/niah_bits.py --seed 2 --qjl --out qjl3-s2.json   # keys 2-bit codes + 1-bit residual sketch
     python benchmarks/niah_bits.py --seed 2 --pairvq --out pairvq3-s2.json   # keys: a 2-D codebook a coordinate pair
     python benchmarks/niah_bits.py --seed 2 --pair-points 128,32 --out pp-s2.json   # 2-D codebooks: 3.5 + 2.5 bits
+    python benchmarks/niah_bits.py --seed 2 --pair-points 128,32 --real --out pp-real-s2.json   # kv.pair_points
     python benchmarks/niah_bits.py --compare fp16=A.json:fp16 K4V2=K4V2-s2.json ...
 """
 
@@ -35,7 +36,7 @@ def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int
     em = ev.load_eval_model(None)
     ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
     kv = KVSettings(mode="isoquant3", bits=bits, rotation="wht_so4", fp16_window=32,
-                    key_bits=key_bits if real else None)
+                    key_bits=key_bits if real else None, pair_points=tuple(pair_points) if real and pair_points else None)
     model = em.model
     emulated = bool(key_bits or value_bits or qjl or pairvq or pair_points) and not real
     if emulated:
@@ -99,8 +100,8 @@ def main() -> int:
     ap.add_argument("--bits", type=int, default=3, help="the real cache's bits (keys and values)")
     ap.add_argument("--key-bits", type=int, default=None, help="emulated split widths (kv_study.SplitBitsCache)")
     ap.add_argument("--value-bits", type=int, default=None)
-    ap.add_argument("--real", action="store_true", help="--key-bits through the cache itself (kv.key_bits; "
-                    "values at --bits), not the emulation")
+    ap.add_argument("--real", action="store_true", help="--key-bits (kv.key_bits; values at --bits) or --pair-points "
+                    "(kv.pair_points) through the cache itself, not the emulation")
     ap.add_argument("--qjl", action="store_true", help="keys as (key bits - 1)-bit codes plus a 1-bit sketch of the "
                     "residual (kv_study.QJLKeysCache, TurboQuant's inner-product quantizer)")
     ap.add_argument("--pairvq", action="store_true", help="keys with a 2-D codebook a pair of rotated coordinates "

@@ -232,8 +232,8 @@ def check_pair_points(points) -> tuple[int, int]:
 
 
 def _pair_lloyd(n: int, d: int, seed: int, iters: int = 40) -> np.ndarray:
-    """Lloyd's algorithm (k-means) on 2^20 / d · 2 pairs of coordinates of √d·u, u uniform on the sphere in R^d,
-    started from n of those pairs."""
+    """Lloyd's algorithm (k-means) on the 4,096 · d / 2 coordinate pairs of 4,096 vectors √d·u, u uniform on the
+    sphere in R^d, started from n of those pairs."""
     rng = np.random.default_rng(seed)
     u = rng.standard_normal((4096, d))
     z = (u / np.linalg.norm(u, axis=1, keepdims=True) * math.sqrt(d)).reshape(-1, 2)

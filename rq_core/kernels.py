@@ -1161,7 +1161,9 @@ def append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, b
     """IsoQuantCache's append on a GPU: kv_append_codes, or None (the caller runs quantize_kv) on CPU,
     with RQ_APPEND=ops, for shapes the kernel does not cover, or for keys at their own width with
     RQ_SPLIT_KERNELS=0."""
-    if append_mode() == "ops" or not available() or levels.ndim != 1 or (key_levels is not None and key_levels.ndim != 1):
+    if append_mode() == "ops" or not available():
+        return None
+    if levels.ndim != 1 or (key_levels is not None and key_levels.ndim != 1):
         return None  # pair codebooks ([n, 2] levels): no kernel yet
     if key_bits is not None and key_bits != bits and not SPLIT_KERNELS:
         return None

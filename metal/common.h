@@ -16,15 +16,6 @@ INLINE uint pair_off(uint lo, uint hi, int p, int fw) {
   return funnel_r(lo, hi, (uint)(p - 7)) & m;
 }
 
-// pair_off with the right shifts as multiply-high (shr_hi): the same offsets, from another pipe
-INLINE uint pair_off_hi(uint lo, uint hi, int p, int fw) {
-  const uint m = ((1u << fw) - 1u) << 7;
-  if (p < 7) return (lo << (7 - p)) & m;
-  if (p == 7) return lo & m;
-  if (p + fw <= 32) return shr_hi(lo, p - 7) & m;
-  return funnel_r(lo, hi, (uint)(p - 7)) & m;
-}
-
 // Word k of the mask of the even b-bit fields (fields 0, 2, 4, ...) of a run of b-bit codes.
 INLINE uint even_fields(int k, int b) {
   uint m = 0u;

@@ -33,8 +33,6 @@ INLINE float simd_max_f(float x) {
 INLINE float shfl_xor_f(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
 // bits [sh, sh + 32) of the 64-bit value hi:lo (sh < 32)
 INLINE uint funnel_r(uint lo, uint hi, uint sh) { return __funnelshift_r(lo, hi, sh); }
-// x >> k (0 < k < 32) as the high word of a multiply: the FMA-heavy pipe instead of the ALU's shifter
-INLINE uint shr_hi(uint x, int k) { return __umulhi(x, 1u << (32 - k)); }
 INLINE uint4 load_u4(DEV const uint* p) { return *reinterpret_cast<const uint4*>(p); }
 INLINE uint4 zero_u4() { return make_uint4(0u, 0u, 0u, 0u); }
 INLINE float4 load_f4(TG const float* p) { return *reinterpret_cast<const float4*>(p); }

@@ -18,7 +18,6 @@ INLINE float simd_max_f(float x) { return simd_max(x); }
 INLINE float shfl_xor_f(float x, int m) { return simd_shuffle_xor(x, ushort(m)); }
 // bits [sh, sh + 32) of the 64-bit value hi:lo (sh < 32)
 INLINE uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : ((lo >> sh) | (hi << (32u - sh))); }
-INLINE uint shr_hi(uint x, int k) { return mulhi(x, 1u << (32 - k)); }
 INLINE uint4 load_u4(DEV const uint* p) { return *((DEV const uint4*)p); }
 INLINE uint4 zero_u4() { return uint4(0u); }
 INLINE float4 load_f4(TG const float* p) { return *((TG const float4*)p); }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 13, call 11 (after `bash .device/bin/gpu-stage-a`; carry .device/b, .device/bin): RQ_V5_MULHI (the pair
+# Session 13, call 11 (run; RQ_V5_MULHI measured no faster and taken out of the source since) (after `bash .device/bin/gpu-stage-a`; carry .device/b, .device/bin): RQ_V5_MULHI (the pair
 # fields' right shifts as multiply-high: 35 SHF of the loop's ALU ops move to the FMA-heavy pipe as IMAD.HI; nvcc here
 # 446 -> 447 instructions) against the default: correctness (quick v5 set with MULHI), ncu kernel alone with the pipes'
 # utilization at 4K / 32K / 128K for 256 and 384 threads, CUPTI busy a layer at 128K and 32K.

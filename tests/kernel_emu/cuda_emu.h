@@ -52,7 +52,6 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
   return (unsigned)((((uint64_t)hi << 32) | lo) >> (sh & 31u));
 }
-inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 inline float __int_as_float(int i) {
   float f;
   std::memcpy(&f, &i, 4);

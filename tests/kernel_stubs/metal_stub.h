@@ -32,7 +32,6 @@ inline void threadgroup_barrier(mem_flags) {}
 inline float simd_sum(float x) { return x; }
 inline float simd_max(float x) { return x; }
 inline float simd_shuffle_xor(float x, ushort) { return x; }
-inline uint mulhi(uint a, uint b) { return (uint)(((unsigned long long)a * b) >> 32); }
 inline void simdgroup_barrier(mem_flags) {}  // attn_v5
 inline bool simd_any(bool b) { return b; }
 typedef unsigned long ulong;

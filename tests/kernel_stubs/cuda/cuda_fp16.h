@@ -19,7 +19,6 @@ float __half2float(__half);
 __half __float2half_rn(float);
 __half2 __floats2half2_rn(float, float);
 unsigned __funnelshift_r(unsigned, unsigned, unsigned);
-unsigned __umulhi(unsigned, unsigned);
 float __shfl_xor_sync(unsigned, float, int);
 void __syncthreads();
 void __syncwarp();  // attn_v5

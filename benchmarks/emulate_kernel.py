@@ -355,7 +355,7 @@ def run_v3(rng, *, G, d, T, bits=3, rot=3, B=1, Hkv=2, seed=0):
 
 def run_kv_append(keys, values, mats: np.ndarray, consts: np.ndarray, *, shape: tuple[int, int, int, int], bits: int,
                   rot: int, nc: bool = False, tk: str = "f32", views: dict | None = None, seed: int = 0,
-                  key_bits: int | None = None) -> dict:
+                  key_bits: int | None = None, pair_points: tuple[int, int] | None = None) -> dict:
     """Execute the CUDA rendering of metal/kv_append.body: quantize + pack keys and values [B, H, T, D].
 
     keys/values: numpy arrays in the input dtype (f32 or f16; bf16 as (uint16 array, "bf16")), or flat
@@ -363,9 +363,12 @@ def run_kv_append(keys, values, mats: np.ndarray, consts: np.ndarray, *, shape: 
     kernels._append_consts builds it. Returns k_codes, k_norms, v_codes, v_norms (outputs start poisoned).
     """
     B, H, T, D = shape
-    W = (D * bits + 31) // 32
-    KW = (D * (key_bits or bits) + 31) // 32
-    template = [("TK", tk), ("D", D), ("BITS", bits), ("KBITS", key_bits or bits), ("ROT", rot), ("NC", int(nc))]
+    nf = D // 2 if pair_points else D  # pair codebooks: bits / key_bits are the fields' widths
+    W = (nf * bits + 31) // 32
+    KW = (nf * (key_bits or bits) + 31) // 32
+    pk, pv = pair_points or (0, 0)
+    template = [("TK", tk), ("D", D), ("BITS", bits), ("KBITS", key_bits or bits), ("ROT", rot), ("NC", int(nc)),
+                ("PK", pk), ("PV", pv)]
     return emulate("kv_append", template,
                    dict(keys=keys, values=values, mats=mats.astype(np.float32), consts=consts.astype(np.float32)),
                    dict(k_codes=((B, H, T, KW), "u32"), k_norms=((B, H, T), "f16"), v_codes=((B, H, T, W), "u32"),

@@ -1100,8 +1100,11 @@ def _append_consts(levels: mx.array, d: int, key_levels: mx.array | None = None)
     if hit is None or hit[0] is not levels or hit[1] is not key_levels:
         parts = []
         for lvs in (levels,) if key_levels is None else (levels, key_levels):
-            lv = lvs.astype(mx.float32).reshape(-1)
-            parts += [lv, (lv[1:] + lv[:-1]) / 2]
+            lv = lvs.astype(mx.float32)
+            if lv.ndim == 2:  # pair codebook: the points, then |p|^2 as quantize_kv's nearest_pair computes it
+                parts += [lv.reshape(-1), (lv**2).sum(-1)]
+            else:
+                parts += [lv, (lv[1:] + lv[:-1]) / 2]
             if len(parts) == 2:
                 parts.append(mx.array([1.0 / math.sqrt(d), math.sqrt(d)], dtype=mx.float32))
         arr = mx.concatenate(parts)
@@ -1123,14 +1126,19 @@ def kv_append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array
     (WHT, SO(4) blocks, dense). key_bits / key_levels: keys at their own width and codebook (k_codes rows of
     ceil(D * key_bits / 32) words). Raises KernelUnsupported for shapes it does not cover.
     """
-    split = key_bits is not None and key_levels is not None and key_bits != bits
+    pair = levels.ndim == 2  # pair codebooks (kv.pair_points): points [n, 2], `bits` = log2 n a field
+    split = key_bits is not None and key_levels is not None and (key_bits != bits or pair)
     kb = key_bits if split else bits
     if keys.ndim != 4 or values.shape != keys.shape:
         raise KernelUnsupported(f"keys {tuple(keys.shape)} / values {tuple(values.shape)}")
     B, H, T, D = keys.shape
     if D not in APPEND_DIMS:
         raise KernelUnsupported(f"kv_append: head_dim {D}")
-    if not 1 <= bits <= 4 or levels.size != 1 << bits or not 1 <= kb <= 4 or (split and key_levels.size != 1 << kb):
+    if pair:
+        if not split or key_levels.ndim != 2 or levels.shape != (1 << bits, 2) or key_levels.shape != (1 << kb, 2):
+            raise KernelUnsupported(f"kv_append: pair codebooks {tuple(levels.shape)} / keys' "
+                                    f"{None if key_levels is None else tuple(key_levels.shape)}")
+    elif not 1 <= bits <= 4 or levels.size != 1 << bits or not 1 <= kb <= 4 or (split and key_levels.size != 1 << kb):
         raise KernelUnsupported(f"kv_append: {bits}-bit codes with {levels.size} levels ({kb}-bit keys)")
     if rotation.d != D or rotation.n_heads != H:
         raise KernelUnsupported(f"kv_append: rotation for d={rotation.d}, {rotation.n_heads} heads")
@@ -1143,12 +1151,14 @@ def kv_append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array
     if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.bfloat16, mx.float32):
         keys, values = keys.astype(mx.float32), values.astype(mx.float32)
     rot, mats = rotation_args(rotation)
-    W = (D * bits + 31) // 32
-    KW = (D * kb + 31) // 32
+    nf = D // 2 if pair else D  # fields a row
+    W = (nf * bits + 31) // 32
+    KW = (nf * kb + 31) // 32
     k = _kernel("kv_append", be)
     return tuple(_launch(k, inputs=[keys, values, _mats(mats), _append_consts(levels, D, key_levels if split else None)],
                    template=[("TK", keys.dtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("ROT", rot),
-                             ("NC", int(norm_correction))],
+                             ("NC", int(norm_correction)), ("PK", 1 << kb if pair else 0),
+                             ("PV", 1 << bits if pair else 0)],
                    grid=(rows * D, 2, 1), threadgroup=(D, 1, 1),
                    output_shapes=[(B, H, T, KW), (B, H, T), (B, H, T, W), (B, H, T)],
                    output_dtypes=[mx.uint32, mx.float16, mx.uint32, mx.float16],
@@ -1163,8 +1173,6 @@ def append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, b
     RQ_SPLIT_KERNELS=0."""
     if append_mode() == "ops" or not available():
         return None
-    if levels.ndim != 1 or (key_levels is not None and key_levels.ndim != 1):
-        return None  # pair codebooks ([n, 2] levels): no kernel yet
     if key_bits is not None and key_bits != bits and not SPLIT_KERNELS:
         return None
     try:

@@ -48,7 +48,7 @@ CASES = {
     "attn_v5w": [("TQ", "bf16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
                  ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1), ("VDEC", 2), ("STAGE", 2), ("MERGE", 1),
                  ("WCAUSAL", 1)],
-    "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("ROT", 3), ("NC", 0)],  # more in test_kv_append_kernel
+    "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("ROT", 3), ("NC", 0), ("PK", 0), ("PV", 0)],  # more in test_kv_append_kernel
 }
 # more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
 EXTRA_CASES = {

@@ -28,8 +28,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.startswith("linux"),
                                reason="the CPU executor needs g++ and ucontext (Linux)")
 
-TEMPLATES = [  # (TK, D, BITS, ROT, NC): wht_so4, dense with norm correction, WHT only, SO(4) only at 1 bit, rwht_so4
-    ("f16", 128, 3, 3, 0), ("bf16", 256, 4, 4, 1), ("f32", 64, 2, 1, 0), ("f16", 32, 1, 2, 1), ("f16", 128, 3, 11, 0)]
+TEMPLATES = [  # (TK, D, BITS, ROT, NC, PV): wht_so4, dense with norm correction, WHT only, SO(4) only at 1 bit,
+    # rwht_so4, pair codebooks (values' fields of BITS bits, keys' of BITS + 2)
+    ("f16", 128, 3, 3, 0, 0), ("bf16", 256, 4, 4, 1, 0), ("f32", 64, 2, 1, 0, 0), ("f16", 32, 1, 2, 1, 0),
+    ("f16", 128, 3, 11, 0, 0), ("f16", 128, 5, 3, 1, 32)]
 
 
 @pytest.mark.parametrize("be", ["metal", "cuda"])
@@ -45,16 +47,19 @@ def test_renderings_compile(be, tmp_path):
                   "#define inf cuda::std::numeric_limits<float>::infinity()\n")
         inc = STUBS / "cuda"
     procs = []
-    for tk, D, bits, rot, nc in TEMPLATES:
-        f = tmp_path / f"kv_append_{be}_{tk}_{D}_{rot}.cpp"
-        f.write_text(prefix + K.full_source("kv_append", be, [("TK", tk), ("D", D), ("BITS", bits), ("KBITS", bits), ("ROT", rot),
-                                                             ("NC", nc)], {"keys": tk, "values": tk}))
+    for tk, D, bits, rot, nc, pv in TEMPLATES:
+        f = tmp_path / f"kv_append_{be}_{tk}_{D}_{rot}_{pv}.cpp"
+        kb = bits + 2 if pv else bits
+        f.write_text(prefix + K.full_source("kv_append", be, [("TK", tk), ("D", D), ("BITS", bits), ("KBITS", kb), ("ROT", rot),
+                                                             ("NC", nc), ("PK", 1 << kb if pv else 0), ("PV", pv)],
+                                            {"keys": tk, "values": tk}))
         cmd = [cc, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas", f"-I{inc}",
                f"-I{STUBS / 'cuda'}", str(f)]
         procs.append((f.name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
     errors = [f"{n}:\n{p.communicate(timeout=120)[0][:3000]}" for n, p in procs if p.wait(timeout=120) != 0]
     assert not errors, "\n".join(errors)
-    src = K.full_source("kv_append", be, [("TK", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 3), ("ROT", 3), ("NC", 0)])
+    src = K.full_source("kv_append", be, [("TK", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 3), ("ROT", 3), ("NC", 0),
+                                          ("PK", 0), ("PV", 0)])
     assert "keys_strides" in src and "values_strides" in src and "keys_shape" in src  # views: no copy op
 
 
@@ -106,6 +111,29 @@ def test_a_broken_kernel_is_caught(old, new, tmp_path, monkeypatch):
         assert not AC.summarize(AC.check_case(np.random.default_rng(1), case, "emu"))["ok"]
     finally:
         K._read.cache_clear()
+
+
+@needs_emu
+@pytest.mark.parametrize("nc", [False, True])
+def test_pair_codebooks_match_quantize_kv(nc):
+    """Pair codebooks (kv.pair_points (128, 32)): the kernel's 7- and 5-bit fields equal quantize_kv's nearest points
+    (a near-tie may differ: counted, none on random rows), norms equal, with norm correction too; f16 rows, wht_so4."""
+    import emulate_kernel as EK
+
+    c = IsoQuantCache(head_dim=128, n_kv_heads=2, layer=1, pair_points=(128, 32), norm_correction=nc)
+    rng = np.random.default_rng(5)
+    B, H, T, D = 1, 2, 5, 128
+    k = rng.standard_normal((B, H, T, D)).astype(np.float16)
+    v = (3 * rng.standard_normal((B, H, T, D))).astype(np.float16)
+    rot, mats = K.rotation_args(c.rotation)
+    consts = np.array(K._append_consts(c.levels, D, c.k_levels))
+    assert consts.size == 3 * 32 + 2 + 3 * 128
+    out = EK.run_kv_append(k, v, np.zeros(1, np.float32) if mats is None else np.array(mats), consts,
+                           shape=(B, H, T, D), bits=5, rot=rot, nc=nc, tk="f16", key_bits=7, pair_points=(128, 32))
+    ref = c.compress_kv(mx.array(k), mx.array(v))  # quantize_kv on the CPU
+    for name, r in zip(("k_codes", "k_norms", "v_codes", "v_norms"), ref):
+        assert out[name].shape == tuple(r.shape), name
+        np.testing.assert_array_equal(out[name].view(np.uint32) if "codes" in name else out[name], np.array(r), name)
 
 
 def _cache(**kw):
@@ -213,6 +241,40 @@ def test_gpu_wrapper_through_the_executor(monkeypatch):
     monkeypatch.setenv("RQ_APPEND", "ops")
     ref._spill(0)
     assert len(fake.calls) == 2 and fake.calls[-1]["init_value"] is None
+    for a, b in ((c.k_codes, ref.k_codes), (c.k_norms, ref.k_norms), (c.v_codes, ref.v_codes),
+                 (c.v_norms, ref.v_norms)):
+        assert mx.array_equal(a[:, :, :3], b[:, :, :3])
+
+
+@needs_emu
+def test_pair_cache_spills_through_the_wrapper(monkeypatch):
+    """A pair-codebook cache (128, 32) on a 'GPU' (the CPU executor standing in for mx.fast.cuda_kernel): its spill
+    goes through kernels.kv_append_codes (template PK / PV, rows of 14 and 10 words) and stores what the ops path
+    stores."""
+    import emulate_kernel as EK
+
+    fake = EK.MLXStandIn("kv_append")
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "_kernel", lambda name, be: fake)
+    monkeypatch.setattr(K, "available", lambda: True)
+    monkeypatch.delenv("RQ_APPEND", raising=False)
+
+    def cache():
+        c = IsoQuantCache(head_dim=128, n_kv_heads=2, layer=1, pair_points=(128, 32))
+        c.prefilling = False
+        return c
+
+    c, ref = cache(), cache()
+    k = mx.random.normal((1, 2, 3, 128), key=mx.random.key(4)).astype(mx.float16)
+    for x in (c, ref):
+        x._append_fp16(k, k * 2)
+    c._spill(0)
+    monkeypatch.setenv("RQ_APPEND", "ops")
+    ref._spill(0)
+    assert len(fake.calls) == 1
+    t = dict(fake.calls[0]["template"])
+    assert (t["PK"], t["PV"], t["BITS"], t["KBITS"]) == (128, 32, 5, 7)
+    assert c.k_codes.shape[-1] == 14 and c.v_codes.shape[-1] == 10
     for a, b in ((c.k_codes, ref.k_codes), (c.k_norms, ref.k_norms), (c.v_codes, ref.v_codes),
                  (c.v_norms, ref.v_norms)):
         assert mx.array_equal(a[:, :, :3], b[:, :, :3])

@@ -99,23 +99,25 @@ def test_pair_points_settings():
     assert not mx.array_equal(c.k_levels, c.levels)  # keys' and values' own seeds
 
 
-def test_pair_codebooks_take_the_reference_path_on_a_gpu(monkeypatch):
-    """The GPU kernels do not take pair codebooks yet: with a GPU backend, append and attention decline (None, the
-    cache's reference path) before any kernel is built."""
+def test_pair_codebooks_on_a_gpu_append_by_kernel_and_attend_by_reference(monkeypatch):
+    """With a GPU backend, a pair-codebook cache appends with kv_append (its pair path) and attention declines to the
+    reference path (attn_v5 does not take pair codebooks yet) before any attention kernel is built."""
     from rq_core import kernels as K
 
     def no_kernel(*a, **k):
-        raise AssertionError("a kernel was called with pair codebooks")
+        raise AssertionError("an attention kernel was called with pair codebooks")
 
+    seen = []
     monkeypatch.setattr(K, "available", lambda: True)
     monkeypatch.setattr(K, "append_mode", lambda: "kernel")
-    monkeypatch.setattr(K, "kv_append_codes", no_kernel)
+    monkeypatch.setattr(K, "kv_append_codes", lambda *a, **k: seen.append(k) or None)
     monkeypatch.setattr(K, "attention_v5", no_kernel)
     monkeypatch.setattr(K, "attention_v4", no_kernel)
     c = IsoQuantCache(head_dim=D, n_kv_heads=HKV, pair_points=(128, 32))
     k, v = _rand((B, HKV, 3, D), 1), _rand((B, HKV, 3, D), 2)
-    assert K.append_codes(k, v, c.rotation, c.levels, c.bits, key_bits=c.key_bits, key_levels=c.k_levels) is None
-    kc, kn, vc, vn = c.compress_kv(k, v)
+    K.append_codes(k, v, c.rotation, c.levels, c.bits, key_bits=c.key_bits, key_levels=c.k_levels)
+    assert seen and seen[0]["key_bits"] == 7 and seen[0]["key_levels"] is c.k_levels
+    kc, kn, vc, vn = quantize_kv(k, c.rotation, c.k_levels, 7) + quantize_kv(v, c.rotation, c.levels, 5)
     assert K.fused_attend(_rand((B, HQ, 1, D), 3), c.rotation, kc, kn, vc, vn, c.levels, bits=c.bits, scale=SCALE,
                           offset=3, causal=False, valid_len=3, key_bits=c.key_bits, key_levels=c.k_levels) is None
 

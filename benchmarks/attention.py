@@ -209,6 +209,25 @@ def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=Non
                           want_lse=False)[0]
 
 
+def pair_inputs(L) -> None:
+    """Pair codebooks (kv.pair_points (128, 32)) for iso_v5_pair: random 7-bit key fields (14 words a row) and 5-bit
+    value fields (10 words), IsoQuant-3's bytes; random points. Built and evaluated once, before any timing."""
+    if "kcp" in L:
+        return
+    T = L["kc"][0].shape[2]
+    L["kcp"] = [mx.random.randint(-2**31, 2**31 - 1, (1, HKV, T, D * 7 // 64)).astype(mx.uint32) for _ in L["kc"]]
+    L["vcp"] = [mx.random.randint(-2**31, 2**31 - 1, (1, HKV, T, D * 5 // 64)).astype(mx.uint32) for _ in L["kc"]]
+    L["pk"], L["pv"] = mx.random.normal((128, 2)), mx.random.normal((32, 2))
+    mx.eval(L["kcp"], L["vcp"], L["pk"], L["pv"])
+
+
+def iso_v5_pair(L, i):
+    """v5 with pair codebooks (kv.pair_points (128, 32)); pair_inputs(L) first."""
+    T = L["kcp"][i].shape[2]
+    return K.attention_v5(L["q"][i], L["mats"][i], L["kcp"][i], L["kn"][i], L["vcp"][i], L["vn"][i], L["pv"], bits=5,
+                          key_bits=7, key_levels=L["pk"], scale=SCALE, valid_len=T, want_lse=False)[0]
+
+
 def iso_v5_unminified(L, i):
     """v5 (defaults) compiled from the source as written (RQ_KERNEL_MINIFY=0): MLX hashes the whole source
     at every launch, so this row against v5's shows what the minified source saves a layer."""

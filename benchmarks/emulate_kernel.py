@@ -232,7 +232,10 @@ def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str, key_bits: int 
         q64 = (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     else:
         qin, q64 = q.astype(np.float32), q.astype(np.float64)
-    kc, vc = KC.pack64(c["kidx"], key_bits or bits), KC.pack64(c["vidx"], bits)
+    if "kpidx" in c:  # pair codebooks: the fields are the pair indices
+        kc, vc = KC.pack64(c["kpidx"], key_bits), KC.pack64(c["vpidx"], bits)
+    else:
+        kc, vc = KC.pack64(c["kidx"], key_bits or bits), KC.pack64(c["vidx"], bits)
     consts = np.concatenate([c["levels"].astype(np.float32), np.array([scale], np.float32)]
                             + ([c["klevels"].astype(np.float32)] if key_bits else []))
     kn = c["knorm"]
@@ -257,11 +260,12 @@ def split_scratch(kernel: str, outs: dict, groups: int, R: int) -> None:
 
 def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0,
            kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=None,
-           key_bits=None):
+           key_bits=None, pair_points=None):
     """kernel="attn_v5" (run_v5) runs the v5 body with the same inputs and checks; nth: its threads per block.
-    offsets / layout: emulate's (inputs placed off their buffers' aligned start; threadgroup layout)."""
+    offsets / layout: emulate's (inputs placed off their buffers' aligned start; threadgroup layout).
+    pair_points (PK, PV): pair codebooks (bits / key_bits their fields' widths, log2 PV / log2 PK)."""
     c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8),
-                     key_bits=key_bits)
+                     key_bits=key_bits, pair_points=pair_points)
     scale = 1.0 / math.sqrt(d)
     qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype, key_bits)
     R = G * L
@@ -278,7 +282,9 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
     if kernel == "attn_v5":  # v5 takes T from tlen: its buffers go in whole (capacity past T), as the cache's do
         views.pop("k_norms")
     tq = qdtype
-    template = [("TQ", tq), ("D", d), ("BITS", bits)] + ([("KBITS", key_bits or bits)] if kernel == "attn_v5" else []) + [
+    pk, pv = pair_points or (0, 0)
+    template = [("TQ", tq), ("D", d), ("BITS", bits)] + ([("KBITS", key_bits or bits), ("PK", pk), ("PV", pv)]
+                                                        if kernel == "attn_v5" else []) + [
                 ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
                 ("ROT", rot), ("NTH", nth)] + ([("TILE", K.MMA_TILE)] if kernel == "attn_v4" else [("SACC", sacc), ("PF", pf), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)])
     outs = emulate(kernel, template,

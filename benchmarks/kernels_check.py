@@ -246,9 +246,13 @@ def half_levels(levels: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 
 
-def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False, signs=False, key_bits=None):
+def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False, signs=False, key_bits=None, pair_points=None):
     """Random inputs of one attention case; signs (rot bit 8, rwht_so4): mats [Hkv, 5d], each head's SO(4)
-    blocks then its random ±1 signs, as kernels.rotation_args lays them out."""
+    blocks then its random ±1 signs, as kernels.rotation_args lays them out. pair_points (PK, PV): pair codebooks,
+    random points and pair indices (kpidx, vpidx); levels / klevels are then the points flattened and kidx / vidx
+    the per-coordinate indices into them (2 p + 0 / 1), so the reference math is unchanged."""
+    if pair_points:  # rows of 14 / 10 words: an even capacity keeps each head's rows 16-byte aligned
+        slack += (T + slack) % 2
     Tcap = T + slack
     nl = 1 << bits
     levels = np.sort(rng.standard_normal(nl) * 1.2).astype(np.float32)
@@ -265,18 +269,29 @@ def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False, signs=Fals
     if signs:
         sg = np.where(rng.random((Hkv, d)) < 0.5, -1.0, 1.0)
         mats = np.concatenate([mats.reshape(Hkv, -1), sg], axis=1)
-    return dict(q=q, mats=mats, levels=levels, klevels=klevels, kidx=kidx, vidx=vidx, knorm=knorm, vnorm=vnorm,
-                Tcap=Tcap)
+    c = dict(q=q, mats=mats, levels=levels, klevels=klevels, kidx=kidx, vidx=vidx, knorm=knorm, vnorm=vnorm,
+             Tcap=Tcap)
+    if pair_points:
+        pk, pv = pair_points
+        c["kpoints"] = (rng.standard_normal((pk, 2)) * 1.2).astype(np.float32)
+        c["vpoints"] = (rng.standard_normal((pv, 2)) * 1.2).astype(np.float32)
+        c["kpidx"] = rng.integers(0, pk, (B, Hkv, Tcap, d // 2))
+        c["vpidx"] = rng.integers(0, pv, (B, Hkv, Tcap, d // 2))
+        c["levels"], c["klevels"] = c["vpoints"].reshape(-1), c["kpoints"].reshape(-1)
+        c["kidx"] = (2 * c["kpidx"][..., None] + np.arange(2)).reshape(B, Hkv, Tcap, d)
+        c["vidx"] = (2 * c["vpidx"][..., None] + np.arange(2)).reshape(B, Hkv, Tcap, d)
+    return c
 
 
 def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=False, qdtype="f32", variant=None,
              v5cfg=None, key_bits=None):
     q, mats = c["q"], c["mats"]
     args = dict(bits=bits, scale=1.0 / math.sqrt(q.shape[-1]), valid_len=T, offset=offset, causal=causal, rot=rot)
-    kc = mx.array(pack64(c["kidx"], key_bits or bits))
-    vc = mx.array(pack64(c["vidx"], bits))
+    pair = "kpidx" in c  # pair codebooks: the fields are the pair indices, the tables the points [n, 2]
+    kc = mx.array(pack64(c["kpidx"] if pair else c["kidx"], key_bits or bits))
+    vc = mx.array(pack64(c["vpidx"] if pair else c["vidx"], bits))
     kn, vn = mx.array(c["knorm"]), mx.array(c["vnorm"])
-    lv = mx.array(c["levels"])
+    lv = mx.array(c["vpoints"] if pair else c["levels"])
     m = mx.array(mats.astype(np.float32)) if rot & 6 else None
     qq = mx.array(q)
     if qdtype in ("f16", "bf16"):
@@ -288,7 +303,7 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=Fals
         out = out.astype(mx.float32)
     elif path == "v5":  # v4's contract; v5cfg = (threads per block, launch bound) or None for the defaults
         nth, minb, pf, vdec, stage = (tuple(v5cfg) + (None,) * 5)[:5] if v5cfg else (None,) * 5
-        split = dict(key_bits=key_bits, key_levels=mx.array(c["klevels"])) if key_bits else {}
+        split = dict(key_bits=key_bits, key_levels=mx.array(c["kpoints"] if pair else c["klevels"])) if key_bits else {}
         out, lse = K.attention_v5(qq, m, kc, kn, vc, vn, lv, nth=nth, minb=minb, pf=pf, vdec=vdec, stage=stage,
                                   **split, **args)
         mx.eval(out, lse)
@@ -361,6 +376,11 @@ def main() -> int:
             # keys at their own width (kv.key_bits): 4-bit keys with 3- and 2-bit values
             out += [dict(base, T=T, key_bits=4) for T in (1, 513, 4096, 32768)]
             out += [dict(base, T=1500, bits=2, key_bits=4), dict(base, G=4, T=700, L=2, causal=True, key_bits=4)]
+            # pair codebooks (kv.pair_points (128, 32)): 7-bit key fields, 5-bit value fields
+            pp = dict(base, bits=5, key_bits=7, pair=(128, 32))
+            out += [dict(pp, T=T) for T in (1, 7, 513, 4096, 32768, 131072)]
+            out += [dict(pp, T=4099, qdtype="f16"), dict(pp, G=4, T=700, L=2, causal=True), dict(pp, d=64, T=2000),
+                    dict(pp, T=3000, rot=11)]
         return out + [dict(base, T=40000, repeat=3)]
 
     cases += one_launch("v5")
@@ -417,10 +437,11 @@ def main() -> int:
         cases = [cs for cs in cases if cs["path"] != "v5" or cs.get("v5cfg") or (
             (cs["G"], cs["d"], cs["bits"], cs["rot"]) == (8, 128, 3, 3) and cs["T"] in (1, 7, 513, 4096, 32768, 131072)
             and cs.get("qdtype", "f32") == "f32" and not cs["causal"] and "repeat" not in cs)
-            or (cs["G"] == 1) or cs.get("qdtype") == "bf16" or cs["causal"]]
+            or (cs["G"] == 1) or cs.get("qdtype") == "bf16" or cs["causal"] or cs.get("pair")]
     for cs in cases:
         c = make_case(rng, B=1, Hkv=2, G=cs["G"], L=cs["L"], d=cs["d"], T=cs["T"], bits=cs["bits"],
-                      dense=bool(cs["rot"] & 4), signs=bool(cs["rot"] & 8), key_bits=cs.get("key_bits"))
+                      dense=bool(cs["rot"] & 4), signs=bool(cs["rot"] & 8), key_bits=cs.get("key_bits"),
+                      pair_points=cs.get("pair"))
         offset = cs["T"] - cs["L"]
         t0 = time.time()
         try:
@@ -450,7 +471,8 @@ def main() -> int:
         name = f"{cs['path']}{'/' + cs['strategy'] if cs['strategy'] else ''}"
         name += f"/{cs['qdtype']}q" if cs.get("qdtype", "f32") != "f32" else ""
         name += "/" + ":".join(map(str, cs["v5cfg"])) if cs.get("v5cfg") else ""
-        name += f"/k{cs['key_bits']}" if cs.get("key_bits") else ""
+        name += (f"/p{cs['pair'][0]}x{cs['pair'][1]}" if cs.get("pair") else f"/k{cs['key_bits']}" if cs.get("key_bits")
+                 else "")
         print(f"{'ok  ' if ok else 'FAIL'} {name:9s} G={cs['G']} d={cs['d']:3d} T={cs['T']:6d} L={cs['L']} "
               f"bits={cs['bits']} rot={cs['rot']} causal={int(cs['causal'])}  rel.err {err:.2e}"
               f"{'' if err_h is None else f' (half levels {err_h:.1e})'}  nan {nan}  "

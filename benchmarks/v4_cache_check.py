@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from rq_core import kernels as K  # noqa: E402
-from rq_core.kv_cache import IsoQuantCache, TurboQuantCache, dequantize_kv  # noqa: E402
+from rq_core.kv_cache import IsoQuantCache, TurboQuantCache, dequantize_kv, quantize_kv  # noqa: E402
 
 HQ, HKV, D = 32, 4, 128
 
@@ -36,9 +36,10 @@ def reference(cache, q: np.ndarray, scale: float, half: bool = False) -> np.ndar
     half: with the codebook levels rounded to float16, as the GPU's matrix units use them."""
     n = cache.packed_len
     lv = cache.levels.astype(mx.float16).astype(mx.float32) if half else cache.levels
+    klv = cache.k_levels.astype(mx.float16).astype(mx.float32) if half else cache.k_levels  # keys' own (pair) codebook
     with mx.stream(mx.cpu):  # float32 dequantization on the CPU, then float64 math
-        k = np.array(dequantize_kv(cache.k_codes[:, :, :n], cache.k_norms[:, :, :n], cache.rotation, lv,
-                                   cache.bits, D), dtype=np.float64)
+        k = np.array(dequantize_kv(cache.k_codes[:, :, :n], cache.k_norms[:, :, :n], cache.rotation, klv,
+                                   cache.key_bits or cache.bits, D), dtype=np.float64)
         v = np.array(dequantize_kv(cache.v_codes[:, :, :n], cache.v_norms[:, :, :n], cache.rotation, lv,
                                    cache.bits, D), dtype=np.float64)
     if cache.fp16_len:  # the fp16 window after the packed tokens, exact
@@ -58,6 +59,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--window", type=int, default=0, help="the caches' fp16_window (v4 merges it in-kernel)")
     ap.add_argument("--rotation", default="wht_so4", help="the IsoQuant cache's rotation (e.g. rwht_so4)")
+    ap.add_argument("--pair-points", default="", help="K,V: pair codebooks (kv.pair_points), e.g. 128,32")
     ap.add_argument("--tol", type=float, default=3e-3, help="against the exact or the half-rounded levels "
                     "(the GPU's matrix units see the latter); fp16 queries and output")
     a = ap.parse_args()
@@ -74,10 +76,24 @@ def main() -> int:
         for version in [v for v in os.environ.get("RQ_CHECK_VERSIONS", "v3,v3r,v4,v5").split(",") if v]:
             os.environ["RQ_ATTN"] = version
             kw = {"rotation": a.rotation} if cls is IsoQuantCache else {}
+            if a.pair_points:
+                kw["pair_points"] = tuple(int(x) for x in a.pair_points.split(","))
             cache = cls(head_dim=D, n_kv_heads=HKV, layer=3, fp16_window=a.window, **kw)
             qp = mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16))
             mx.eval(cache.attend(qp, mx.array(kp), mx.array(vp), scale=scale, mask="causal"))  # prompt: fp16 SDPA
             cache.end_prefill()
+            # the stored codes (kv_append on a GPU) against quantize_kv on the CPU: equal but for near-ties
+            n = cache.packed_len
+            with mx.stream(mx.cpu):
+                ref_k = quantize_kv(mx.array(kp[:, :, :n]), cache.rotation, cache.k_levels, cache.key_bits or cache.bits)
+                ref_v = quantize_kv(mx.array(vp[:, :, :n]), cache.rotation, cache.levels, cache.bits)
+            diff = sum(int((np.array(c[:, :, :n]) != np.array(r)).sum())
+                       for c, r in ((cache.k_codes, ref_k[0]), (cache.v_codes, ref_v[0])))
+            words = int(np.array(ref_k[0]).size + np.array(ref_v[0]).size)
+            ok = diff <= max(2, words // 10000)
+            fails += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {label:9s} RQ_ATTN={version:3s} stored codes: {diff} of {words} words "
+                  f"differ from quantize_kv's", flush=True)
             for i, (q, k, v) in enumerate(steps):
                 out = cache.attend(mx.array(q), mx.array(k), mx.array(v), scale=scale, mask="causal")
                 mx.eval(out)

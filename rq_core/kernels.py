@@ -790,18 +790,19 @@ def v5_plan(T: int, n_groups: int, blocks: int | None = None) -> int:
 
 
 def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec: int = 1,
-             kbits: int | None = None) -> int:
+             kbits: int | None = None, pair: tuple[int, int] | None = None) -> int:
     """Threadgroup bytes of attn_v5 (the body's arena: the (m, l) arrays, pool, the keys' own table where kbits
     differs, the pair table, the ring; then two words). vdec 2 on CUDA pads the pair table to the next 8 KB boundary of the
     shared window (above the block's 1 KB reserved), as the body's LUTPAD does."""
     kbits = bits if kbits is None else kbits
     step = 16 if be == "cuda" else 8
     nwarp = nth // 32
-    np_ = 1 << (2 * bits)
+    np_ = pair[1] if pair else 1 << (2 * bits)
     luts = 32 if np_ * 32 * 4 <= 8192 else 1
     pool = 2 * R * D + R * V5_MAXNS
-    ring = nwarp * stage * step * (D * bits // 32 + D * kbits // 32) if stage > 0 else 4
-    klut = (1 << (2 * kbits)) if kbits != bits else 0
+    nf = D // 2 if pair else D
+    ring = nwarp * stage * step * (nf * bits // 32 + nf * kbits // 32) if stage > 0 else 4
+    klut = pair[0] if pair else (1 << (2 * kbits)) if kbits != bits else 0
     small = 2 * nwarp * MMA_N + 2 * MMA_N  # the warps' (m, l) and the rows' (m, l), first in the arena
     pad = 0
     if vdec == 2 and luts == 32 and be == "cuda":
@@ -810,28 +811,30 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
 
 
 def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None,
-          vdec: int = 1, kbits: int | None = None) -> bool:
-    """Shapes attn_v5 covers: those of the matrix-unit kernels (keys and values each), within the threadgroup
-    memory limit."""
+          vdec: int = 1, kbits: int | None = None, pair: tuple[int, int] | None = None) -> bool:
+    """Shapes attn_v5 covers: those of the matrix-unit kernels (keys and values each; pair codebooks: those of the
+    3-bit codes), within the threadgroup memory limit."""
     nth = v5_nth(0) if nth is None else nth
     stage = V5_STAGE if stage is None else stage
     kb = bits if kbits is None else kbits
-    return (mma_ok(D, bits, R) and mma_ok(D, kb, R) and nth % 64 == 0 and stage >= 0
-            and _v5_smem(D, bits, R, nth, be, stage, vdec, kb) <= SMEM_LIMIT[be])
+    shapes = mma_ok(D, 3, R) if pair else mma_ok(D, bits, R) and mma_ok(D, kb, R)
+    return (shapes and nth % 64 == 0 and stage >= 0
+            and _v5_smem(D, bits, R, nth, be, stage, vdec, kb, pair) <= SMEM_LIMIT[be])
 
 
 @functools.lru_cache(maxsize=256)
 def _v5_config(D: int, bits: int, R: int, be: str, nth: int, stage: int | None, pf: int | None, default_stage: int,
-               default_pf: int, vdec: int = 1, kbits: int | None = None) -> tuple[int, int, int, int]:
+               default_pf: int, vdec: int = 1, kbits: int | None = None,
+               pair: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
     """(threads, ring stages, load-ahead, decode) of attn_v5 for a shape class, checked once (a decode calls
     this for every layer of every step). Decode 2 falls back to 1 where its padded table does not fit."""
     if stage is None:  # the default ring where it fits, else rows through registers
-        stage = default_stage if v5_ok(D, bits, R, be, nth, default_stage, kbits=kbits) else 0
+        stage = default_stage if v5_ok(D, bits, R, be, nth, default_stage, kbits=kbits, pair=pair) else 0
     pf = 1 if stage > 0 else (default_pf if pf is None else pf)
-    if not v5_ok(D, bits, R, be, nth, stage, kbits=kbits):
+    if not v5_ok(D, bits, R, be, nth, stage, kbits=kbits, pair=pair):
         raise KernelUnsupported(f"v5: R={R}, head_dim {D}, {bits}-bit codes ({kbits}-bit keys), {nth} threads, "
                                 f"{stage} stages")
-    if vdec == 2 and not v5_ok(D, bits, R, be, nth, stage, 2, kbits):
+    if vdec == 2 and not v5_ok(D, bits, R, be, nth, stage, 2, kbits, pair):
         vdec = 1
     return nth, stage, pf, vdec
 
@@ -860,16 +863,35 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     B, Hq, L, D = q.shape
     Hkv = k_codes.shape[1]
     R = (Hq // Hkv) * L
-    _check(D, bits, R)
+    pair = None  # pair codebooks: (keys' points, values' points); bits / key_bits are their fields' widths
+    if levels.ndim == 2:
+        if key_levels is None or key_levels.ndim != 2 or levels.shape[0] != 1 << bits \
+                or key_bits is None or key_levels.shape[0] != 1 << key_bits:
+            raise KernelUnsupported("v5: pair codebooks need both tables, of 2^bits and 2^key_bits points")
+        pair = (key_levels.shape[0], levels.shape[0])
+        _check(D, 3, R)  # the shape checks of the 3-bit codes (head dim, rows)
+        if not 16 <= pair[1] <= 64 or not 16 <= pair[0] <= 256:
+            raise KernelUnsupported(f"v5: pair codebooks of {pair} points (values' table lane-replicated: <= 64)")
+        if k_codes.shape[3] * 64 != D * key_bits or v_codes.shape[3] * 64 != D * bits:
+            raise KernelUnsupported(f"v5: pair rows of {k_codes.shape[3]} / {v_codes.shape[3]} words")
+        if (k_codes.shape[2] * k_codes.shape[3]) % 4 or (v_codes.shape[2] * v_codes.shape[3]) % 4:
+            # rows of 14 / 10 words: a head's rows start 16-byte aligned (the copy ring's cp.async) only if the
+            # capacity makes them (the cache's is a multiple of 256 tokens)
+            raise KernelUnsupported(f"v5: pair codes of capacity {k_codes.shape[2]} leave heads unaligned")
+        vdec = 2  # the values' lane-replicated table by byte offsets
+    else:
+        _check(D, bits, R)
     kb = bits if key_bits is None or key_levels is None else key_bits
-    if kb != bits:
+    if kb != bits and pair is None:
         _check(D, kb, R)
         if k_codes.shape[3] * 32 != D * kb:
             raise KernelUnsupported(f"v5: key rows of {k_codes.shape[3]} words for {kb}-bit keys")
     be = backend() or "cuda"
     nth = v5_nth(valid_len) if nth is None else nth
     nth, stage, pf, vdec = _v5_config(D, bits, R, be, nth, stage, pf, V5_STAGE, V5_PF, V5_VDEC if vdec is None else vdec,
-                                      kb)
+                                      kb, pair)
+    if pair is not None and vdec != 2:
+        raise KernelUnsupported("v5: pair codebooks need the pair-table decode (its table did not fit)")
     extra, wt = [], []
     if window is not None:
         wk, wv = window
@@ -887,9 +909,10 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
         ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
     k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None, _minify_on(), trace)
     res = _launch(
-        k, inputs=[qd, _mats(mats), _consts(levels, scale, key_levels if kb != bits else None), k_codes, k_norms,
+        k, inputs=[qd, _mats(mats), _consts(levels, scale, key_levels if kb != bits or pair else None), k_codes, k_norms,
                 v_codes, v_norms, _counter(groups), _length_view(T)] + extra,
-        template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("R", R), ("LQ", L), ("HKV", Hkv),
+        template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("PK", pair[0] if pair else 0),
+                  ("PV", pair[1] if pair else 0), ("R", R), ("LQ", L), ("HKV", Hkv),
                   ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
                   ("VDEC", vdec), ("STAGE", stage), ("MERGE", V5_MERGE)] + wt,
         grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
@@ -958,12 +981,14 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
     version = attn_version()
     if version == "v3" or valid_len < 1 or not available() or (window is not None and version == "v3r"):
         return None
-    if levels.ndim != 1 or (key_levels is not None and key_levels.ndim != 1):
-        return None  # pair codebooks: the caller's reference path
+    pair = levels.ndim == 2  # pair codebooks (kv.pair_points): v5 only, else the caller's reference path
+    if pair and (version != "v5" or key_levels is None or key_levels.ndim != 2 or not SPLIT_KERNELS):
+        return None
     B, Hq, L, D = queries.shape
     Hkv = k_codes.shape[1]
-    split = key_bits is not None and key_bits != bits
-    if Hq % Hkv or k_codes.shape[3] * 32 != D * (key_bits if split else bits) or v_codes.shape[3] * 32 != D * bits:
+    split = key_bits is not None and (key_bits != bits or pair)
+    nf = D // 2 if pair else D
+    if Hq % Hkv or k_codes.shape[3] * 32 != nf * (key_bits if split else bits) or v_codes.shape[3] * 32 != nf * bits:
         return None
     if split and (version != "v5" or key_levels is None or not SPLIT_KERNELS):
         return None

@@ -45,7 +45,7 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
         ns = min(K.v5_plan(T, groups, blocks), K.V5_MAXNS - 1) + 1
         shape_t = [("SACC", 2), ("PF", 1 if stage else 2), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)]
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
-    template = ([("TQ", "f32"), ("D", d), ("BITS", bits)] + ([("KBITS", key_bits or bits)] if kernel == "attn_v5w" else [])
+    template = ([("TQ", "f32"), ("D", d), ("BITS", bits)] + ([("KBITS", key_bits or bits), ("PK", 0), ("PV", 0)] if kernel == "attn_v5w" else [])
                 + [("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
                  ("ROT", rot), ("NTH", nth)] + shape_t + [("WCAUSAL", int(causal and L > 1))])
     outs = EK.emulate(kernel, template,

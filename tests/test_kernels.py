@@ -41,11 +41,11 @@ CASES = {
     "value_word": [("D", 128), ("BITS", 2), ("R", 8), ("NSL", 32)],
     "attn_v4": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
                 ("ROT", 3), ("NTH", 128), ("TILE", 128)],
-    "attn_v5": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
+    "attn_v5": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 3), ("PK", 0), ("PV", 0), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
                 ("ROT", 3), ("NTH", 384), ("SACC", 2), ("PF", 2), ("VDEC", 1), ("STAGE", 0), ("MERGE", 0)],
     "attn_v4w": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
                  ("ROT", 3), ("NTH", 128), ("TILE", 128), ("WCAUSAL", 1)],
-    "attn_v5w": [("TQ", "bf16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
+    "attn_v5w": [("TQ", "bf16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("PK", 0), ("PV", 0), ("R", 8), ("LQ", 2), ("HKV", 4), ("CAUSAL", 0),
                  ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1), ("VDEC", 2), ("STAGE", 2), ("MERGE", 1),
                  ("WCAUSAL", 1)],
     "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("ROT", 3), ("NC", 0), ("PK", 0), ("PV", 0)],  # more in test_kv_append_kernel
@@ -59,12 +59,16 @@ EXTRA_CASES = {
     "rotate_query/rwht_so4": ("rotate_query", [("D", 128), ("R", 8), ("ROT", 11), ("INV", 0)]),
     "attn_v4/causal_f32": ("attn_v4", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
                                        ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("TILE", 128)]),
-    "attn_v5/dense_bf16": ("attn_v5", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("KBITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
+    "attn_v5/dense_bf16": ("attn_v5", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("KBITS", 3), ("PK", 0), ("PV", 0), ("R", 4), ("LQ", 1), ("HKV", 2),
                                        ("CAUSAL", 0), ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1),
                                        ("VDEC", 0), ("STAGE", 2), ("MERGE", 1)]),
-    "attn_v5/causal_f32": ("attn_v5", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("KBITS", 4), ("R", 8), ("LQ", 2), ("HKV", 2),
+    "attn_v5/causal_f32": ("attn_v5", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("KBITS", 4), ("PK", 0), ("PV", 0), ("R", 8), ("LQ", 2), ("HKV", 2),
                                        ("CAUSAL", 1), ("ROT", 0), ("NTH", 128), ("SACC", 2), ("PF", 2),
                                        ("VDEC", 1), ("STAGE", 0), ("MERGE", 0)]),
+    # pair codebooks (kv.pair_points (128, 32)): 7- and 5-bit fields, the values' lane-replicated table
+    "attn_v5/pair": ("attn_v5", [("TQ", "f16"), ("D", 128), ("BITS", 5), ("KBITS", 7), ("PK", 128), ("PV", 32), ("R", 8),
+                                 ("LQ", 1), ("HKV", 4), ("CAUSAL", 0), ("ROT", 3), ("NTH", 256), ("SACC", 1), ("PF", 1),
+                                 ("VDEC", 2), ("STAGE", 0), ("MERGE", 1)]),
 }
 # identifiers (and two phrases) that belong to one backend: the shared sources must not name them
 BACKEND_IDS = {"__syncthreads", "__shfl_xor_sync", "threadgroup_barrier", "simd_sum", "simd_max", "simd_shuffle_xor",
@@ -484,7 +488,13 @@ def test_v4_cuda_source_runs_on_cpu_executor(case):
                                   dict(G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12),
                                   # 512 threads (128 registers; the (m, l) arrays in the table's padding), f16 queries
                                   dict(G=8, d=128, T=3000, nth=512, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
-                                       qdtype="f16")])
+                                       qdtype="f16"),
+                                  # pair codebooks (128, 32): 7-bit key fields (lane chunks start mid-word), 5-bit
+                                  # values; the ring (T + 5 even: 16-byte aligned heads) and rows through registers
+                                  dict(G=8, d=128, T=1001, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
+                                       qdtype="f16", bits=5, key_bits=7, pair_points=(128, 32)),
+                                  dict(G=4, d=128, T=301, L=2, causal=True, nth=256, pf=2, stage=0, vdec=2, merge=1,
+                                       bits=5, key_bits=7, pair_points=(128, 32))])
 def test_v5_cuda_source_runs_on_cpu_executor(case):
     """attn_v5's CUDA rendering executed as host C++ (as the v4 test above): warps streaming their own steps,
     per-warp softmax state, the in-block merge, the last block's merge; counters left zeroed. The second

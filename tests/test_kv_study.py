@@ -99,27 +99,34 @@ def test_pair_points_settings():
     assert not mx.array_equal(c.k_levels, c.levels)  # keys' and values' own seeds
 
 
-def test_pair_codebooks_on_a_gpu_append_by_kernel_and_attend_by_reference(monkeypatch):
-    """With a GPU backend, a pair-codebook cache appends with kv_append (its pair path) and attention declines to the
-    reference path (attn_v5 does not take pair codebooks yet) before any attention kernel is built."""
+def test_pair_codebooks_on_a_gpu_dispatch(monkeypatch):
+    """With a GPU backend, a pair-codebook cache appends with kv_append (its pair path) and attends with attn_v5
+    (PK / PV); RQ_ATTN=v4 (one width, scalar codebooks only) declines to the reference path."""
     from rq_core import kernels as K
 
     def no_kernel(*a, **k):
-        raise AssertionError("an attention kernel was called with pair codebooks")
+        raise AssertionError("v4 was called with pair codebooks")
 
-    seen = []
+    appended, attended = [], []
     monkeypatch.setattr(K, "available", lambda: True)
     monkeypatch.setattr(K, "append_mode", lambda: "kernel")
-    monkeypatch.setattr(K, "kv_append_codes", lambda *a, **k: seen.append(k) or None)
-    monkeypatch.setattr(K, "attention_v5", no_kernel)
+    monkeypatch.setattr(K, "kv_append_codes", lambda *a, **k: appended.append(k) or None)
+    monkeypatch.setattr(K, "attention_v5", lambda *a, **k: attended.append((a, k)) or (a[0], None))
     monkeypatch.setattr(K, "attention_v4", no_kernel)
-    c = IsoQuantCache(head_dim=D, n_kv_heads=HKV, pair_points=(128, 32))
-    k, v = _rand((B, HKV, 3, D), 1), _rand((B, HKV, 3, D), 2)
+    d = 128  # a head dim the kernels cover (rows of whole words: 14 and 10)
+    c = IsoQuantCache(head_dim=d, n_kv_heads=HKV, pair_points=(128, 32))
+    k, v = _rand((B, HKV, 3, d), 1), _rand((B, HKV, 3, d), 2)
     K.append_codes(k, v, c.rotation, c.levels, c.bits, key_bits=c.key_bits, key_levels=c.k_levels)
-    assert seen and seen[0]["key_bits"] == 7 and seen[0]["key_levels"] is c.k_levels
+    assert appended and appended[0]["key_bits"] == 7 and appended[0]["key_levels"] is c.k_levels
     kc, kn, vc, vn = quantize_kv(k, c.rotation, c.k_levels, 7) + quantize_kv(v, c.rotation, c.levels, 5)
-    assert K.fused_attend(_rand((B, HQ, 1, D), 3), c.rotation, kc, kn, vc, vn, c.levels, bits=c.bits, scale=SCALE,
-                          offset=3, causal=False, valid_len=3, key_bits=c.key_bits, key_levels=c.k_levels) is None
+    args = dict(bits=c.bits, scale=SCALE, offset=3, causal=False, valid_len=3, key_bits=c.key_bits,
+                key_levels=c.k_levels)
+    q = _rand((B, HQ, 1, d), 3)
+    assert K.fused_attend(q, c.rotation, kc, kn, vc, vn, c.levels, **args) is not None
+    (a, kw), = attended
+    assert a[6] is c.levels and kw["key_levels"] is c.k_levels and kw["key_bits"] == 7 and kw["bits"] == 5
+    monkeypatch.setenv("RQ_ATTN", "v4")
+    assert K.fused_attend(q, c.rotation, kc, kn, vc, vn, c.levels, **args) is None
 
 
 def test_key_bits_setting():

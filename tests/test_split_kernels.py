@@ -22,11 +22,11 @@ needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.s
                                reason="needs g++ and ucontext (Linux)")
 
 
-def _run(n_prompt: int, steps: int, seed: int) -> tuple[IsoQuantCache, list[np.ndarray]]:
-    """A 4-bit-key / 3-bit-value cache: a prompt, then decode steps; the attention outputs of the steps."""
+def _run(n_prompt: int, steps: int, seed: int, **kw) -> tuple[IsoQuantCache, list[np.ndarray]]:
+    """A 4-bit-key / 3-bit-value cache (or `kw`'s): a prompt, then decode steps; the attention outputs of the steps."""
     rng = np.random.default_rng(seed)
     Hkv, G, d = 2, 4, 128
-    c = IsoQuantCache(head_dim=d, n_kv_heads=Hkv, layer=1, bits=3, key_bits=4, fp16_window=8)
+    c = IsoQuantCache(head_dim=d, n_kv_heads=Hkv, layer=1, bits=3, fp16_window=8, **(kw or {"key_bits": 4}))
     k = mx.array(rng.standard_normal((1, Hkv, n_prompt, d)).astype(np.float16))
     v = mx.array(rng.standard_normal((1, Hkv, n_prompt, d)).astype(np.float16))
     q = mx.array(rng.standard_normal((1, Hkv * G, n_prompt, d)).astype(np.float16))
@@ -104,3 +104,38 @@ def test_kv_append_split_widths_match_quantize_kv(variant, nc, monkeypatch):
     assert kc.shape[-1] == 16 and vc.shape[-1] == 12
     for a, b in ((kc, rk[0]), (kn, rk[1]), (vc, rv[0]), (vn, rv[1])):
         assert mx.array_equal(a, b)
+
+
+@needs_emu
+def test_pair_codebooks_through_the_kernels(monkeypatch):
+    """kv.pair_points (128, 32) on a 'GPU': kv_append's pair path and attn_v5w with PK / PV (7- and 5-bit fields,
+    the keys' own table, the values' lane-replicated one), against the CPU's quantize_kv and reference attention."""
+    import emulate_kernel as EK
+
+    ref_cache, ref = _run(60, 2, seed=6, pair_points=(128, 32))
+    stand: dict = {}
+
+    def kernel(name: str):
+        return stand.setdefault(name, EK.MLXStandIn(name))
+
+    monkeypatch.setenv("RQ_KERNEL_CACHE", "0")
+    monkeypatch.delenv("RQ_APPEND", raising=False)
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "available", lambda: True)
+    monkeypatch.setattr(K, "SPLIT_KERNELS", True)
+    monkeypatch.setattr(K, "_kernel", lambda name, be: kernel(name))
+    monkeypatch.setattr(K, "_kernel_v5", lambda be, nth, minb, window=False, minified=True, trace=False:
+                        kernel("attn_v5w" if window else "attn_v5"))
+    gpu_cache, got = _run(60, 2, seed=6, pair_points=(128, 32))
+
+    assert "kv_append" in stand and "attn_v5w" in stand
+    tmpl = dict(stand["attn_v5w"].calls[-1]["template"])
+    assert (tmpl["PK"], tmpl["PV"], tmpl["KBITS"], tmpl["BITS"], tmpl["VDEC"]) == (128, 32, 7, 5, 2)
+    assert gpu_cache.k_codes.shape[-1] == 14 and gpu_cache.v_codes.shape[-1] == 10
+    n = gpu_cache.packed_len
+    assert n == ref_cache.packed_len > 0
+    for a, b in ((gpu_cache.k_codes, ref_cache.k_codes), (gpu_cache.v_codes, ref_cache.v_codes)):
+        assert mx.array_equal(a[:, :, :n], b[:, :, :n])
+    for g, r in zip(got, ref):
+        assert np.isfinite(g).all()
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's points are fp16

@@ -9,7 +9,7 @@ layer (kernels, by name), the idle gaps between kernels (mean, the total before 
 the runtime calls' host time a layer.
 
     python3 benchmarks/diag/chain_timeline.py [--contexts 131072,32768] [--layers 64] [--methods fp16,v5,v5w]
-    (methods: fp16, qmm8, qmm4, turbo3, four, v5, v5w, "v5 as written")
+    (methods: fp16, qmm8, qmm4, turbo3, four, v5, v5w, "v5 as written", v5pair: pair codebooks (128, 32))
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ def main() -> int:
                  "qmm8": lambda i: A.qmm(L, i, 8), "qmm4": lambda i: A.qmm(L, i, 4),
                  "turbo3": lambda i: A.turbo3(L, i), "four": lambda i: A.iso_four(L, i),
                  "v5w": lambda i: A.iso_v4_window(L, i, version="v5"),
-                 "v5 as written": lambda i: A.iso_v5_unminified(L, i)}
+                 "v5 as written": lambda i: A.iso_v5_unminified(L, i), "v5pair": lambda i: A.iso_v5_pair(L, i)}
+        if "v5pair" in a.methods.split(","):
+            A.pair_inputs(L)
         res = {}
         for m in a.methods.split(","):
             try:

@@ -36,11 +36,13 @@ using Strides = cuda::std::array<int64_t, 8>;
 """
 
 
-def source(nth: int, minb: int, qdtype: str, stage: int, window: bool, bits: int = 3, kbits: int = 3) -> str:
+def source(nth: int, minb: int, qdtype: str, stage: int, window: bool, bits: int = 3, kbits: int = 3,
+           pk: int = 0, pv: int = 0) -> str:
     import rq_core.kernels as K
 
     name = "attn_v5w" if window else "attn_v5"
-    tmpl = [("TQ", qdtype), ("D", 128), ("BITS", bits), ("KBITS", kbits), ("R", 8), ("LQ", 1), ("HKV", 4),
+    tmpl = [("TQ", qdtype), ("D", 128), ("BITS", bits), ("KBITS", kbits), ("PK", pk), ("PV", pv), ("R", 8),
+            ("LQ", 1), ("HKV", 4),
             ("CAUSAL", 0), ("ROT", 3), ("NTH", nth), ("SACC", 1), ("PF", 1), ("VDEC", 2), ("MERGE", 1),
             ("STAGE", stage)] + ([("WCAUSAL", 0)] if window else [])
     types = {"q": qdtype, "out": qdtype} | ({"wk": qdtype, "wv": qdtype} if window else {})

@@ -251,8 +251,8 @@ def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False, signs=Fals
     blocks then its random ±1 signs, as kernels.rotation_args lays them out. pair_points (PK, PV): pair codebooks,
     random points and pair indices (kpidx, vpidx); levels / klevels are then the points flattened and kidx / vidx
     the per-coordinate indices into them (2 p + 0 / 1), so the reference math is unchanged."""
-    if pair_points:  # rows of 14 / 10 words: an even capacity keeps each head's rows 16-byte aligned
-        slack += (T + slack) % 2
+    if pair_points:  # rows of 14 / 10 (7 / 5 at d = 64) words: a capacity of 4k tokens keeps heads 16-byte aligned
+        slack += -(T + slack) % 4
     Tcap = T + slack
     nl = 1 << bits
     levels = np.sort(rng.standard_normal(nl) * 1.2).astype(np.float32)

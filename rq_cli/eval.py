@@ -16,7 +16,7 @@ KEY_BITS = typer.Option(None, "--key-bits", help="Keys at this many bits, values
                                                  "kept on the bundled model, 14% more KV bytes).")
 PAIR_POINTS = typer.Option(None, "--pair-points",
                            help="2-D codebooks: keys' and values' points a pair of coordinates, e.g. 128,32 "
-                                "(IsoQuant-3's bytes; needles kept on the bundled model). Reference path only.")
+                                "(IsoQuant-3's bytes; needles kept on the bundled model).")
 
 
 def _ids(em, text: Optional[str]):

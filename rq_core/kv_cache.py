@@ -43,7 +43,7 @@ class KVSettings:
     key_bits: int | None = None
     # 2-D codebooks (keys' points, values' points), e.g. (128, 32): one index a pair of rotated coordinates, log2(n)
     # / 2 bits a coordinate. (128, 32) has IsoQuant-3's bytes and kept needles level with fp16 on the bundled model
-    # (README, "Needles and bits"). CPU / reference path only: no GPU kernel takes them yet.
+    # (README, "Needles and bits"). On a GPU kv_append and attn_v5 take them.
     pair_points: tuple[int, int] | None = None
 
 

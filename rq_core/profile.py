@@ -287,7 +287,8 @@ def attention_stages(cache: Any, queries: mx.array, scale: float) -> Optional[di
     if not hasattr(cache, "k_codes") or cache.k_codes is None:
         return None
     if getattr(cache, "pair_points", None):
-        raise RQError("rq profile times the GPU kernels, which do not take pair codebooks (kv.pair_points is set)")
+        raise RQError("rq profile times the four-kernel pipeline, which takes scalar codebooks only "
+                      "(kv.pair_points is set)")
     if getattr(cache, "key_bits", None):
         raise RQError("rq profile times caches with one bit width for keys and values (kv.key_bits is set)")
     if backend() != "cpu":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 13, call 13 (after `bash .device/bin/gpu-stage-a`; carry .device/b, .device/bin): pair codebooks on the GPU
+# Session 13, call 13 (run 19:00 UTC; its d = 64 pair case then had an unaligned capacity, fixed in make_case since) (after `bash .device/bin/gpu-stage-a`; carry .device/b, .device/bin): pair codebooks on the GPU
 # (kv.pair_points (128, 32): kv_append's pair path, attn_v5 / attn_v5w with PK / PV). kernels_check's quick v5 set
 # (its 10 pair cases among them), the pair cache at 5,000 and 40,000 tokens with the window (stored codes against
 # quantize_kv, outputs against float64), the scalar cache at 5,000 (unchanged default), then kernel time and CUPTI busy

@@ -164,15 +164,17 @@ def test_cli_ppl_fp16_window():
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32)) == "isoquant3/wht_so4+w32"
 
 
+def _iso_ppl(*extra) -> dict:
+    """`rq eval ppl --kv isoquant3` on one short window, JSON."""
+    r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--context", "64", "--windows", "1",
+                            "--fp16-window", "4", "--json", *extra])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
 def test_cli_ppl_key_bits():
     """--key-bits: keys at their own width, reported; 4-bit keys change the perplexity measured."""
-    def ppl(*extra):
-        r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--context", "64", "--windows", "1",
-                                "--fp16-window", "4", "--json", *extra])
-        assert r.exit_code == 0, r.output
-        return json.loads(r.stdout)
-
-    base, k4 = ppl(), ppl("--key-bits", "4")
+    base, k4 = _iso_ppl(), _iso_ppl("--key-bits", "4")
     assert base["key_bits"] is None and k4["key_bits"] == 4
     assert k4["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, key_bits=4)) == "isoquant3/wht_so4+w32+k4"
@@ -180,14 +182,8 @@ def test_cli_ppl_key_bits():
 
 
 def test_cli_ppl_pair_points():
-    """--pair-points: 2-D codebooks through the reference path, reported in the JSON; they change the perplexity."""
-    def ppl(*extra):
-        r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--context", "64", "--windows", "1",
-                                "--fp16-window", "4", "--json", *extra])
-        assert r.exit_code == 0, r.output
-        return json.loads(r.stdout)
-
-    base, pp = ppl(), ppl("--pair-points", "128,32")
+    """--pair-points: 2-D codebooks, reported in the JSON; they change the perplexity."""
+    base, pp = _iso_ppl(), _iso_ppl("--pair-points", "128,32")
     assert base["pair_points"] is None and pp["pair_points"] == [128, 32]
     assert pp["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, pair_points=(128, 32))) == \

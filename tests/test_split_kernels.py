@@ -42,11 +42,9 @@ def _run(n_prompt: int, steps: int, seed: int, **kw) -> tuple[IsoQuantCache, lis
     return c, outs
 
 
-@needs_emu
-def test_split_widths_through_the_kernels(monkeypatch):
+def _kernels_on_executor(monkeypatch) -> dict:
+    """A 'GPU' whose kernels run on the CPU executor (stand-ins for mx.fast.cuda_kernel, by kernel name)."""
     import emulate_kernel as EK
-
-    ref_cache, ref = _run(60, 2, seed=4)  # CPU: quantize_kv for both widths, the reference attention
 
     stand: dict = {}
 
@@ -61,6 +59,14 @@ def test_split_widths_through_the_kernels(monkeypatch):
     monkeypatch.setattr(K, "_kernel", lambda name, be: kernel(name))
     monkeypatch.setattr(K, "_kernel_v5", lambda be, nth, minb, window=False, minified=True, trace=False:
                         kernel("attn_v5w" if window else "attn_v5"))
+    return stand
+
+
+@needs_emu
+def test_split_widths_through_the_kernels(monkeypatch):
+    ref_cache, ref = _run(60, 2, seed=4)  # CPU: quantize_kv for both widths, the reference attention
+
+    stand = _kernels_on_executor(monkeypatch)
     gpu_cache, got = _run(60, 2, seed=4)
 
     assert "kv_append" in stand and "attn_v5w" in stand  # the spill and the decode steps took the kernels
@@ -110,22 +116,8 @@ def test_kv_append_split_widths_match_quantize_kv(variant, nc, monkeypatch):
 def test_pair_codebooks_through_the_kernels(monkeypatch):
     """kv.pair_points (128, 32) on a 'GPU': kv_append's pair path and attn_v5w with PK / PV (7- and 5-bit fields,
     the keys' own table, the values' lane-replicated one), against the CPU's quantize_kv and reference attention."""
-    import emulate_kernel as EK
-
     ref_cache, ref = _run(60, 2, seed=6, pair_points=(128, 32))
-    stand: dict = {}
-
-    def kernel(name: str):
-        return stand.setdefault(name, EK.MLXStandIn(name))
-
-    monkeypatch.setenv("RQ_KERNEL_CACHE", "0")
-    monkeypatch.delenv("RQ_APPEND", raising=False)
-    monkeypatch.setattr(K, "backend", lambda: "cuda")
-    monkeypatch.setattr(K, "available", lambda: True)
-    monkeypatch.setattr(K, "SPLIT_KERNELS", True)
-    monkeypatch.setattr(K, "_kernel", lambda name, be: kernel(name))
-    monkeypatch.setattr(K, "_kernel_v5", lambda be, nth, minb, window=False, minified=True, trace=False:
-                        kernel("attn_v5w" if window else "attn_v5"))
+    stand = _kernels_on_executor(monkeypatch)
     gpu_cache, got = _run(60, 2, seed=6, pair_points=(128, 32))
 
     assert "kv_append" in stand and "attn_v5w" in stand

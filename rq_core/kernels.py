@@ -802,12 +802,15 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
     pool = 2 * R * D + R * V5_MAXNS
     nf = D // 2 if pair else D
     ring = nwarp * stage * step * (nf * bits // 32 + nf * kbits // 32) if stage > 0 else 4
-    klut = pair[0] if pair else (1 << (2 * kbits)) if kbits != bits else 0
+    krep = bool(pair) and vdec == 2 and luts == 32 and pair[0] <= 128  # the keys' table lane-replicated (KREP)
+    klut = pair[0] * (32 if krep else 1) if pair else (1 << (2 * kbits)) if kbits != bits else 0
     small = 2 * nwarp * MMA_N + 2 * MMA_N  # the warps' (m, l) and the rows' (m, l), first in the arena
-    pad = 0
+    kpad = pad = 0
+    if krep and be == "cuda":  # the keys' table on a multiple of its size (KPAD)
+        kpad = (4 * klut - (1024 + 4 * small + 4 * pool) % (4 * klut)) % (4 * klut)
     if vdec == 2 and luts == 32 and be == "cuda":
-        pad = (8192 - (1024 + 4 * small + 4 * pool + 4 * klut) % 8192) % 8192
-    return 4 * small + 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * 2
+        pad = (8192 - (1024 + 4 * small + 4 * pool + kpad + 4 * klut) % 8192) % 8192
+    return 4 * small + 4 * ring + 4 * pool + kpad + 4 * klut + 4 * np_ * luts + pad + 4 * 2
 
 
 def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None,
@@ -887,7 +890,10 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
         if k_codes.shape[3] * 32 != D * kb:
             raise KernelUnsupported(f"v5: key rows of {k_codes.shape[3]} words for {kb}-bit keys")
     be = backend() or "cuda"
-    nth = v5_nth(valid_len) if nth is None else nth
+    if nth is None:
+        nth = v5_nth(valid_len)
+        if pair is not None and not v5_ok(D, bits, R, be, nth, V5_STAGE, 2, kb, pair):
+            nth = 256  # the keys' lane-replicated table leaves 384 threads no room for the copy ring
     nth, stage, pf, vdec = _v5_config(D, bits, R, be, nth, stage, pf, V5_STAGE, V5_PF, V5_VDEC if vdec is None else vdec,
                                       kb, pair)
     if pair is not None and vdec != 2:

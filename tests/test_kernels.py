@@ -610,6 +610,11 @@ def test_v5_plan_and_shapes():
     assert [K._v5_smem(128, 3, 8, n, "cuda", st, 2) for n, st in ((256, 1), (256, 2), (384, 1), (448, 1), (512, 1))] \
         == [35848, 48136, 41992, 45064, 48136]
     assert K.v5_ok(128, 3, 8, "cuda", 512, 1, 2)
+    # pair codebooks (128, 32): the keys' lane-replicated 16 KB table on a 16 KB boundary fits 256 threads with the
+    # ring (attention_v5 takes 256 where the context would pick 384), 384 only without it
+    pair = dict(vdec=2, kbits=7, pair=(128, 32))
+    assert K._v5_smem(128, 5, 8, 256, "cuda", 1, **pair) == 48136 and K.v5_ok(128, 5, 8, "cuda", 256, 1, **pair)
+    assert not K.v5_ok(128, 5, 8, "cuda", 384, 1, **pair) and K.v5_ok(128, 5, 8, "cuda", 384, 0, **pair)
     assert K.v5_ok(128, 3, 8, "cuda", 256, 2) and not K.v5_ok(128, 3, 8, "cuda", 256, 3)
     assert not K.v5_ok(128, 3, 8, "metal", 256, 2)
 

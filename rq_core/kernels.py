@@ -802,7 +802,8 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
     pool = 2 * R * D + R * V5_MAXNS
     nf = D // 2 if pair else D
     ring = nwarp * stage * step * (nf * bits // 32 + nf * kbits // 32) if stage > 0 else 4
-    krep = bool(pair) and vdec == 2 and luts == 32 and pair[0] <= 128  # the keys' table lane-replicated (KREP)
+    # the keys' table lane-replicated (RQ_V5_DEFS=KREP, opt-in until run on a GPU)
+    krep = "KREP" in V5_DEFS and bool(pair) and vdec == 2 and luts == 32 and pair[0] <= 128
     klut = pair[0] * (32 if krep else 1) if pair else (1 << (2 * kbits)) if kbits != bits else 0
     small = 2 * nwarp * MMA_N + 2 * MMA_N  # the warps' (m, l) and the rows' (m, l), first in the arena
     kpad = pad = 0
@@ -893,7 +894,7 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     if nth is None:
         nth = v5_nth(valid_len)
         if pair is not None and not v5_ok(D, bits, R, be, nth, V5_STAGE, 2, kb, pair):
-            nth = 256  # the keys' lane-replicated table leaves 384 threads no room for the copy ring
+            nth = 256  # the keys' lane-replicated table (KREP) leaves 384 threads no room for the copy ring
     nth, stage, pf, vdec = _v5_config(D, bits, R, be, nth, stage, pf, V5_STAGE, V5_PF, V5_VDEC if vdec is None else vdec,
                                       kb, pair)
     if pair is not None and vdec != 2:

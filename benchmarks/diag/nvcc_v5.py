@@ -2,7 +2,7 @@
 and the main loop's SASS (instructions, matrix ops, shared loads, and the sum of the compiler's fixed stall counts).
 
     python benchmarks/diag/nvcc_v5.py --nth 384 [--minb 1] [--qdtype f16] [--stage 1] [--defs NSLADD] [--window]
-        [--sass out.sass]
+        [--pair] [--sass out.sass]
 
 Needs nvcc (CUDA 13: sm_90) and, for the loop, cuobjdump and nvdisasm (`pip install nvidia-cuda-cuobjdump
 nvidia-cuda-nvdisasm`). The loop is the
@@ -98,6 +98,7 @@ def main() -> int:
     ap.add_argument("--stage", type=int, default=1)
     ap.add_argument("--defs", default="", help="RQ_V5_DEFS, comma-separated")
     ap.add_argument("--window", action="store_true")
+    ap.add_argument("--pair", action="store_true", help="pair codebooks (128, 32): 7- and 5-bit fields")
     ap.add_argument("--sass", default="", help="write the SASS here")
     a = ap.parse_args()
     if a.defs:
@@ -110,7 +111,7 @@ def main() -> int:
         inc.mkdir(parents=True)
         (inc / "utils.cuh").write_text(UTILS)
         cu = Path(d) / "k.cu"
-        cu.write_text(source(a.nth, minb, a.qdtype, a.stage, a.window))
+        cu.write_text(source(a.nth, minb, a.qdtype, a.stage, a.window, *((5, 7, 128, 32) if a.pair else ())))
         p = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", f"-I{d}", "-o",
                             str(Path(d) / "k.cubin"), str(cu)], capture_output=True, text=True)
         if p.returncode != 0:

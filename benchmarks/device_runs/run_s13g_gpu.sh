@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 13: written for a 15th call that the device budget no longer allowed (NOT RUN). Run it with RQ_V5_DEFS=KREP set
+# Session 13: written for a 15th call that the device budget no longer allowed (NOT RUN; it sets RQ_V5_DEFS=KREP itself)
 # (after `bash .device/bin/gpu-stage-a`; carry .device/b, .device/bin):
 # pair codebooks with the keys' table lane-replicated (KREP: 16 KB on a 16 KB boundary, 256 threads): kernels_check's
 # quick v5 set (its pair cases among them), then CUPTI busy a layer at 128K against the scalar default.

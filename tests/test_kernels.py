@@ -494,6 +494,9 @@ def test_v4_cuda_source_runs_on_cpu_executor(case):
                                   dict(G=8, d=128, T=1001, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
                                        qdtype="f16", bits=5, key_bits=7, pair_points=(128, 32)),
                                   dict(G=4, d=128, T=301, L=2, causal=True, nth=256, pf=2, stage=0, vdec=2, merge=1,
+                                       bits=5, key_bits=7, pair_points=(128, 32)),
+                                  # head dim 64: rows of 7 and 5 words (the GPU run refused its unaligned capacity)
+                                  dict(G=8, d=64, T=2000, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
                                        bits=5, key_bits=7, pair_points=(128, 32))])
 def test_v5_cuda_source_runs_on_cpu_executor(case):
     """attn_v5's CUDA rendering executed as host C++ (as the v4 test above): warps streaming their own steps,

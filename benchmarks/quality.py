@@ -76,6 +76,9 @@ def main() -> None:
                          "e.g. --set windows=2 --set 'niah_depths=[0.5]'")
     ap.add_argument("--window-row", type=int, action="append", default=[], metavar="N",
                     help="also turbo3 and wht_so4 rows whose caches keep their newest N tokens in fp16")
+    ap.add_argument("--pair-row", default="", metavar="K,V",
+                    help="also an IsoQuant-3 wht_so4 row with pair codebooks of K and V points (kv.pair_points), "
+                         "with each --window-row's window")
     ap.add_argument("--only", default="", help="comma-separated row labels to run (e.g. isoquant3/wht_so4+w32)")
     ap.add_argument("--merge", default=None, metavar="JSON",
                     help="add the rows run into this earlier results file (same model and settings required), "
@@ -102,6 +105,11 @@ def main() -> None:
     settings = [ev.kv_settings(mode, rot, fp16_window=0) for mode, rot in MODES]
     settings += [ev.kv_settings(m, r, fp16_window=n) for n in args.window_row
                  for m, r in (("turbo3", None), ("isoquant3", "wht_so4"))]
+    if args.pair_row:
+        from rq_core.codebook import check_pair_points
+
+        pp = check_pair_points(args.pair_row.split(","))
+        settings += [ev.kv_settings("isoquant3", "wht_so4", fp16_window=n, pair_points=pp) for n in args.window_row or [0]]
     only = {x for x in args.only.split(",") if x}
     unknown = only - {ev.label(kv) for kv in settings}
     if unknown:
@@ -179,7 +187,9 @@ def render(out: dict) -> str:
     if out.get("merged"):
         lines.append(f"Rows added later with the same model and settings ({', '.join(out['merged'])}): "
                      + ", ".join(f"`{r['kv']}` {r['measured']}" for r in modes if r.get("measured"))
-                     + ". `+wN`: the cache keeps its newest N tokens in fp16.")
+                     + ". `+wN`: the cache keeps its newest N tokens in fp16."
+                     + (" `+pKxV`: pair codebooks of K (keys) and V (values) points (`kv.pair_points`)."
+                        if any("+p" in r["kv"] for r in modes) else ""))
         lines.append("")
     lines.append("fp16 fails `kv_bytes_ratio` by construction (it does not compress). On the CPU the model runs "
                  "with float32 activations, so the fp16 cache holds float32 (ratio 2.0).")

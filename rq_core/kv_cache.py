@@ -225,7 +225,7 @@ class IsoQuantCache:
                          else self.levels)
         self.k_words = (head_dim * kb + 31) // 32
         # pair codebooks: levels become [n, 2] point tables and bits / key_bits the fields' widths (log2 n, one field
-        # a pair of coordinates); the kernels see 2-D levels and decline
+        # a pair of coordinates); kv_append and attn_v5 take 2-D levels, the other kernels decline
         self.pair_points = None
         if pair_points is not None:
             if key_bits is not None:

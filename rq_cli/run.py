@@ -62,6 +62,10 @@ def run(
     rotation: Optional[str] = typer.Option(None, "--rotation",
                                            help="Rotation of an isoquant3 cache: wht_so4 (default), rwht_so4 (random "
                                                 "signs first), wht, so4, so3 (default: the recipe's)."),
+    pair_points: Optional[str] = typer.Option(None, "--pair-points",
+                                              help="2-D codebooks of a compressed KV cache: keys' and values' points, "
+                                                   "e.g. 128,32 (IsoQuant-3's bytes; default: the recipe's "
+                                                   "kv.pair_points, else scalar codebooks)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -91,6 +95,11 @@ def run(
         raise RQError("--prefill-chunk must be >= 1")
     if rotation is not None and rotation not in ("wht_so4", "rwht_so4", "wht", "so4", "so3"):
         raise RQError(f"unknown --rotation {rotation!r} (choose from: wht_so4, rwht_so4, wht, so4, so3)")
+    pp = None
+    if pair_points is not None:
+        from rq_core.codebook import check_pair_points
+
+        pp = check_pair_points([x for x in pair_points.split(",") if x.strip()])
 
     from rq_core.checkpoint import context_length, load
     from rq_core.generate import generate
@@ -100,6 +109,10 @@ def run(
     # float32 on the CPU (small models); the pager casts pages to the model's dtype as it loads them.
     ckpt = load(model, cpu_float32=True)
     settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager, rotation)
+    if pp is not None:
+        if settings.key_bits is not None:
+            raise RQError("--pair-points cannot be combined with the recipe's kv.key_bits")
+        settings = dataclasses.replace(settings, pair_points=pp)
     kv = settings.mode
     tok = ckpt.tokenizer
     if tok is None:

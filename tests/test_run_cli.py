@@ -197,3 +197,22 @@ def test_rotation_flag(tmp_path: Path) -> None:
 def test_bad_recipe_in_checkpoint_is_one_line(tmp_path: Path) -> None:
     d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant9"\n')
     assert "isoquant9" in _error_line(_rq(str(d), "--prompt", "hello"))
+
+
+def test_pair_points_flag_and_recipe(tmp_path: Path) -> None:
+    """--pair-points (or the recipe's kv.pair_points) gives the compressed cache 2-D codebooks; JSON reports them;
+    bad values and a recipe with kv.key_bits fail with one line."""
+    d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\n')
+    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--pair-points", "128,32", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["kv_pair_points"] == [128, 32] and out["kv_bytes"] < out["kv_bytes_fp16"]
+    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--json")
+    assert json.loads(r.output)["kv_pair_points"] is None
+    assert "pair" in _error_line(_rq(str(d), "--prompt", "hello", "--pair-points", "128,33"))
+    d2 = _with_recipe(tmp_path / "b", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = [64, 64]\n')
+    r = _rq(str(d2), "--prompt", "hello there", "--max-tokens", "4", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["kv_pair_points"] == [64, 64]
+    d3 = _with_recipe(tmp_path / "c", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nkey_bits = 4\n')
+    assert "key_bits" in _error_line(_rq(str(d3), "--prompt", "hello", "--pair-points", "128,32"))

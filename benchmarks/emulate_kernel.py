@@ -39,12 +39,12 @@ import kernels_check as KC  # noqa: E402
 import rq_core.kernels as K  # noqa: E402
 
 EMU = ROOT / "tests" / "kernel_emu"
-CTYPE = {"f32": "float", "u32": "uint32_t", "f16": "__half", "bf16": "__nv_bfloat16"}
-NPTYPE = {"f32": np.float32, "u32": np.uint32, "f16": np.float16}
+CTYPE = {"f32": "float", "u32": "uint32_t", "i32": "int32_t", "f16": "__half", "bf16": "__nv_bfloat16"}
+NPTYPE = {"f32": np.float32, "u32": np.uint32, "i32": np.int32, "f16": np.float16}
 
 
 def _dt(a: np.ndarray) -> str:
-    return {np.dtype(np.float32): "f32", np.dtype(np.uint32): "u32", np.dtype(np.float16): "f16"}[a.dtype]
+    return {np.dtype(np.float32): "f32", np.dtype(np.uint32): "u32", np.dtype(np.int32): "i32", np.dtype(np.float16): "f16"}[a.dtype]
 
 
 def _emu_source(name: str, template: list, types: dict) -> str:
@@ -396,7 +396,7 @@ class MLXStandIn:
                  **_):
         import mlx.core as mx
 
-        code = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16", mx.uint32: "u32"}
+        code = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16", mx.uint32: "u32", mx.int32: "i32"}
         tmpl = [(k, code[v] if isinstance(v, mx.Dtype) else int(v)) for k, v in template]
         self.calls.append(dict(template=tmpl, grid=grid, threadgroup=threadgroup, init_value=init_value))
         spec = K.SPECS[self.name]

@@ -297,13 +297,13 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=Fals
     if qdtype in ("f16", "bf16"):
         qq = qq.astype(mx.float16 if qdtype == "f16" else mx.bfloat16)
         q = np.array(qq.astype(mx.float32), dtype=np.float64)
+    split = dict(key_bits=key_bits, key_levels=mx.array(c["kpoints"] if pair else c["klevels"])) if key_bits else {}
     if path == "v4":  # one launch; out in q's dtype (compared in float64)
         out, lse = K.attention_v4(qq, m, kc, kn, vc, vn, lv, **args)
         mx.eval(out, lse)
         out = out.astype(mx.float32)
     elif path == "v5":  # v4's contract; v5cfg = (threads per block, launch bound) or None for the defaults
         nth, minb, pf, vdec, stage = (tuple(v5cfg) + (None,) * 5)[:5] if v5cfg else (None,) * 5
-        split = dict(key_bits=key_bits, key_levels=mx.array(c["kpoints"] if pair else c["klevels"])) if key_bits else {}
         out, lse = K.attention_v5(qq, m, kc, kn, vc, vn, lv, nth=nth, minb=minb, pf=pf, vdec=vdec, stage=stage,
                                   **split, **args)
         mx.eval(out, lse)
@@ -312,7 +312,7 @@ def run_case(K, mx, c, *, T, bits, path, strategy, causal, offset, rot, mma=Fals
         out, lse = K.attention_split(qq, m, kc, kn, vc, vn, lv, mma=mma, variant=variant, **args)
         mx.eval(out, lse)
     else:
-        out = K.attention_four(qq, m, kc, kn, vc, vn, lv, strategy=strategy, **args)
+        out = K.attention_four(qq, m, kc, kn, vc, vn, lv, strategy=strategy, **split, **args)
         mx.eval(out)
     got = np.array(out, dtype=np.float64)
     ref = reference(q, mats, c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=args["scale"],
@@ -413,6 +413,13 @@ def main() -> int:
     for T in (1, 7, 511, 512, 513, 4096, 32768):
         for path, strat in (("fused", None), ("four", "word"), ("four", "dim")):
             cases.append(dict(G=8, d=128, T=T, L=1, path=path, strategy=strat, causal=False, rot=3, bits=3))
+    # the four kernels with pair codebooks (128, 32: 7-bit key and 5-bit value fields) and with 4-bit keys beside
+    # 3-bit values (kv.key_bits), both Kernel C strategies: what `rq profile` times for such caches
+    for strat in ("word", "dim"):
+        pp = dict(G=8, L=1, path="four", strategy=strat, causal=False, rot=3, bits=5, key_bits=7, pair=(128, 32))
+        cases += [dict(pp, d=128, T=T) for T in (1, 513, 4096, 32768)]
+        cases += [dict(pp, d=64, T=700), dict(pp, d=256, T=700), dict(pp, G=4, d=128, T=700, L=2, causal=True)]
+        cases.append(dict(G=8, d=128, T=1500, L=1, path="four", strategy=strat, causal=False, rot=3, bits=3, key_bits=4))
     if not a.quick:
         for G in (1, 4, 8):
             for d in (64, 128, 256):

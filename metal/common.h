@@ -173,6 +173,33 @@ INLINE void dot_codes(THR const uint* kw, TG const float* qs, TG const float* lv
   }
 }
 
+// Kernel A's inner product with pair codebooks: field i (FB bits) of a row indexes the point
+// (pts[2c], pts[2c + 1]) that stands for coordinates 2i and 2i + 1.
+template <int D, int FB, int R, int TPT, int W>
+INLINE void dot_pairs(THR const uint* kw, TG const float* qs, TG const float* pts, THR float* acc) {
+  constexpr uint MASK = (1u << FB) - 1u;
+  UNROLL for (int e = 0; e < TPT * R; ++e) acc[e] = 0.0f;
+  UNROLL for (int i = 0; i < D / 2; ++i) {
+    float q0[R];
+    float q1[R];
+    UNROLL for (int r = 0; r < R; ++r) {
+      q0[r] = qs[2 * i * R + r];
+      q1[r] = qs[(2 * i + 1) * R + r];
+    }
+    const int bit = i * FB;
+    const int wi = bit >> 5;
+    const int sh = bit & 31;
+    UNROLL for (int a = 0; a < TPT; ++a) {
+      uint c = kw[a * W + wi] >> sh;
+      if (sh + FB > 32) c |= kw[a * W + wi + 1] << (32 - sh);
+      c &= MASK;
+      const float x = pts[2 * c];
+      const float y = pts[2 * c + 1];
+      UNROLL for (int r = 0; r < R; ++r) acc[a * R + r] += q0[r] * x + q1[r] * y;
+    }
+  }
+}
+
 // Kernel C's inner step, dimension-parallel: this lane's DPL codes of one value row (already shifted
 // to bit 0 of `bits`) times the R weights wt[r * wstride].
 template <int DPL, int BITS, int R>
@@ -180,6 +207,23 @@ INLINE void accum_codes(uint bits, TG const float* lv, TG const float* wt, int w
   constexpr uint MASK = (1u << BITS) - 1u;
   float v[DPL];
   UNROLL for (int k = 0; k < DPL; ++k) v[k] = lv[(bits >> (k * BITS)) & MASK];
+  UNROLL for (int r = 0; r < R; ++r) {
+    const float w = wt[r * wstride];
+    UNROLL for (int k = 0; k < DPL; ++k) acc[r * DPL + k] += w * v[k];
+  }
+}
+
+// Kernel C's inner step, dimension-parallel, pair codebooks: this lane's DPL / 2 fields (FB bits each, shifted to
+// bit 0 of `bits`) as DPL coordinates, times the R weights wt[r * wstride].
+template <int DPL, int FB, int R>
+INLINE void accum_pairs(uint bits, TG const float* pts, TG const float* wt, int wstride, THR float* acc) {
+  constexpr uint MASK = (1u << FB) - 1u;
+  float v[DPL];
+  UNROLL for (int k = 0; k < DPL / 2; ++k) {
+    const uint c = (bits >> (k * FB)) & MASK;
+    v[2 * k] = pts[2 * c];
+    v[2 * k + 1] = pts[2 * c + 1];
+  }
   UNROLL for (int r = 0; r < R; ++r) {
     const float w = wt[r * wstride];
     UNROLL for (int k = 0; k < DPL; ++k) acc[r * DPL + k] += w * v[k];
@@ -197,6 +241,22 @@ INLINE void accum_chunk32(THR const uint* w, float wt, TG const float* lv, THR f
     uint c = w[wi] >> sh;
     if (sh + BITS > 32) c |= w[wi + 1] << (32 - sh);
     acc[i] += wt * lv[c & MASK];
+  }
+}
+
+// Kernel C's inner step, word-parallel, pair codebooks: 32 coordinates as 16 FB-bit fields from bit 0 of w, one weight.
+template <int FB>
+INLINE void accum_pairs32(THR const uint* w, float wt, TG const float* pts, THR float* acc) {
+  constexpr uint MASK = (1u << FB) - 1u;
+  UNROLL for (int i = 0; i < 16; ++i) {
+    const int bit = i * FB;
+    const int wi = bit >> 5;
+    const int sh = bit & 31;
+    uint c = w[wi] >> sh;
+    if (sh + FB > 32) c |= w[wi + 1] << (32 - sh);
+    c &= MASK;
+    acc[2 * i] += wt * pts[2 * c];
+    acc[2 * i + 1] += wt * pts[2 * c + 1];
   }
 }
 

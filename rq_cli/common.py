@@ -6,7 +6,7 @@ import contextlib
 import functools
 import json
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
@@ -92,3 +92,41 @@ def gpu_first_run_note() -> None:
     note = first_run_note()
     if note:
         console.print(f"[dim]rq: {note}[/dim]")
+
+
+# --key-bits / --pair-points, shared by `rq eval` and `rq profile`
+KEY_BITS = typer.Option(None, "--key-bits", help="Keys at this many bits, values at the mode's 3 (e.g. 4: needles "
+                                                 "kept on the bundled model, 14% more KV bytes).")
+PAIR_POINTS = typer.Option(None, "--pair-points",
+                           help="2-D codebooks: keys' and values' points a pair of coordinates, e.g. 128,32 "
+                                "(IsoQuant-3's bytes; needles kept on the bundled model).")
+
+
+def key_bits_arg(kv: str, n: Optional[int]) -> Optional[int]:
+    """--key-bits for a compressed mode (fp16 ignores it); checked as the cache checks bits."""
+    if n is None or kv == "fp16":
+        return None
+    from rq_core.codebook import check_bits
+
+    return check_bits(n)
+
+
+def pair_points_arg(kv: str, spec: Optional[str], key_bits: Optional[int]) -> Optional[tuple[int, int]]:
+    """--pair-points "K,V" for a compressed mode (fp16 ignores it)."""
+    if spec is None or kv == "fp16":
+        return None
+    if key_bits is not None:
+        raise RQError("--key-bits and --pair-points cannot be combined")
+    from rq_core.codebook import check_pair_points
+
+    return check_pair_points(parse_list(spec, int, "--pair-points"))
+
+
+def parse_list(s: str, cast, name: str) -> list:
+    try:
+        vals = [cast(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise RQError(f"{name} must be a comma-separated list (got {s!r})")
+    if not vals:
+        raise RQError(f"{name} is empty")
+    return vals

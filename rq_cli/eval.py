@@ -6,19 +6,13 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import console, gpu_first_run_note, handle_errors, print_json
+from rq_cli.common import (KEY_BITS, PAIR_POINTS, console, gpu_first_run_note, handle_errors, key_bits_arg,
+                           pair_points_arg, parse_list, print_json)
 from rq_core.errors import RQError
 
 app = typer.Typer(no_args_is_help=True)
 
 MODEL_ARG = typer.Argument(None, help="Checkpoint directory or Hugging Face hub id (default: the bundled model).")
-KEY_BITS = typer.Option(None, "--key-bits", help="Keys at this many bits, values at the mode's 3 (e.g. 4: needles "
-                                                 "kept on the bundled model, 14% more KV bytes).")
-PAIR_POINTS = typer.Option(None, "--pair-points",
-                           help="2-D codebooks: keys' and values' points a pair of coordinates, e.g. 128,32 "
-                                "(IsoQuant-3's bytes; needles kept on the bundled model).")
-
-
 def _ids(em, text: Optional[str]):
     from rq_core.eval import encode_ids, load_heldout_text
 
@@ -57,8 +51,8 @@ def ppl(
     _positive("--step", step)
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
-    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits),
-                           pair_points=_pair_points(kv, pair_points, key_bits))
+    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=key_bits_arg(kv, key_bits),
+                           pair_points=pair_points_arg(kv, pair_points, key_bits))
     em = load_eval_model(model)
     gpu_first_run_note()
     ctx = check_context(em.context if context is None else context, em.context)
@@ -72,26 +66,6 @@ def ppl(
                   f"{res.context}, KV {res.kv_mode}{rot}", highlight=False)
 
 
-def _key_bits(kv: str, n: Optional[int]) -> Optional[int]:
-    """--key-bits for a compressed mode (fp16 ignores it); checked as the cache checks bits."""
-    if n is None or kv == "fp16":
-        return None
-    from rq_core.codebook import check_bits
-
-    return check_bits(n)
-
-
-def _pair_points(kv: str, spec: Optional[str], key_bits: Optional[int]) -> Optional[tuple[int, int]]:
-    """--pair-points "K,V" for a compressed mode (fp16 ignores it)."""
-    if spec is None or kv == "fp16":
-        return None
-    if key_bits is not None:
-        raise RQError("--key-bits and --pair-points cannot be combined")
-    from rq_core.codebook import check_pair_points
-
-    return check_pair_points(_parse_list(spec, int, "--pair-points"))
-
-
 def _window(n: Optional[int]) -> int:
     if n is None:
         from rq_core.kv_cache import DEFAULT_FP16_WINDOW
@@ -100,16 +74,6 @@ def _window(n: Optional[int]) -> int:
     if n < 0:
         raise RQError(f"--fp16-window must be >= 0 (got {n})")
     return n
-
-
-def _parse_list(s: str, cast, name: str) -> list:
-    try:
-        vals = [cast(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise RQError(f"{name} must be a comma-separated list (got {s!r})")
-    if not vals:
-        raise RQError(f"{name} is empty")
-    return vals
 
 
 @app.command("niah")
@@ -133,13 +97,13 @@ def niah_cmd(
     from rq_core.eval import kv_settings, load_eval_model, needle_token_pieces, niah
 
     _positive("--trials", trials)
-    Ls = _parse_list(lengths, int, "--lengths")
-    Ds = _parse_list(depths, float, "--depths")
+    Ls = parse_list(lengths, int, "--lengths")
+    Ds = parse_list(depths, float, "--depths")
     if any(not 0 <= d <= 1 for d in Ds):
         raise RQError("--depths must lie in [0, 1]")
-    modes = ["fp16"] + [m for m in _parse_list(kv, str, "--kv") if m != "fp16"]
+    modes = ["fp16"] + [m for m in parse_list(kv, str, "--kv") if m != "fp16"]
     settings = [kv_settings(m, rotation if m == "isoquant3" else None, fp16_window=_window(fp16_window),
-                            key_bits=_key_bits(m, key_bits), pair_points=_pair_points(m, pair_points, key_bits))
+                            key_bits=key_bits_arg(m, key_bits), pair_points=pair_points_arg(m, pair_points, key_bits))
                 for m in modes]
     em = load_eval_model(model)
     gpu_first_run_note()
@@ -189,8 +153,8 @@ def gates_cmd(
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only")
     cfg = load_gates(gates_file)
-    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=_key_bits(kv, key_bits),
-                           pair_points=_pair_points(kv, pair_points, key_bits))
+    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=key_bits_arg(kv, key_bits),
+                           pair_points=pair_points_arg(kv, pair_points, key_bits))
     em = load_eval_model(model)
     gpu_first_run_note()
     rep = GateRunner(em, cfg, _ids(em, None)).run(settings)

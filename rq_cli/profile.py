@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from rq_cli.common import console, gpu_first_run_note, handle_errors, print_json
+from rq_cli.common import (KEY_BITS, PAIR_POINTS, console, gpu_first_run_note, handle_errors, key_bits_arg,
+                           pair_points_arg, print_json)
 from rq_core.errors import RQError
 
 
@@ -70,6 +71,8 @@ def profile(
     context: str = typer.Option("512,2048", "--context", "-c", help="Context lengths, comma-separated (2K = 2048)."),
     kv: str = typer.Option("isoquant3", "--kv", help="KV cache mode: fp16, isoquant3, turbo3."),
     rotation: str = typer.Option("wht_so4", "--rotation", help="Rotation variant of a compressed KV mode."),
+    key_bits: Optional[int] = KEY_BITS,
+    pair_points: Optional[str] = PAIR_POINTS,
     threshold: float = typer.Option(0.20, "--threshold", help="KV-attention share above which compression pays."),
     fill: str = typer.Option("synthetic", "--fill",
                              help="How the context is built: synthetic (random K/V appended) or prefill "
@@ -92,7 +95,8 @@ def profile(
     # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
     ckpt = load(model, tokenizer=False, cpu_float32=memory_budget is None)
     gpu_first_run_note()
-    settings = KVSettings(mode=kv, rotation=rotation)
+    settings = KVSettings(mode=kv, rotation=rotation, key_bits=key_bits_arg(kv, key_bits),
+                          pair_points=pair_points_arg(kv, pair_points, key_bits))
     limit = text_config(ckpt.config).get("max_position_embeddings")
     if limit and max(contexts) > limit:
         console.print(f"[yellow]note:[/] context {max(contexts)} is beyond the model's {limit} positions "

@@ -337,14 +337,16 @@ def _check(D: int, bits: int, R: int) -> None:
         raise KernelUnsupported(f"{R} query rows per kv head at head_dim {D}")
 
 
-def _tpt(D: int, bits: int, R: int, be: str) -> int:
-    """Keys per thread in Kernel A / the split kernel: amortise query loads, fit registers and smem."""
-    W = D * bits // 32
+def _tpt(D: int, bits: int, R: int, be: str, words: int | None = None, table: int | None = None) -> int:
+    """Keys per thread in Kernel A / the split kernel: amortise query loads, fit registers and smem. words / table:
+    a row's words and the table's floats where they are not D * bits / 32 and 2^bits (pair codebooks)."""
+    W = D * bits // 32 if words is None else words
+    table = 1 << bits if table is None else table
     for tpt in (4, 2, 1):
         if tpt * R > 32 or tpt * W > 48:
             continue
         tile = NTH * tpt
-        smem = 4 * (2 * D * R + R * tile + tile * W + 1 + tile + (1 << bits) + 3 * R)
+        smem = 4 * (2 * D * R + R * tile + tile * W + 1 + tile + table + 3 * R)
         if smem <= SMEM_LIMIT[be]:
             return tpt
     raise KernelUnsupported(f"threadgroup memory for R={R}, head_dim {D}")
@@ -437,21 +439,36 @@ def rotate_inverse(o_rot: mx.array, mats: mx.array | None, n_kv_heads: int, *,
     return rotate_queries(o_rot, mats, n_kv_heads, rot=rot, inverse=True)
 
 
+def _pair_shape(levels: mx.array, D: int, bits: int, R: int, W: int) -> int:
+    """PAIR of the four kernels' templates: 1 for a pair codebook (levels [2^bits, 2]; rows of D / 2 fields of
+    `bits` bits), 0 for a scalar one (rows of D `bits`-bit codes); checks the shape either way."""
+    if levels.ndim == 2:
+        _check(D, 3, R)  # the head dims and rows of the 3-bit codes
+        if levels.shape != (1 << bits, 2) or W * 32 != D // 2 * bits:
+            raise KernelUnsupported(f"pair codebook of {levels.shape[0]} points in rows of {W} words ({bits}-bit fields)")
+        return 1
+    _check(D, bits, R)
+    if W * 32 != D * bits:
+        raise KernelUnsupported(f"rows of {W} words for {bits}-bit codes at head dim {D}")
+    return 0
+
+
 def qk_dot(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, levels: mx.array, *, bits: int,
            scale: float, valid_len: int, offset: int = 0, causal: bool = False) -> mx.array:
-    """Kernel A: scores [B, Hq, L, T] (float32, natural units; masked entries -1e30)."""
+    """Kernel A: scores [B, Hq, L, T] (float32, natural units; masked entries -1e30). levels [2^bits]: a scalar
+    codebook; [2^bits, 2]: a pair codebook (one `bits`-bit field a pair of coordinates)."""
     B, Hq, L, D = q_rot.shape
     Hkv, Tcap = k_codes.shape[1], k_codes.shape[2]
     R = (Hq // Hkv) * L
-    _check(D, bits, R)
+    pair = _pair_shape(levels, D, bits, R, k_codes.shape[3])
     be = backend() or "cuda"
-    tpt = _tpt(D, bits, R, be)
+    tpt = _tpt(D, bits, R, be, k_codes.shape[3], 2 << bits) if pair else _tpt(D, bits, R, be)
     T = valid_len
     tiles = -(-T // (NTH * tpt))
     (s,) = _run("qk_dot",
-                [q_rot.astype(mx.float32), levels.astype(mx.float32), k_codes, k_norms,
+                [q_rot.astype(mx.float32), levels.astype(mx.float32).reshape(-1), k_codes, k_norms,
                  _prm(T, Tcap, causal, 0, 0, Hkv, offset), mx.array([scale], dtype=mx.float32)],
-                [("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("TPT", tpt), ("NTH", NTH)],
+                [("D", D), ("BITS", bits), ("R", R), ("LQ", L), ("TPT", tpt), ("NTH", NTH), ("PAIR", pair)],
                 (B * Hkv, tiles), NTH, [(B, Hq, L, T)], [mx.float32])
     return s
 
@@ -468,15 +485,15 @@ def softmax(scores: mx.array) -> mx.array:
 
 def value_accum(probs: mx.array, v_codes: mx.array, v_norms: mx.array, levels: mx.array, *, bits: int,
                 strategy: str = "auto") -> mx.array:
-    """Kernel C: õ = Σ_j α_j m'_j levels[vidx_j] / √d → [B, Hq, L, D] float32 (rotated space)."""
+    """Kernel C: õ = Σ_j α_j m'_j levels[vidx_j] / √d → [B, Hq, L, D] float32 (rotated space). levels as qk_dot's."""
     B, Hq, L, T = probs.shape
     Hkv, Tcap, W = v_codes.shape[1], v_codes.shape[2], v_codes.shape[3]
-    D = W * 32 // bits
+    D = W * 32 // bits * (2 if levels.ndim == 2 else 1)
     R = (Hq // Hkv) * L
-    _check(D, bits, R)
+    pair = _pair_shape(levels, D, bits, R, W)
     if strategy == "auto":
         strategy = "word" if T < C_SWITCH else "dim"
-    lv = levels.astype(mx.float32)
+    lv = levels.astype(mx.float32).reshape(-1)
     if strategy == "word":
         nc = D // 32
         if R * nc > 1024:
@@ -485,7 +502,7 @@ def value_accum(probs: mx.array, v_codes: mx.array, v_norms: mx.array, levels: m
         while R * nc * nsl > 1024:
             nsl //= 2
         (o,) = _run("value_word", [probs, lv, v_codes, v_norms, _prm(T, Tcap, False, 0, 0, Hkv, 0)],
-                    [("D", D), ("BITS", bits), ("R", R), ("NSL", nsl)], (B * Hkv, 1), R * nc * nsl,
+                    [("D", D), ("BITS", bits), ("R", R), ("NSL", nsl), ("PAIR", pair)], (B * Hkv, 1), R * nc * nsl,
                     [(B, Hq, L, D)], [mx.float32])
         return o
     if strategy != "dim":
@@ -494,7 +511,7 @@ def value_accum(probs: mx.array, v_codes: mx.array, v_norms: mx.array, levels: m
     ns, ch = split_plan(T, B * Hkv, tile)
     prm = _prm(T, Tcap, False, ns, ch, Hkv, 0)
     (part,) = _run("value_dim", [probs, lv, v_codes, v_norms, prm],
-                   [("D", D), ("BITS", bits), ("R", R), ("NTH", NTH), ("TILE", tile)], (B * Hkv, ns), NTH,
+                   [("D", D), ("BITS", bits), ("R", R), ("NTH", NTH), ("TILE", tile), ("PAIR", pair)], (B * Hkv, ns), NTH,
                    [(B * Hkv, ns, R, D)], [mx.float32])
     (o,) = _run("value_reduce", [part, prm], [("D", D), ("R", R)], (B * Hq * L, 1), D,
                 [(B, Hq, L, D)], [mx.float32])
@@ -802,26 +819,23 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
     pool = 2 * R * D + R * V5_MAXNS
     nf = D // 2 if pair else D
     ring = nwarp * stage * step * (nf * bits // 32 + nf * kbits // 32) if stage > 0 else 4
-    # the keys' table lane-replicated (RQ_V5_DEFS=KREP, opt-in until run on a GPU)
-    krep = "KREP" in V5_DEFS and bool(pair) and vdec == 2 and luts == 32 and pair[0] <= 128
-    klut = pair[0] * (32 if krep else 1) if pair else (1 << (2 * kbits)) if kbits != bits else 0
+    klut = pair[0] if pair else (1 << (2 * kbits)) if kbits != bits else 0
     small = 2 * nwarp * MMA_N + 2 * MMA_N  # the warps' (m, l) and the rows' (m, l), first in the arena
-    kpad = pad = 0
-    if krep and be == "cuda":  # the keys' table on a multiple of its size (KPAD)
-        kpad = (4 * klut - (1024 + 4 * small + 4 * pool) % (4 * klut)) % (4 * klut)
+    pad = 0
     if vdec == 2 and luts == 32 and be == "cuda":
-        pad = (8192 - (1024 + 4 * small + 4 * pool + kpad + 4 * klut) % 8192) % 8192
-    return 4 * small + 4 * ring + 4 * pool + kpad + 4 * klut + 4 * np_ * luts + pad + 4 * 2
+        pad = (8192 - (1024 + 4 * small + 4 * pool + 4 * klut) % 8192) % 8192
+    return 4 * small + 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * 2
 
 
 def v5_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None,
           vdec: int = 1, kbits: int | None = None, pair: tuple[int, int] | None = None) -> bool:
-    """Shapes attn_v5 covers: those of the matrix-unit kernels (keys and values each; pair codebooks: those of the
-    3-bit codes), within the threadgroup memory limit."""
+    """Shapes attn_v5 covers: those of the matrix-unit kernels (keys and values each; pair codebooks: up to 8 rows at
+    head dim 64, 128 or 256, their lane chunks funnel-shifted where they start mid-word), within the threadgroup
+    memory limit."""
     nth = v5_nth(0) if nth is None else nth
     stage = V5_STAGE if stage is None else stage
     kb = bits if kbits is None else kbits
-    shapes = mma_ok(D, 3, R) if pair else mma_ok(D, bits, R) and mma_ok(D, kb, R)
+    shapes = (R <= MMA_N and D in (64, 128, 256)) if pair else mma_ok(D, bits, R) and mma_ok(D, kb, R)
     return (shapes and nth % 64 == 0 and stage >= 0
             and _v5_smem(D, bits, R, nth, be, stage, vdec, kb, pair) <= SMEM_LIMIT[be])
 
@@ -893,8 +907,6 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     be = backend() or "cuda"
     if nth is None:
         nth = v5_nth(valid_len)
-        if pair is not None and not v5_ok(D, bits, R, be, nth, V5_STAGE, 2, kb, pair):
-            nth = 256  # the keys' lane-replicated table (KREP) leaves 384 threads no room for the copy ring
     nth, stage, pf, vdec = _v5_config(D, bits, R, be, nth, stage, pf, V5_STAGE, V5_PF, V5_VDEC if vdec is None else vdec,
                                       kb, pair)
     if pair is not None and vdec != 2:
@@ -1046,12 +1058,14 @@ def _split_fp32(q, m, k_codes, k_norms, v_codes, v_norms, levels, *, bits, scale
 def attention_four(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array,
                    v_codes: mx.array, v_norms: mx.array, levels: mx.array, *, bits: int, scale: float,
                    valid_len: int, offset: int = 0, causal: bool = False, rot: int = ROT_WHT | ROT_SO4,
-                   strategy: str = "auto") -> mx.array:
-    """The four-kernel pipeline (query rotation, A, B, C, D); returns out [B, Hq, L, D] float32."""
+                   strategy: str = "auto", key_bits: int | None = None,
+                   key_levels: mx.array | None = None) -> mx.array:
+    """The four-kernel pipeline (query rotation, A, B, C, D); returns out [B, Hq, L, D] float32. key_bits /
+    key_levels: the keys' own width and codebook (kv.key_bits, or pair codebooks: both tables [n, 2])."""
     Hkv = k_codes.shape[1]
+    kl, kb = (levels, bits) if key_levels is None else (key_levels, key_bits or bits)
     q_rot = rotate_queries(q, mats, Hkv, rot=rot) if rot else q.astype(mx.float32)
-    s = qk_dot(q_rot, k_codes, k_norms, levels, bits=bits, scale=scale, valid_len=valid_len, offset=offset,
-               causal=causal)
+    s = qk_dot(q_rot, k_codes, k_norms, kl, bits=kb, scale=scale, valid_len=valid_len, offset=offset, causal=causal)
     p = softmax(s)
     o = value_accum(p, v_codes, v_norms, levels, bits=bits, strategy=strategy)
     return rotate_inverse(o, mats, Hkv, rot=rot) if rot else o

@@ -286,11 +286,6 @@ def attention_stages(cache: Any, queries: mx.array, scale: float) -> Optional[di
     """
     if not hasattr(cache, "k_codes") or cache.k_codes is None:
         return None
-    if getattr(cache, "pair_points", None):
-        raise RQError("rq profile times the four-kernel pipeline, which takes scalar codebooks only "
-                      "(kv.pair_points is set)")
-    if getattr(cache, "key_bits", None):
-        raise RQError("rq profile times caches with one bit width for keys and values (kv.key_bits is set)")
     if backend() != "cpu":
         from rq_core import kernels
 
@@ -306,6 +301,8 @@ def _kernel_stages(cache: Any, q: mx.array, scale: float) -> dict[str, Any]:
 
     T, bits, Hkv = cache.packed_len, cache.bits, cache.k_codes.shape[1]
     levels = cache.levels
+    # keys at their own width and codebook (kv.key_bits; pair codebooks: both tables [n, 2])
+    kbits, klevels = (cache.key_bits, cache.k_levels) if getattr(cache, "key_bits", None) else (bits, levels)
     flags, mats = K.rotation_args(cache.rotation)  # the kernels' in-kernel rotation (WHT/SO(4)/dense)
     fwd = lambda: K.rotate_queries(q, mats, Hkv, rot=flags)  # noqa: E731
     inv = lambda o: K.rotate_inverse(o, mats, Hkv, rot=flags)  # noqa: E731
@@ -317,7 +314,7 @@ def _kernel_stages(cache: Any, q: mx.array, scale: float) -> dict[str, Any]:
         return st["q_rot"]
 
     def qk_dot() -> mx.array:
-        st["scores"] = K.qk_dot(st["q_rot"], cache.k_codes, cache.k_norms, levels, bits=bits, scale=scale,
+        st["scores"] = K.qk_dot(st["q_rot"], cache.k_codes, cache.k_norms, klevels, bits=kbits, scale=scale,
                                 valid_len=T)
         return st["scores"]
 
@@ -350,7 +347,6 @@ def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int
     """The CPU reference path stage by stage: like `attention.packed_attention` but with the scores
     written out whole ([.., T] floats, what kernels A/B/C exchange) instead of an online softmax."""
     from rq_core import attention
-    from rq_core.packing import unpack
 
     chunk = chunk or attention.CHUNK
     T, d, bits = cache.packed_len, q.shape[-1], cache.bits
@@ -359,6 +355,8 @@ def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int
     G = Hq // Hkv
     inv = 1.0 / d ** 0.5
     levels = cache.levels.astype(mx.float32)
+    kbits, klevels = ((cache.key_bits, cache.k_levels.astype(mx.float32)) if getattr(cache, "key_bits", None)
+                      else (bits, levels))
     st: dict[str, Any] = {}
 
     def rotation() -> mx.array:
@@ -369,7 +367,7 @@ def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int
         parts = []
         for k0 in range(0, T, chunk):
             k1 = min(T, k0 + chunk)
-            keys = levels[unpack(cache.k_codes[:, :, k0:k1], bits, d)]
+            keys = attention.decode(cache.k_codes[:, :, k0:k1], klevels, kbits, d)
             ks = cache.k_norms[:, :, k0:k1].astype(mx.float32) * (inv * scale)
             parts.append((st["q_rot"] @ keys[:, :, None].swapaxes(-1, -2)) * ks[:, :, None, None, :])
         st["scores"] = mx.concatenate(parts, axis=-1)
@@ -383,7 +381,7 @@ def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int
         acc = None
         for k0 in range(0, T, chunk):
             k1 = min(T, k0 + chunk)
-            vals = levels[unpack(cache.v_codes[:, :, k0:k1], bits, d)]
+            vals = attention.decode(cache.v_codes[:, :, k0:k1], levels, bits, d)
             vs = cache.v_norms[:, :, k0:k1].astype(mx.float32) * inv
             part = (st["p"][..., k0:k1] * vs[:, :, None, None, :]) @ vals[:, :, None]
             acc = part if acc is None else acc + part
@@ -579,6 +577,8 @@ def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill
         "reference_path": be == "cpu" or "reference" in paths,
         "kv_mode": kv.mode,
         "rotation": getattr(kv, "rotation", None),
+        "key_bits": getattr(kv, "key_bits", None) if kv.mode != "fp16" else None,
+        "pair_points": list(kv.pair_points) if kv.mode != "fp16" and getattr(kv, "pair_points", None) else None,
         "attention_path": paths[0] if len(paths) == 1 else (paths or None),
         "threshold": threshold,
         "warmup": warmup,

@@ -34,11 +34,11 @@ CASES = {
     "attn_merge": [("D", 64), ("R", 8), ("ROT", 3), ("HKV", 4), ("NTC", 256), ("MAXS", 128)],
     "rotate_query": [("D", 128), ("R", 8), ("ROT", 3), ("INV", 0)],
     "rotate_inverse": [("D", 256), ("R", 1), ("ROT", 2), ("INV", 1)],
-    "qk_dot": [("D", 64), ("BITS", 4), ("R", 4), ("LQ", 1), ("TPT", 4), ("NTH", 128)],
+    "qk_dot": [("D", 64), ("BITS", 4), ("R", 4), ("LQ", 1), ("TPT", 4), ("NTH", 128), ("PAIR", 0)],
     "softmax": [("NTH", 256)],
-    "value_dim": [("D", 128), ("BITS", 3), ("R", 8), ("NTH", 128), ("TILE", 128)],
+    "value_dim": [("D", 128), ("BITS", 3), ("R", 8), ("NTH", 128), ("TILE", 128), ("PAIR", 0)],
     "value_reduce": [("D", 128), ("R", 8)],
-    "value_word": [("D", 128), ("BITS", 2), ("R", 8), ("NSL", 32)],
+    "value_word": [("D", 128), ("BITS", 2), ("R", 8), ("NSL", 32), ("PAIR", 0)],
     "attn_v4": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
                 ("ROT", 3), ("NTH", 128), ("TILE", 128)],
     "attn_v5": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 3), ("PK", 0), ("PV", 0), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0),
@@ -52,6 +52,10 @@ CASES = {
 }
 # more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
 EXTRA_CASES = {
+    # the four kernels with pair codebooks (128, 32): 7-bit key fields, 5-bit value fields
+    "qk_dot/pair": ("qk_dot", [("D", 128), ("BITS", 7), ("R", 8), ("LQ", 1), ("TPT", 2), ("NTH", 128), ("PAIR", 1)]),
+    "value_dim/pair": ("value_dim", [("D", 128), ("BITS", 5), ("R", 8), ("NTH", 128), ("TILE", 128), ("PAIR", 1)]),
+    "value_word/pair": ("value_word", [("D", 64), ("BITS", 5), ("R", 8), ("NSL", 16), ("PAIR", 1)]),
     "attn_v4/dense_bf16": ("attn_v4", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("R", 4), ("LQ", 1), ("HKV", 2),
                                        ("CAUSAL", 0), ("ROT", 4), ("NTH", 128), ("TILE", 128)]),
     "attn_v4/rwht_so4": ("attn_v4", [("TQ", "f16"), ("D", 128), ("BITS", 3), ("R", 8), ("LQ", 1), ("HKV", 4),
@@ -515,24 +519,6 @@ def test_v5_cuda_source_runs_on_cpu_executor(case):
     assert r["err_half"] < tol and r["lse_err"] < 1e-3
 
 
-def test_v5_pair_keys_table_replicated_on_cpu_executor(monkeypatch):
-    """RQ_V5_KREP (opt-in): pair codebooks with the keys' 128-entry table lane-replicated at a 16 KB boundary; correct
-    against float64 on the CPU executor (whose layout is CUDA's: a misplaced table writes NaN), f16 and f32 queries,
-    the ring and rows through registers; the shared bytes as the host budgets them."""
-    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
-        pytest.skip("needs g++ and ucontext (Linux)")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import emulate_kernel as EK
-
-    monkeypatch.setattr(K, "V5_DEFS", ("KREP",))
-    for qd, st, T, tol in (("f16", 1, 1001, 5e-4), ("f32", 0, 301, 2e-6)):
-        r = EK.run_v5(np.random.default_rng(17), seed=7, G=8, d=128, T=T, nth=256, pf=1 if st else 2, stage=st,
-                      vdec=2, merge=1, sacc=1, blocks=12, qdtype=qd, bits=5, key_bits=7, pair_points=(128, 32))
-        assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
-        assert r["err_half"] < tol and r["lse_err"] < 1e-3
-        assert r["smem_bytes"] == K._v5_smem(128, 5, 8, 256, "cuda", st, 2, 7, (128, 32))
-
-
 def test_v5_shared_slabs_added_in_place_on_cpu_executor(monkeypatch):
     """RQ_V5_NSLADD (384 threads' merge with warps 0-5 adding into the slabs in place, session 12's default; the
     default now sums round 1 in registers, the 384-thread case above): correct against float64 on the CPU executor,
@@ -631,16 +617,11 @@ def test_v5_plan_and_shapes():
     assert [K._v5_smem(128, 3, 8, n, "cuda", st, 2) for n, st in ((256, 1), (256, 2), (384, 1), (448, 1), (512, 1))] \
         == [35848, 48136, 41992, 45064, 48136]
     assert K.v5_ok(128, 3, 8, "cuda", 512, 1, 2)
-    # pair codebooks (128, 32): 31,752 B with the keys' single table (256 threads, one slot: the executor's layout);
-    # with it lane-replicated (RQ_V5_KREP: 16 KB on a 16 KB boundary) 256 threads fit the ring (attention_v5 takes
-    # 256 where the context would pick 384), 384 only without it
+    # pair codebooks (128, 32): 31,752 B with the keys' own table (256 threads, one slot: nvcc's report and the
+    # executor's layout); 384 threads fit the ring; head dim 64 too (lane chunks funnel-shifted, its 3-bit codes not)
     pair = dict(vdec=2, kbits=7, pair=(128, 32))
     assert K._v5_smem(128, 5, 8, 256, "cuda", 1, **pair) == 31752 and K.v5_ok(128, 5, 8, "cuda", 384, 1, **pair)
-    import unittest.mock
-
-    with unittest.mock.patch.object(K, "V5_DEFS", ("KREP",)):
-        assert K._v5_smem(128, 5, 8, 256, "cuda", 1, **pair) == 48136 and K.v5_ok(128, 5, 8, "cuda", 256, 1, **pair)
-        assert not K.v5_ok(128, 5, 8, "cuda", 384, 1, **pair) and K.v5_ok(128, 5, 8, "cuda", 384, 0, **pair)
+    assert K.v5_ok(64, 5, 8, "cuda", 256, 1, **pair) and not K.v5_ok(64, 3, 8, "cuda", 256, 1)
     assert K.v5_ok(128, 3, 8, "cuda", 256, 2) and not K.v5_ok(128, 3, 8, "cuda", 256, 3)
     assert not K.v5_ok(128, 3, 8, "metal", 256, 2)
 

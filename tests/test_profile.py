@@ -88,6 +88,36 @@ def test_profile_compressed_kernels_add_up(tiny) -> None:
     assert rep["reference_path"] == (rep["backend"] == "cpu")
 
 
+@pytest.mark.parametrize("extra", [dict(pair_points=(128, 32)), dict(key_bits=4)])
+def test_profile_takes_pair_codebooks_and_key_widths(tiny, extra) -> None:
+    """Caches with pair codebooks or keys at their own width are staged too (their own tables and field widths):
+    the stages, run in order, give what the cache's attention gives."""
+    from rq_core.profile import attention_stages
+
+    rep = profile_model(tiny, [200], kv=KVSettings(mode="isoquant3", fp16_window=0, **extra), warmup=0, repeats=2)
+    r = rep["results"][0]
+    _check_report(r)
+    assert all(v > 0 for v in r["kernels"].values())
+    assert rep["pair_points"] == (list(extra["pair_points"]) if "pair_points" in extra else None)
+    assert rep["key_bits"] == extra.get("key_bits")
+    caches = tiny.make_cache(KVSettings(mode="isoquant3", fp16_window=0, **extra))
+    fill_caches(tiny, caches, 150)
+    cache = caches[0]
+    q = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3))
+    st = attention_stages(cache, q, 128 ** -0.5)
+    out = None
+    for name in STAGES:
+        out = st["stages"][name]()
+    from rq_core.attention import packed_attention
+
+    q_rot = cache.rotation.forward_queries(q)
+    o_rot, _ = packed_attention(q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, cache.levels,
+                                bits=cache.bits, scale=128 ** -0.5, offset=149, causal=False, valid_len=150,
+                                key_bits=cache.key_bits, key_levels=cache.k_levels)
+    want = cache.rotation.inverse_queries(o_rot)
+    assert mx.allclose(out.reshape(want.shape), want, atol=1e-4).item()
+
+
 def test_profile_fp16_has_no_stages(tiny) -> None:
     rep = profile_model(tiny, [128], kv=KVSettings(mode="fp16"), warmup=1, repeats=3)
     r = rep["results"][0]
@@ -120,7 +150,18 @@ def test_cli_json() -> None:
     assert rep["backend"] in ("cpu", "cuda", "metal") and rep["verdict"] in ("go", "no-go")
 
 
+@pytest.mark.skipif(not (GOLDEN / "config.json").is_file(), reason="golden tiny model missing")
+def test_cli_json_pair_points() -> None:
+    res = CliRunner().invoke(app, ["profile", str(GOLDEN), "--context", "64", "--repeats", "2", "--pair-points",
+                                   "128,32", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["pair_points"] == [128, 32] and rep["key_bits"] is None and set(rep["results"][0]["kernels"]) == set(STAGES)
+
+
 @pytest.mark.parametrize("args, msg", [
+    (["--pair-points", "100,32"], "pair"),
+    (["--pair-points", "128,32", "--key-bits", "4"], "cannot be combined"),
     (["--context", "abc"], "bad --context"),
     (["--context", "0"], "positive"),
     (["--threshold", "1.5"], "threshold"),

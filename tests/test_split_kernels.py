@@ -131,3 +131,25 @@ def test_pair_codebooks_through_the_kernels(monkeypatch):
     for g, r in zip(got, ref):
         assert np.isfinite(g).all()
         assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's points are fp16
+
+
+@needs_emu
+@pytest.mark.parametrize("strategy", ["word", "dim"])
+@pytest.mark.parametrize("case", [dict(d=128, T=300, bits=5, key_bits=7, pair=(128, 32)),
+                                  dict(d=64, T=130, bits=5, key_bits=7, pair=(128, 32)),
+                                  dict(d=256, T=70, bits=4, key_bits=6, pair=(64, 16)),
+                                  dict(d=128, T=200, bits=3, key_bits=4, pair=None)])
+def test_four_kernels_take_pair_codebooks_and_key_widths(case, strategy, monkeypatch):
+    """The four-kernel pipeline (what `rq profile` times) with pair codebooks, and with keys at their own width:
+    Kernel A through the keys' table, Kernel C (both strategies) through the values', against the float64 reference
+    (kernels_check's case and comparison; in-kernel rotation, causal over two queries)."""
+    import kernels_check as KC
+
+    _kernels_on_executor(monkeypatch)
+    rng = np.random.default_rng(11)
+    L = 2
+    c = KC.make_case(rng, B=1, Hkv=2, G=4, L=L, d=case["d"], T=case["T"], bits=case["bits"],
+                     key_bits=case["key_bits"], pair_points=case["pair"])
+    err, nan, _ = KC.run_case(K, mx, c, T=case["T"], bits=case["bits"], path="four", strategy=strategy, causal=True,
+                              offset=case["T"] - L, rot=3, key_bits=case["key_bits"])
+    assert nan == 0 and err < 2e-6, err

@@ -265,6 +265,13 @@ def iso_four(L, i, strategy="auto"):
                             bits=BITS, scale=SCALE, valid_len=T, strategy=strategy)
 
 
+def iso_four_pair(L, i):
+    """The four kernels with pair codebooks (isoquant3's default, kv.pair_points (128, 32)); pair_inputs(L) first."""
+    T = L["kcp"][i].shape[2]
+    return K.attention_four(L["q"][i], L["mats"][i], L["kcp"][i], L["kn"][i], L["vcp"][i], L["vn"][i], L["pv"], bits=5,
+                            key_bits=7, key_levels=L["pk"], scale=SCALE, valid_len=T)
+
+
 def iso_fused(L, i, variant=None):
     T = L["kc"][i].shape[2]
     return K.attention_split(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
@@ -382,11 +389,16 @@ def main() -> None:
         for nb in [int(x) for x in a.v4_blocks.split(",") if x]:
             methods[f"IsoQuant-3 v4 {nb} blocks"] = lambda i, nb=nb: iso_v4(L, i, nb)
         methods["IsoQuant-3 v5 (one launch)"] = lambda i: iso_v5(L, i)
+        # isoquant3's default codebooks since session 14: pairs of coordinates, 128 / 32 points (IsoQuant-3's bytes)
+        methods["IsoQuant-3 v5 pair codebooks (one launch)"] = lambda i: iso_v5_pair(L, i)
+        methods["IsoQuant-3 four-kernel pair codebooks"] = lambda i: iso_four_pair(L, i)
         methods["IsoQuant-3 v5, one score accumulator"] = lambda i: iso_v5_sacc(L, i, 1)
         methods["IsoQuant-3 v5, source as written"] = lambda i: iso_v5_unminified(L, i)
         for cfg in [tuple(int(v) for v in x.split(":")) for x in a.v5_configs.split(",") if x]:
             methods["IsoQuant-3 v5 " + "/".join(map(str, cfg))] = lambda i, cfg=cfg: iso_v5(L, i, *cfg)
         methods = {k: f for k, f in methods.items() if wanted(k)}
+        if any("pair codebooks" in k for k in methods):
+            pair_inputs(L)
         res = {}
         for rnd in range(2):  # two rounds, interleaved: the spread between them is the noise
             for name, f in list(methods.items()):

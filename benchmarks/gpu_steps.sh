@@ -49,7 +49,7 @@ peer_table() {
   mkdir -p "$OUT/table"
   timeout "$1" python3 benchmarks/attention.py --skip-threshold --skip-stages --layers 64 --reps 5 --chain \
     --pipeline 4 --contexts 4096,32768,131072 \
-    --methods "=fp16 SDPA,=qmm 8-bit,=qmm 4-bit,=TurboQuant-3 (dense),=IsoQuant-3 four-kernel,=IsoQuant-3 v5 (one launch),=IsoQuant-3 v5 + fp16 window 32 (one launch)" \
+    --methods "=fp16 SDPA,=qmm 8-bit,=qmm 4-bit,=TurboQuant-3 (dense),=IsoQuant-3 four-kernel,=IsoQuant-3 v5 (one launch),=IsoQuant-3 v5 + fp16 window 32 (one launch),=IsoQuant-3 v5 pair codebooks (one launch),=IsoQuant-3 four-kernel pair codebooks" \
     --out "$OUT/table" > "$OUT/table.log" 2>&1
   grep -E "^\||FAILED|Error" "$OUT/table.log"
 }

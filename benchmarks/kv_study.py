@@ -431,7 +431,9 @@ def paired_stats(d: np.ndarray) -> dict:
 
 # ----------------------------------------------------------------------------------------- settings
 def iso(**kw: Any) -> KVSettings:
-    return KVSettings(mode="isoquant3", **kw)
+    """IsoQuant-3 with scalar codebooks (the study's baseline; the cache's default became pair codebooks in session
+    14, the study's PP128x32 rows)."""
+    return KVSettings(mode="isoquant3", **{"pair_points": ()} | kw)
 
 
 def turbo(**kw: Any) -> KVSettings:
@@ -623,7 +625,7 @@ PAIRS += [(f"wht_so4 PP128x32 win32 s{i}", f"wht_so4 win32 s{i}") for i in range
 
 def row_bytes(r: dict, n_layers: int, d: int, tokens: int) -> float:
     """KV bytes / fp16 of a results row at `tokens` tokens (the same formula as Setting.bytes_ratio)."""
-    s = Setting(r["name"], KVSettings(mode=r["mode"], bits=r["bits"], fp16_window=r["fp16_window"]),
+    s = Setting(r["name"], KVSettings(mode=r["mode"], bits=r["bits"], fp16_window=r["fp16_window"], pair_points=()),
                 key_bits=r["key_bits"], value_bits=r["value_bits"], fp16_layers=tuple(r["fp16_layers"]),
                 sink=r.get("sink", 0), center=r.get("center", ""))
     return s.bytes_ratio(n_layers, d, tokens)

@@ -36,7 +36,7 @@ def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int
     em = ev.load_eval_model(None)
     ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
     kv = KVSettings(mode="isoquant3", bits=bits, rotation="wht_so4", fp16_window=32,
-                    key_bits=key_bits if real else None, pair_points=tuple(pair_points) if real and pair_points else None)
+                    key_bits=key_bits if real else None, pair_points=tuple(pair_points) if real and pair_points else ())
     model = em.model
     emulated = bool(key_bits or value_bits or qjl or pairvq or pair_points) and not real
     if emulated:
@@ -58,7 +58,7 @@ def gates(key_bits: int | None, value_bits: int | None, pair_points: tuple = ())
 
     em = ev.load_eval_model(None)
     ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
-    kv = KVSettings(mode="isoquant3", bits=3, rotation="wht_so4", fp16_window=32)
+    kv = KVSettings(mode="isoquant3", bits=3, rotation="wht_so4", fp16_window=32, pair_points=())
     model = kv_study._CacheModel(em.model, kv_study.Setting("split", kv, key_bits=key_bits or 3,
                                                              value_bits=value_bits or 3, pair_points=tuple(pair_points)))
     runner = ev.GateRunner(em, ev.load_gates(), ids)

@@ -76,9 +76,12 @@ def main() -> None:
                          "e.g. --set windows=2 --set 'niah_depths=[0.5]'")
     ap.add_argument("--window-row", type=int, action="append", default=[], metavar="N",
                     help="also turbo3 and wht_so4 rows whose caches keep their newest N tokens in fp16")
-    ap.add_argument("--pair-row", default="", metavar="K,V",
-                    help="also an IsoQuant-3 wht_so4 row with pair codebooks of K and V points (kv.pair_points), "
-                         "with each --window-row's window")
+    ap.add_argument("--pair-row", default="128,32", metavar="K,V",
+                    help="IsoQuant-3 wht_so4 rows with pair codebooks of K and V points (kv.pair_points; the default "
+                         "128,32 is isoquant3's own), with each --window-row's window ('off': none). The other rows "
+                         "are scalar codebooks (the paper's)")
+    ap.add_argument("--pair-ablation", action="store_true",
+                    help="also the rotation ablation's bare rows with the pair codebooks of --pair-row")
     ap.add_argument("--only", default="", help="comma-separated row labels to run (e.g. isoquant3/wht_so4+w32)")
     ap.add_argument("--merge", default=None, metavar="JSON",
                     help="add the rows run into this earlier results file (same model and settings required), "
@@ -102,14 +105,19 @@ def main() -> None:
     rows = []
     # the rotation ablation compares bare caches (no fp16 window, as the paper); --window-row adds the
     # default configuration (a window of N newest tokens in fp16) for TurboQuant-3 and IsoQuant-3 wht_so4
-    settings = [ev.kv_settings(mode, rot, fp16_window=0) for mode, rot in MODES]
-    settings += [ev.kv_settings(m, r, fp16_window=n) for n in args.window_row
+    # (scalar codebooks: pair_points (); isoquant3's default is the pair codebooks of --pair-row's rows)
+    settings = [ev.kv_settings(mode, rot, fp16_window=0, pair_points=()) for mode, rot in MODES]
+    settings += [ev.kv_settings(m, r, fp16_window=n, pair_points=()) for n in args.window_row
                  for m, r in (("turbo3", None), ("isoquant3", "wht_so4"))]
-    if args.pair_row:
+    if args.pair_row != "off":
         from rq_core.codebook import check_pair_points
 
         pp = check_pair_points(args.pair_row.split(","))
-        settings += [ev.kv_settings("isoquant3", "wht_so4", fp16_window=n, pair_points=pp) for n in args.window_row or [0]]
+        if args.pair_ablation:
+            settings += [ev.kv_settings(mode, rot, fp16_window=0, pair_points=pp) for mode, rot in MODES
+                         if mode == "isoquant3"]
+        settings += [ev.kv_settings("isoquant3", "wht_so4", fp16_window=n, pair_points=pp)
+                     for n in args.window_row or ([] if args.pair_ablation else [0])]
     only = {x for x in args.only.split(",") if x}
     unknown = only - {ev.label(kv) for kv in settings}
     if unknown:

@@ -98,8 +98,8 @@ def gpu_first_run_note() -> None:
 KEY_BITS = typer.Option(None, "--key-bits", help="Keys at this many bits, values at the mode's 3 (e.g. 4: needles "
                                                  "kept on the bundled model, 14% more KV bytes).")
 PAIR_POINTS = typer.Option(None, "--pair-points",
-                           help="2-D codebooks: keys' and values' points a pair of coordinates, e.g. 128,32 "
-                                "(IsoQuant-3's bytes; needles kept on the bundled model).")
+                           help="Codebooks: keys' and values' points a pair of rotated coordinates (default 128,32 for "
+                                "isoquant3: IsoQuant-3's bytes), or 'off' for scalar codebooks (the paper's).")
 
 
 def key_bits_arg(kv: str, n: Optional[int]) -> Optional[int]:
@@ -111,10 +111,13 @@ def key_bits_arg(kv: str, n: Optional[int]) -> Optional[int]:
     return check_bits(n)
 
 
-def pair_points_arg(kv: str, spec: Optional[str], key_bits: Optional[int]) -> Optional[tuple[int, int]]:
-    """--pair-points "K,V" for a compressed mode (fp16 ignores it)."""
+def pair_points_arg(kv: str, spec: Optional[str], key_bits: Optional[int]) -> Optional[tuple]:
+    """--pair-points "K,V" or "off" (scalar codebooks: ()) for a compressed mode (fp16 ignores it); None when not
+    given (the settings' default)."""
     if spec is None or kv == "fp16":
         return None
+    if spec.strip().lower() == "off":
+        return ()
     if key_bits is not None:
         raise RQError("--key-bits and --pair-points cannot be combined")
     from rq_core.codebook import check_pair_points

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import console, gpu_first_run_note, handle_errors, print_json
+from rq_cli.common import console, gpu_first_run_note, handle_errors, pair_points_arg, print_json
 from rq_core.errors import RQError
 
 KV_CHOICES = ("fp16", "isoquant3", "turbo3")
@@ -63,9 +63,9 @@ def run(
                                            help="Rotation of an isoquant3 cache: wht_so4 (default), rwht_so4 (random "
                                                 "signs first), wht, so4, so3 (default: the recipe's)."),
     pair_points: Optional[str] = typer.Option(None, "--pair-points",
-                                              help="2-D codebooks of a compressed KV cache: keys' and values' points, "
-                                                   "e.g. 128,32 (IsoQuant-3's bytes; default: the recipe's "
-                                                   "kv.pair_points, else scalar codebooks)."),
+                                              help="Codebooks of a compressed KV cache: keys' and values' points a pair "
+                                                   "of rotated coordinates, e.g. 128,32, or 'off' for scalar codebooks "
+                                                   "(default: the recipe's kv.pair_points, else 128,32 for isoquant3)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -95,11 +95,7 @@ def run(
         raise RQError("--prefill-chunk must be >= 1")
     if rotation is not None and rotation not in ("wht_so4", "rwht_so4", "wht", "so4", "so3"):
         raise RQError(f"unknown --rotation {rotation!r} (choose from: wht_so4, rwht_so4, wht, so4, so3)")
-    pp = None
-    if pair_points is not None:
-        from rq_core.codebook import check_pair_points
-
-        pp = check_pair_points([x for x in pair_points.split(",") if x.strip()])
+    pp = pair_points_arg("isoquant3", pair_points, None)
 
     from rq_core.checkpoint import context_length, load
     from rq_core.generate import generate
@@ -110,7 +106,7 @@ def run(
     ckpt = load(model, cpu_float32=True)
     settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager, rotation)
     if pp is not None:
-        if settings.key_bits is not None:
+        if pp and settings.key_bits is not None:
             raise RQError("--pair-points cannot be combined with the recipe's kv.key_bits")
         settings = dataclasses.replace(settings, pair_points=pp)
     kv = settings.mode
@@ -144,9 +140,12 @@ def run(
             sys.stdout.write(piece)
             sys.stdout.flush()
 
+    caches = ckpt.model.make_cache(settings)
     res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
                    kv=settings, eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
-                   context_length=ctx, on_token=None if json_out else on_token)
+                   context_length=ctx, on_token=None if json_out else on_token, cache=caches)
+    # the codebooks the compressed caches took (the settings' default depends on the head dim)
+    pairs = next((c.pair_points for c in caches if hasattr(c, "k_codes")), None)
     text_out = tok.decode(res.tokens)
     if json_out:
         d = res.as_dict()
@@ -155,7 +154,7 @@ def run(
         print_json({"text": text_out, **d, "kv_mode": kv, "kv_window": settings.fp16_window,
                     "rotation": settings.rotation if kv == "isoquant3" else None,
                     "kv_key_bits": settings.key_bits if kv != "fp16" else None,
-                    "kv_pair_points": list(settings.pair_points) if kv != "fp16" and settings.pair_points else None,
+                    "kv_pair_points": list(pairs) if pairs else None,
                     "settings_from": source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
         return
     tail = stream.flush()

@@ -114,8 +114,8 @@ def label(kv: KVSettings) -> str:
     if kv.mode == "fp16":
         return name
     name = f"{name}+w{kv.fp16_window}" if kv.fp16_window else name
-    if kv.pair_points:
-        return f"{name}+p{kv.pair_points[0]}x{kv.pair_points[1]}"
+    if kv.pairs:
+        return f"{name}+p{kv.pairs[0]}x{kv.pairs[1]}"
     return f"{name}+k{kv.key_bits}" if kv.key_bits not in (None, kv.bits) else name
 
 
@@ -207,7 +207,7 @@ def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, pre
                      windows=len(wins), prefill=prefill, nll=nll,
                      fp16_window=kv.fp16_window if kv.mode != "fp16" else 0,
                      key_bits=kv.key_bits if kv.mode != "fp16" else None,
-                     pair_points=kv.pair_points if kv.mode != "fp16" else None)
+                     pair_points=kv.pairs)
 
 
 @dataclass

@@ -24,6 +24,11 @@ Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask
 DEFAULT_FP16_WINDOW = 32
 
 
+# isoquant3's codebooks: keys' 128 and values' 32 points a pair of rotated coordinates (7 + 5 bits a pair: 3 bits a
+# coordinate, as the scalar codebook's 8 levels). Measured on the bundled model (README, "Needles and bits").
+DEFAULT_PAIR_POINTS = (128, 32)
+
+
 @dataclass
 class KVSettings:
     """How full-attention layers store K/V. Sliding-window and Mamba layers ignore this.
@@ -41,10 +46,28 @@ class KVSettings:
     # keys at their own width (None: `bits`). 4 with bits 3 kept fp16's needle retention on the bundled model
     # (README, "Needles and bits"). The GPU kernels take both widths (RQ_SPLIT_KERNELS=0: the reference path).
     key_bits: int | None = None
-    # 2-D codebooks (keys' points, values' points), e.g. (128, 32): one index a pair of rotated coordinates, log2(n)
-    # / 2 bits a coordinate. (128, 32) has IsoQuant-3's bytes and kept needles level with fp16 on the bundled model
-    # (README, "Needles and bits"). On a GPU kv_append and attn_v5 take them.
-    pair_points: tuple[int, int] | None = None
+    # 2-D codebooks (keys' points, values' points): one index a pair of rotated coordinates, log2(n) / 2 bits a
+    # coordinate. None: DEFAULT_PAIR_POINTS for isoquant3 at 3 bits (sphere codebook, no key_bits), else scalar
+    # codebooks; (): scalar codebooks (the paper's). (128, 32) has IsoQuant-3's bytes and kept needles level with
+    # fp16 on the bundled model where the scalar codebook lost them (README, "Needles and bits").
+    pair_points: tuple[int, int] | tuple[()] | None = None
+
+    @property
+    def pairs(self) -> tuple[int, int] | None:
+        """The pair codebooks' points this setting resolves to, or None for scalar codebooks (at head dims that
+        are multiples of 64: pairs_for)."""
+        return self.pairs_for(128)
+
+    def pairs_for(self, head_dim: int) -> tuple[int, int] | None:
+        """pairs at this head dim: the default holds where its fields fill whole words, as the scalar codebook's do
+        (7 d / 64 and 5 d / 64 words a row; at head dim 32, 4 + 3 words against 3 + 3)."""
+        if self.mode == "fp16":
+            return None
+        if self.pair_points is None:
+            default = (self.mode == "isoquant3" and self.bits == 3 and self.key_bits is None
+                       and self.codebook == "sphere" and head_dim % 64 == 0)
+            return DEFAULT_PAIR_POINTS if default else None
+        return tuple(self.pair_points) or None
 
 
 class KVCache(Protocol):
@@ -424,7 +447,7 @@ def make_kv_cache(settings: KVSettings, *, layer: int, n_kv_heads: int, head_dim
     kw = dict(head_dim=head_dim, n_kv_heads=n_kv_heads, layer=layer, bits=settings.bits,
               codebook=settings.codebook, fp16_window=settings.fp16_window,
               norm_correction=settings.norm_correction, seed=settings.seed, key_bits=settings.key_bits,
-              pair_points=settings.pair_points)
+              pair_points=settings.pairs_for(head_dim))
     if cls is IsoQuantCache:
         kw["rotation"] = settings.rotation
     return cls(**kw)

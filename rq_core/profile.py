@@ -578,7 +578,7 @@ def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill
         "kv_mode": kv.mode,
         "rotation": getattr(kv, "rotation", None),
         "key_bits": getattr(kv, "key_bits", None) if kv.mode != "fp16" else None,
-        "pair_points": list(kv.pair_points) if kv.mode != "fp16" and getattr(kv, "pair_points", None) else None,
+        "pair_points": list(kv.pairs) if kv.pairs else None,
         "attention_path": paths[0] if len(paths) == 1 else (paths or None),
         "threshold": threshold,
         "warmup": warmup,

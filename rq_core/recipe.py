@@ -101,7 +101,8 @@ class Recipe:
                 d["roles"][role] = {"quantize": False}
             else:
                 d["roles"][role] = {"bits": spec.bits, "group_size": spec.group_size, "method": spec.method}
-        d["kv"] = {k: v for k, v in dataclasses.asdict(self.kv).items() if v is not None}  # TOML has no null
+        # TOML has no null: an unset kv.pair_points (isoquant3's default codebooks) is left out; [] is scalar
+        d["kv"] = {k: v for k, v in dataclasses.asdict(self.kv).items() if v is not None}
         d["pager"] = {k: v for k, v in dataclasses.asdict(self.pager).items() if v is not None}
         d["calibration"] = dataclasses.asdict(self.calibration)
         if self.promote.kurtosis_threshold is not None:
@@ -204,16 +205,20 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
             raise RQError(f"{src}: kv.key_bits = {kv.key_bits} must be between 1 and 4")
     if kv.pair_points is not None:
         pp = kv.pair_points
-        if not isinstance(pp, list) or len(pp) != 2 or not all(isinstance(p, int) and not isinstance(p, bool)
-                                                                for p in pp):
-            raise RQError(f"{src}: kv.pair_points must be two integers, keys' and values' points (got {pp!r})")
-        from rq_core.codebook import PAIR_POINTS
+        if pp == []:  # scalar codebooks
+            kv.pair_points = ()
+        elif not isinstance(pp, list) or len(pp) != 2 or not all(isinstance(p, int) and not isinstance(p, bool)
+                                                                  for p in pp):
+            raise RQError(f"{src}: kv.pair_points must be two integers, keys' and values' points, or [] for "
+                          f"scalar codebooks (got {pp!r})")
+        else:
+            from rq_core.codebook import PAIR_POINTS
 
-        if any(p not in PAIR_POINTS for p in pp):
-            raise RQError(f"{src}: kv.pair_points = {pp} must each be one of {', '.join(map(str, PAIR_POINTS))}")
-        if kv.key_bits is not None:
-            raise RQError(f"{src}: kv.key_bits and kv.pair_points cannot both be set")
-        kv.pair_points = (pp[0], pp[1])
+            if any(p not in PAIR_POINTS for p in pp):
+                raise RQError(f"{src}: kv.pair_points = {pp} must each be one of {', '.join(map(str, PAIR_POINTS))}")
+            if kv.key_bits is not None:
+                raise RQError(f"{src}: kv.key_bits and kv.pair_points cannot both be set")
+            kv.pair_points = (pp[0], pp[1])
     _typed(src, "kv.fp16_window", kv.fp16_window, int)
     _typed(src, "kv.seed", kv.seed, int)
     _typed(src, "kv.norm_correction", kv.norm_correction, bool)

@@ -109,13 +109,13 @@ def test_niah_structure(tiny):
 
     res = ev.niah(m, ids, ev.needle_token_pieces(Tok()), [KVSettings(mode="fp16"), ev.kv_settings("isoquant3", "so3")],
                   lengths=[100], depths=[0.2, 0.8], trials=1)
-    assert set(res["modes"]) == {"fp16", "isoquant3/so3"}
+    assert set(res["modes"]) == {"fp16", "isoquant3/so3+p128x32"}  # isoquant3's default codebooks
     for r in res["modes"].values():
         assert len(r["cells"]) == 2 and all(0 <= c["accuracy"] <= 1 for c in r["cells"])
         assert all(c["accuracy"] == sum(c["hits"]) / 1 and set(c["hits"]) <= {0, 1} for c in r["cells"])
     ref = [h for c in res["modes"]["fp16"]["cells"] for h in c["hits"]]
-    got = [h for c in res["modes"]["isoquant3/so3"]["cells"] for h in c["hits"]]
-    pr = res["modes"]["isoquant3/so3"]["paired"]
+    got = [h for c in res["modes"]["isoquant3/so3+p128x32"]["cells"] for h in c["hits"]]
+    pr = res["modes"]["isoquant3/so3+p128x32"]["paired"]
     assert "paired" not in res["modes"]["fp16"]
     assert pr["lost"] == sum(r and not g for r, g in zip(ref, got)) and pr["gained"] == sum(g and not r for r, g in zip(ref, got))
 
@@ -161,7 +161,8 @@ def test_cli_ppl_fp16_window():
     assert ppl("--kv", "isoquant3")["fp16_window"] == 32  # the default, as `rq run`'s
     assert full["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
     assert short["ppl"] != pytest.approx(ref["ppl"], rel=1e-5)
-    assert ev.label(ev.kv_settings("isoquant3", fp16_window=32)) == "isoquant3/wht_so4+w32"
+    assert ev.label(ev.kv_settings("isoquant3", fp16_window=32)) == "isoquant3/wht_so4+w32+p128x32"
+    assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, pair_points=())) == "isoquant3/wht_so4+w32"
 
 
 def _iso_ppl(*extra) -> dict:
@@ -182,10 +183,11 @@ def test_cli_ppl_key_bits():
 
 
 def test_cli_ppl_pair_points():
-    """--pair-points: 2-D codebooks, reported in the JSON; they change the perplexity."""
-    base, pp = _iso_ppl(), _iso_ppl("--pair-points", "128,32")
-    assert base["pair_points"] is None and pp["pair_points"] == [128, 32]
-    assert pp["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
+    """isoquant3's default is the pair codebooks (128, 32), reported in the JSON; --pair-points sets them and 'off'
+    gives the scalar codebooks; the codebooks change the perplexity."""
+    base, pp, scalar = _iso_ppl(), _iso_ppl("--pair-points", "128,32"), _iso_ppl("--pair-points", "off")
+    assert base["pair_points"] == [128, 32] and base["ppl"] == pp["ppl"] and scalar["pair_points"] is None
+    assert scalar["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, pair_points=(128, 32))) == \
         "isoquant3/wht_so4+w32+p128x32"
 

@@ -24,15 +24,22 @@ def _qkv(L, seed):
 
 
 def _mk(**kw):
+    """An isoquant3 cache, scalar codebooks unless kw says pair_points (the default's own tests: pair = True)."""
+    kw = {"pair_points": ()} | kw
     return make_kv_cache(KVSettings(mode="isoquant3", **kw), layer=1, n_kv_heads=HKV, head_dim=D)
 
 
-def test_isoquant_is_5x_smaller_at_d128():
-    c = make_kv_cache(KVSettings(mode="isoquant3"), layer=0, n_kv_heads=2, head_dim=128)
+@pytest.mark.parametrize("pair_points, k_words, v_words", [(None, 14, 10), ((), 12, 12)])
+def test_isoquant_is_5x_smaller_at_d128(pair_points, k_words, v_words):
+    """The default (pair codebooks 128 / 32: 7- and 5-bit fields a coordinate pair) and the scalar codebooks
+    (pair_points ()) store the same bytes."""
+    c = make_kv_cache(KVSettings(mode="isoquant3", pair_points=pair_points), layer=0, n_kv_heads=2, head_dim=128)
     c.attend(_rand((1, 4, 100, 128), 0), _rand((1, 2, 100, 128), 1), _rand((1, 2, 100, 128), 2), scale=0.1,
              mask="causal")
     c.end_prefill()
-    assert c.k_codes.shape[-1] == 12 and c.k_codes.dtype == mx.uint32 and c.k_norms.dtype == mx.float16
+    assert c.pair_points == (None if pair_points == () else (128, 32))
+    assert c.k_codes.shape[-1] == k_words and c.v_codes.shape[-1] == v_words and c.k_codes.dtype == mx.uint32
+    assert c.k_norms.dtype == mx.float16
     assert c.nbytes == 100 * 2 * 2 * (48 + 2)  # codes + fp16 norms, K and V
     assert c.fp16_nbytes == 100 * 2 * 2 * 256
     assert c.fp16_nbytes / c.nbytes >= 5.0
@@ -78,8 +85,11 @@ def test_deferred_prefill_is_exact_fp16_then_compressed():
     assert float(mx.abs(out - fout).max()) < 0.5 * float(mx.abs(fout).max())
 
 
-def test_fp16_window_and_multi_token_decode():
-    c = _mk(fp16_window=4)
+@pytest.mark.parametrize("pair_points, words", [((), 6), ((128, 32), 7), (None, 6)])
+def test_fp16_window_and_multi_token_decode(pair_points, words):
+    """Scalar codebooks, and pair codebooks (keys' and values' own tables and field widths: at head dim 32, 4 + 3
+    words a token against 3 + 3, so the default keeps the scalar codebooks there)."""
+    c = _mk(fp16_window=4, pair_points=pair_points)
     q, k, v = _qkv(12, 0)
     c.attend(q, k, v, scale=SCALE, mask="causal")
     c.end_prefill()
@@ -87,14 +97,15 @@ def test_fp16_window_and_multi_token_decode():
     q2, k2, v2 = _qkv(3, 30)  # 3 new tokens at once, causal among themselves
     out = c.attend(q2, k2, v2, scale=SCALE, mask="causal")
     assert (c.packed_len, c.fp16_len) == (11, 4)
-    Kp = dequantize_kv(c.k_codes[:, :, :11], c.k_norms[:, :, :11], c.rotation, c.levels, 3, D)
-    Vp = dequantize_kv(c.v_codes[:, :, :11], c.v_norms[:, :, :11], c.rotation, c.levels, 3, D)
+    assert c.pair_points == (pair_points or None)
+    Kp = dequantize_kv(c.k_codes[:, :, :11], c.k_norms[:, :, :11], c.rotation, c.k_levels, c.key_bits or 3, D)
+    Vp = dequantize_kv(c.v_codes[:, :, :11], c.v_norms[:, :, :11], c.rotation, c.levels, c.bits, D)
     fk = mx.concatenate([k, k2], axis=2)[:, :, 11:]
     fv = mx.concatenate([v, v2], axis=2)[:, :, 11:]
     K, V = mx.concatenate([Kp, fk], axis=2), mx.concatenate([Vp, fv], axis=2)
     want = reference_attention(q2, K, V, scale=SCALE, offset=12, causal=True)
     np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
-    assert c.nbytes == 2 * 11 * 2 * (12 + 2) + 2 * 4 * D * 2 * 2  # the window counted at fp16's 2 bytes
+    assert c.nbytes == 2 * 11 * (4 * words + 2 * 2) + 2 * 4 * D * 2 * 2  # the window counted at fp16's 2 bytes
 
 
 def test_trim_and_bytes():

@@ -200,15 +200,22 @@ def test_bad_recipe_in_checkpoint_is_one_line(tmp_path: Path) -> None:
 
 
 def test_pair_points_flag_and_recipe(tmp_path: Path) -> None:
-    """--pair-points (or the recipe's kv.pair_points) gives the compressed cache 2-D codebooks; JSON reports them;
-    bad values and a recipe with kv.key_bits fail with one line."""
+    """isoquant3 takes pair codebooks (128, 32) by default at head dim 128; --pair-points (or the recipe's
+    kv.pair_points) sets them, 'off' (or []) gives scalar codebooks at the same bytes; JSON reports what the caches
+    took; bad values and a recipe with kv.key_bits fail with one line."""
     d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\n')
-    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--pair-points", "128,32", "--json")
+    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--pair-points", "64,64", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
-    assert out["kv_pair_points"] == [128, 32] and out["kv_bytes"] < out["kv_bytes_fp16"]
+    assert out["kv_pair_points"] == [64, 64] and out["kv_bytes"] < out["kv_bytes_fp16"]
     r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--json")
-    assert json.loads(r.output)["kv_pair_points"] is None
+    default = json.loads(r.output)
+    assert default["kv_pair_points"] == [128, 32]
+    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--pair-points", "off", "--json")
+    scalar = json.loads(r.output)
+    assert scalar["kv_pair_points"] is None and scalar["kv_bytes"] == default["kv_bytes"]
+    d0 = _with_recipe(tmp_path / "s", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = []\n')
+    assert json.loads(_rq(str(d0), "--prompt", "hi", "--max-tokens", "2", "--json").output)["kv_pair_points"] is None
     assert "pair" in _error_line(_rq(str(d), "--prompt", "hello", "--pair-points", "128,33"))
     d2 = _with_recipe(tmp_path / "b", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = [64, 64]\n')
     r = _rq(str(d2), "--prompt", "hello there", "--max-tokens", "4", "--json")

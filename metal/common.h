@@ -9,14 +9,12 @@ INLINE int imin(int a, int b) { return a < b ? a : b; }
 // A lane-replicated pair table holds entry c of lane l at c * 32 + l (4-byte entries), so entry c's bytes
 // start at c << 7. pair_off: the fw-bit pair index at bit p (< 32) of the 64-bit hi:lo as that byte offset,
 // in one shift and one mask (index, scale and address were a shift, a mask and a multiply-add).
-// pair_off_s: the same with entries 1 << s bytes apart (s = 6: a table of 16 copies).
-INLINE uint pair_off_s(uint lo, uint hi, int p, int fw, int s) {
-  const uint m = ((1u << fw) - 1u) << s;
-  if (p < s) return (lo << (s - p)) & m;
-  if (p + fw <= 32) return (lo >> (p - s)) & m;
-  return funnel_r(lo, hi, (uint)(p - s)) & m;
+INLINE uint pair_off(uint lo, uint hi, int p, int fw) {
+  const uint m = ((1u << fw) - 1u) << 7;
+  if (p < 7) return (lo << (7 - p)) & m;
+  if (p + fw <= 32) return (lo >> (p - 7)) & m;
+  return funnel_r(lo, hi, (uint)(p - 7)) & m;
 }
-INLINE uint pair_off(uint lo, uint hi, int p, int fw) { return pair_off_s(lo, hi, p, fw, 7); }
 
 // Word k of the mask of the even b-bit fields (fields 0, 2, 4, ...) of a run of b-bit codes.
 INLINE uint even_fields(int k, int b) {

@@ -819,9 +819,7 @@ def _v5_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec:
     pool = 2 * R * D + R * V5_MAXNS
     nf = D // 2 if pair else D
     ring = nwarp * stage * step * (nf * bits // 32 + nf * kbits // 32) if stage > 0 else 4
-    # RQ_V5_DEFS=KREP16 (opt-in): 16 copies of the pair keys' table, below the values' (the pair-table decode)
-    krep = 16 if "KREP16" in V5_DEFS and pair and pair[0] <= 128 and vdec == 2 and luts == 32 else 1
-    klut = pair[0] * krep if pair else (1 << (2 * kbits)) if kbits != bits else 0
+    klut = pair[0] if pair else (1 << (2 * kbits)) if kbits != bits else 0
     small = 2 * nwarp * MMA_N + 2 * MMA_N  # the warps' (m, l) and the rows' (m, l), first in the arena
     pad = 0
     if vdec == 2 and luts == 32 and be == "cuda":

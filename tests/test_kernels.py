@@ -519,24 +519,6 @@ def test_v5_cuda_source_runs_on_cpu_executor(case):
     assert r["err_half"] < tol and r["lse_err"] < 1e-3
 
 
-def test_v5_pair_keys_table_in_16_copies_on_cpu_executor(monkeypatch):
-    """RQ_V5_KREP16 (opt-in): the pair keys' 128-entry table in 16 copies just below the values' table (both on 8 KB
-    boundaries, addresses by OR); correct against float64 on the CPU executor (whose layout is CUDA's: a misplaced
-    table writes NaN), 384 threads with the ring and 256 through registers; the shared bytes as the host budgets."""
-    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
-        pytest.skip("needs g++ and ucontext (Linux)")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import emulate_kernel as EK
-
-    monkeypatch.setattr(K, "V5_DEFS", ("KREP16",))
-    for qd, nth, st, T, tol in (("f16", 384, 1, 1001, 5e-4), ("f32", 256, 0, 301, 2e-6)):
-        r = EK.run_v5(np.random.default_rng(17), seed=7, G=8, d=128, T=T, nth=nth, pf=1 if st else 2, stage=st,
-                      vdec=2, merge=1, sacc=1, blocks=12, qdtype=qd, bits=5, key_bits=7, pair_points=(128, 32))
-        assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
-        assert r["err_half"] < tol and r["lse_err"] < 1e-3
-        assert r["smem_bytes"] == K._v5_smem(128, 5, 8, nth, "cuda", st, 2, 7, (128, 32))
-
-
 def test_v5_shared_slabs_added_in_place_on_cpu_executor(monkeypatch):
     """RQ_V5_NSLADD (384 threads' merge with warps 0-5 adding into the slabs in place, session 12's default; the
     default now sums round 1 in registers, the 384-thread case above): correct against float64 on the CPU executor,

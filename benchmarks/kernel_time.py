@@ -40,7 +40,9 @@ def methods(K, A, L, v5cfgs):
     """name -> fn(i) of one layer, as benchmarks/attention.py builds them."""
     m = {"fp16 SDPA": lambda i: A.fp16_sdpa(L, i), "v4": lambda i: A.iso_v4(L, i),
          "v4 + window 32": lambda i: A.iso_v4_window(L, i), "v5": lambda i: A.iso_v5(L, i),
-         "v5 + window 32": lambda i: A.iso_v4_window(L, i, version="v5"), "v5 sacc1": lambda i: A.iso_v5_sacc(L, i, 1)}
+         "v5 + window 32": lambda i: A.iso_v4_window(L, i, version="v5"), "v5 sacc1": lambda i: A.iso_v5_sacc(L, i, 1),
+         # isoquant3's default codebooks (pairs, 128 / 32 points); the pair inputs are built on first use
+         "v5 pair": lambda i: (A.pair_inputs(L), A.iso_v5_pair(L, i))[1]}
     for nw in [int(x) for x in os.environ.get("KT_WINDOWS", "").split(",") if x]:  # window-size probes
         for v in ("v4", "v5"):
             m[f"{v} + window {nw}"] = lambda i, nw=nw, v=v: A.iso_v4_window(L, i, nw=nw, version=v, key=f"win{nw}")

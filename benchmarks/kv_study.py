@@ -498,6 +498,8 @@ def all_settings(n_layers: int) -> list[Setting]:
         S.append(Setting(f"wht_so4 pairvq win32 s{seed}", iso(fp16_window=32, seed=seed), pairvq=True))
     for seed in range(3):  # keys and values with 2-D codebooks of 128 and 32 points: 3.5 + 2.5 bits (session 12)
         S.append(Setting(f"wht_so4 PP128x32 win32 s{seed}", iso(fp16_window=32, seed=seed), pair_points=(128, 32)))
+    for seed in (3, 4, 5):  # the same through the real cache, isoquant3's default since session 14
+        S.append(Setting(f"wht_so4 PP128x32 win32 s{seed}", iso(fp16_window=32, seed=seed, pair_points=(128, 32))))
     S = [s for s in S if s is not None]
     return S
 

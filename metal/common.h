@@ -142,11 +142,20 @@ INLINE float dense_elem(DEV const float* P, TG const float* row, int i) {
   return s;
 }
 
+// Field i (b bits) of a little-endian bit stream held in words w (a field may straddle two words).
+INLINE uint stream_field(THR const uint* w, int i, int b) {
+  const int bit = i * b;
+  const int wi = bit >> 5;
+  const int sh = bit & 31;
+  uint c = w[wi] >> sh;
+  if (sh + b > 32) c |= w[wi + 1] << (32 - sh);
+  return c & ((1u << b) - 1u);
+}
+
 // Kernel A's inner loop: TPT keys per thread (packed rows in kw, W words each), all R query rows of
 // the group at once, so each code is decoded once and serves R rows. qs is [D][R]; acc is [TPT][R].
 template <int D, int BITS, int R, int TPT, int W>
 INLINE void dot_codes(THR const uint* kw, TG const float* qs, TG const float* lv, THR float* acc) {
-  constexpr uint MASK = (1u << BITS) - 1u;
   UNROLL for (int e = 0; e < TPT * R; ++e) acc[e] = 0.0f;
   UNROLL for (int i = 0; i < D; ++i) {
     float qv[R];
@@ -161,13 +170,8 @@ INLINE void dot_codes(THR const uint* kw, TG const float* qs, TG const float* lv
     } else {
       UNROLL for (int r = 0; r < R; ++r) qv[r] = qs[i * R + r];
     }
-    const int bit = i * BITS;
-    const int wi = bit >> 5;
-    const int sh = bit & 31;
     UNROLL for (int a = 0; a < TPT; ++a) {
-      uint c = kw[a * W + wi] >> sh;
-      if (sh + BITS > 32) c |= kw[a * W + wi + 1] << (32 - sh);
-      const float l = lv[c & MASK];
+      const float l = lv[stream_field(kw + a * W, i, BITS)];
       UNROLL for (int r = 0; r < R; ++r) acc[a * R + r] += qv[r] * l;
     }
   }
@@ -177,7 +181,6 @@ INLINE void dot_codes(THR const uint* kw, TG const float* qs, TG const float* lv
 // (pts[2c], pts[2c + 1]) that stands for coordinates 2i and 2i + 1.
 template <int D, int FB, int R, int TPT, int W>
 INLINE void dot_pairs(THR const uint* kw, TG const float* qs, TG const float* pts, THR float* acc) {
-  constexpr uint MASK = (1u << FB) - 1u;
   UNROLL for (int e = 0; e < TPT * R; ++e) acc[e] = 0.0f;
   UNROLL for (int i = 0; i < D / 2; ++i) {
     float q0[R];
@@ -186,13 +189,8 @@ INLINE void dot_pairs(THR const uint* kw, TG const float* qs, TG const float* pt
       q0[r] = qs[2 * i * R + r];
       q1[r] = qs[(2 * i + 1) * R + r];
     }
-    const int bit = i * FB;
-    const int wi = bit >> 5;
-    const int sh = bit & 31;
     UNROLL for (int a = 0; a < TPT; ++a) {
-      uint c = kw[a * W + wi] >> sh;
-      if (sh + FB > 32) c |= kw[a * W + wi + 1] << (32 - sh);
-      c &= MASK;
+      const uint c = stream_field(kw + a * W, i, FB);
       const float x = pts[2 * c];
       const float y = pts[2 * c + 1];
       UNROLL for (int r = 0; r < R; ++r) acc[a * R + r] += q0[r] * x + q1[r] * y;
@@ -233,28 +231,14 @@ INLINE void accum_pairs(uint bits, TG const float* pts, TG const float* wt, int 
 // Kernel C's inner step, word-parallel: 32 codes held in BITS whole words, one weight.
 template <int BITS>
 INLINE void accum_chunk32(THR const uint* w, float wt, TG const float* lv, THR float* acc) {
-  constexpr uint MASK = (1u << BITS) - 1u;
-  UNROLL for (int i = 0; i < 32; ++i) {
-    const int bit = i * BITS;
-    const int wi = bit >> 5;
-    const int sh = bit & 31;
-    uint c = w[wi] >> sh;
-    if (sh + BITS > 32) c |= w[wi + 1] << (32 - sh);
-    acc[i] += wt * lv[c & MASK];
-  }
+  UNROLL for (int i = 0; i < 32; ++i) acc[i] += wt * lv[stream_field(w, i, BITS)];
 }
 
 // Kernel C's inner step, word-parallel, pair codebooks: 32 coordinates as 16 FB-bit fields from bit 0 of w, one weight.
 template <int FB>
 INLINE void accum_pairs32(THR const uint* w, float wt, TG const float* pts, THR float* acc) {
-  constexpr uint MASK = (1u << FB) - 1u;
   UNROLL for (int i = 0; i < 16; ++i) {
-    const int bit = i * FB;
-    const int wi = bit >> 5;
-    const int sh = bit & 31;
-    uint c = w[wi] >> sh;
-    if (sh + FB > 32) c |= w[wi + 1] << (32 - sh);
-    c &= MASK;
+    const uint c = stream_field(w, i, FB);
     acc[2 * i] += wt * pts[2 * c];
     acc[2 * i + 1] += wt * pts[2 * c + 1];
   }

@@ -153,3 +153,15 @@ def test_four_kernels_take_pair_codebooks_and_key_widths(case, strategy, monkeyp
     err, nan, _ = KC.run_case(K, mx, c, T=case["T"], bits=case["bits"], path="four", strategy=strategy, causal=True,
                               offset=case["T"] - L, rot=3, key_bits=case["key_bits"])
     assert nan == 0 and err < 2e-6, err
+
+
+@needs_emu
+def test_split_kernel_fp32_path_on_executor(monkeypatch):
+    """The fp32 split kernel (attn_split + attn_combine, `attention_split(mma=False)`), whose inner product shares
+    Kernel A's field extraction (common.h stream_field), against the float64 reference."""
+    import kernels_check as KC
+
+    _kernels_on_executor(monkeypatch)
+    c = KC.make_case(np.random.default_rng(12), B=1, Hkv=2, G=4, L=1, d=64, T=300, bits=3)
+    err, nan, _ = KC.run_case(K, mx, c, T=300, bits=3, path="fused", strategy=None, causal=False, offset=299, rot=3)
+    assert nan == 0 and err < 2e-6, err

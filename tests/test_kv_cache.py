@@ -133,3 +133,21 @@ def test_factory_errors(kw, match):
     d = 100 if match == "power of two" else 64
     with pytest.raises(RQError, match=match):
         make_kv_cache(KVSettings(**kw), layer=0, n_kv_heads=2, head_dim=d)
+
+
+def test_default_codebooks_resolve_per_setting_and_head_dim():
+    """isoquant3 takes the pair codebooks (128, 32) by default where they cost the scalar codes' bytes (3 bits, sphere,
+    no key_bits, head dim a multiple of 64); everything else keeps scalar codebooks unless pair_points names points."""
+    from rq_core.kv_cache import DEFAULT_PAIR_POINTS
+
+    iso = KVSettings(mode="isoquant3")
+    assert iso.pairs == DEFAULT_PAIR_POINTS == (128, 32)
+    assert [iso.pairs_for(d) for d in (32, 64, 128, 256, 512)] == [None] + [(128, 32)] * 4
+    for kw in (dict(pair_points=()), dict(key_bits=4), dict(bits=4), dict(codebook="gaussian")):
+        assert KVSettings(mode="isoquant3", **kw).pairs is None, kw
+    assert KVSettings(mode="turbo3").pairs is None and KVSettings(mode="fp16", pair_points=(64, 64)).pairs is None
+    assert KVSettings(mode="turbo3", pair_points=(64, 64)).pairs == (64, 64)
+    assert KVSettings(mode="isoquant3", pair_points=(64, 16)).pairs_for(32) == (64, 16)  # named points: any head dim
+    c = make_kv_cache(KVSettings(mode="isoquant3"), layer=0, n_kv_heads=2, head_dim=64)
+    assert c.pair_points == (128, 32) and (c.k_words, c.words) == (7, 5)
+    assert make_kv_cache(KVSettings(mode="turbo3"), layer=0, n_kv_heads=2, head_dim=64).pair_points is None

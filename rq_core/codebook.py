@@ -253,8 +253,9 @@ def _pair_lloyd(n: int, d: int, seed: int, iters: int = 40) -> np.ndarray:
 @functools.lru_cache(maxsize=32)
 def pair_codebook(n: int, d: int, role: str) -> np.ndarray:
     """The n-point codebook [n, 2] float32 for pairs (z_2i, z_2i+1) of rotated coordinates in units of unit
-    variance, role "keys" or "values" (their own seeds). Shipped for head dims 64, 128 and 256
-    (assets/pair_codebooks.json); other dims are fitted here (seconds)."""
+    variance, role "keys" or "values" (their own seeds). Shipped for head dims 64, 128 and 256, and isoquant3's
+    default (128 keys' points, 32 values') at 512 (Gemma 4's global layers; assets/pair_codebooks.json); others are
+    fitted here (seconds at 128, about a minute at 512)."""
     if n not in PAIR_POINTS:
         raise RQError(f"pair codebooks have {', '.join(map(str, PAIR_POINTS))} points (got {n})")
     seed = PAIR_SEEDS[role]

@@ -44,7 +44,8 @@ NPTYPE = {"f32": np.float32, "u32": np.uint32, "i32": np.int32, "f16": np.float1
 
 
 def _dt(a: np.ndarray) -> str:
-    return {np.dtype(np.float32): "f32", np.dtype(np.uint32): "u32", np.dtype(np.int32): "i32", np.dtype(np.float16): "f16"}[a.dtype]
+    return {np.dtype(np.float32): "f32", np.dtype(np.uint32): "u32", np.dtype(np.int32): "i32",
+            np.dtype(np.float16): "f16"}[a.dtype]
 
 
 def _emu_source(name: str, template: list, types: dict) -> str:

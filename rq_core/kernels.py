@@ -445,7 +445,8 @@ def _pair_shape(levels: mx.array, D: int, bits: int, R: int, W: int) -> int:
     if levels.ndim == 2:
         _check(D, 3, R)  # the head dims and rows of the 3-bit codes
         if levels.shape != (1 << bits, 2) or W * 32 != D // 2 * bits:
-            raise KernelUnsupported(f"pair codebook of {levels.shape[0]} points in rows of {W} words ({bits}-bit fields)")
+            raise KernelUnsupported(f"pair codebook of {levels.shape[0]} points in rows of {W} words "
+                                    f"({bits}-bit fields)")
         return 1
     _check(D, bits, R)
     if W * 32 != D * bits:
@@ -485,7 +486,8 @@ def softmax(scores: mx.array) -> mx.array:
 
 def value_accum(probs: mx.array, v_codes: mx.array, v_norms: mx.array, levels: mx.array, *, bits: int,
                 strategy: str = "auto") -> mx.array:
-    """Kernel C: õ = Σ_j α_j m'_j levels[vidx_j] / √d → [B, Hq, L, D] float32 (rotated space). levels as qk_dot's."""
+    """Kernel C: õ = Σ_j α_j m'_j levels[vidx_j] / √d → [B, Hq, L, D] float32 (rotated space); levels as
+    qk_dot's."""
     B, Hq, L, T = probs.shape
     Hkv, Tcap, W = v_codes.shape[1], v_codes.shape[2], v_codes.shape[3]
     D = W * 32 // bits * (2 if levels.ndim == 2 else 1)
@@ -511,7 +513,8 @@ def value_accum(probs: mx.array, v_codes: mx.array, v_norms: mx.array, levels: m
     ns, ch = split_plan(T, B * Hkv, tile)
     prm = _prm(T, Tcap, False, ns, ch, Hkv, 0)
     (part,) = _run("value_dim", [probs, lv, v_codes, v_norms, prm],
-                   [("D", D), ("BITS", bits), ("R", R), ("NTH", NTH), ("TILE", tile), ("PAIR", pair)], (B * Hkv, ns), NTH,
+                   [("D", D), ("BITS", bits), ("R", R), ("NTH", NTH), ("TILE", tile), ("PAIR", pair)], (B * Hkv, ns),
+                   NTH,
                    [(B * Hkv, ns, R, D)], [mx.float32])
     (o,) = _run("value_reduce", [part, prm], [("D", D), ("R", R)], (B * Hq * L, 1), D,
                 [(B, Hq, L, D)], [mx.float32])

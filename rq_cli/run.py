@@ -161,7 +161,7 @@ def run(
     sys.stdout.write(tail + "\n")
     sys.stdout.flush()
     ratio = f" ({res.kv_bytes_fp16 / res.kv_bytes:.2f}x smaller)" if res.kv_bytes_fp16 > res.kv_bytes > 0 else ""
-    kv_stat = f"KV {kv} {_fmt_bytes(res.kv_bytes)}"
+    kv_stat = f"KV {kv}{f' (pair codebooks {pairs[0]}/{pairs[1]})' if pairs else ''} {_fmt_bytes(res.kv_bytes)}"
     if kv != "fp16":
         kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}"
     elif res.kv_bytes > res.kv_bytes_fp16:  # rq_core.checkpoint computes small models in float32 on the CPU

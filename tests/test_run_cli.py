@@ -214,6 +214,8 @@ def test_pair_points_flag_and_recipe(tmp_path: Path) -> None:
     r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--pair-points", "off", "--json")
     scalar = json.loads(r.output)
     assert scalar["kv_pair_points"] is None and scalar["kv_bytes"] == default["kv_bytes"]
+    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "2")
+    assert r.exit_code == 0 and "KV isoquant3 (pair codebooks 128/32)" in r.output, r.output
     d0 = _with_recipe(tmp_path / "s", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = []\n')
     assert json.loads(_rq(str(d0), "--prompt", "hi", "--max-tokens", "2", "--json").output)["kv_pair_points"] is None
     assert "pair" in _error_line(_rq(str(d), "--prompt", "hello", "--pair-points", "128,33"))

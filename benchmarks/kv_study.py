@@ -500,6 +500,8 @@ def all_settings(n_layers: int) -> list[Setting]:
         S.append(Setting(f"wht_so4 PP128x32 win32 s{seed}", iso(fp16_window=32, seed=seed), pair_points=(128, 32)))
     for seed in (3, 4, 5):  # the same through the real cache, isoquant3's default since session 14
         S.append(Setting(f"wht_so4 PP128x32 win32 s{seed}", iso(fp16_window=32, seed=seed, pair_points=(128, 32))))
+    for seed in range(3):  # keys 256 points (4 bits a coordinate), values 16 (2): the same bytes again (session 14)
+        S.append(Setting(f"wht_so4 PP256x16 win32 s{seed}", iso(fp16_window=32, seed=seed, pair_points=(256, 16))))
     S = [s for s in S if s is not None]
     return S
 

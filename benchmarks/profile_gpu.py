@@ -7,6 +7,9 @@ quantized by role as recipes/qwen3-16gb.toml does (attention 4-bit, routed exper
 
     python benchmarks/profile_gpu.py --layers 48 --contexts 2048,8192,32768 --kv isoquant3,fp16 --out DIR
 
+Compressed caches are as `rq run` makes them: the 32-token fp16 window (--window) and isoquant3's defaults (pair
+codebooks (128, 32) since session 14).
+
 Writes DIR/profile_gpu.json and DIR/profile_gpu.md (the table for benchmarks/README.md).
 """
 
@@ -26,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from rq_core.checkpoint import build_model  # noqa: E402
-from rq_core.kv_cache import KVSettings  # noqa: E402
+from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
 from rq_core.models.base import SwitchLinear  # noqa: E402
 from rq_core.profile import STAGES, backend, profile_model  # noqa: E402
 
@@ -120,6 +123,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--contexts", default="2048,8192,32768")
     ap.add_argument("--kv", default="isoquant3,fp16")
+    ap.add_argument("--window", type=int, default=DEFAULT_FP16_WINDOW,
+                    help="compressed caches' fp16 window (rq run's default; 0: the bare cache)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=".")
@@ -138,7 +143,7 @@ def main() -> None:
     meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": platform.node(),
             "device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
             "layers_timed": args.layers, "config": "qwen3-30b-a3b", "paper_share": PAPER_SHARE,
-            "repeats": args.repeats, "warmup": args.warmup}
+            "repeats": args.repeats, "warmup": args.warmup, "fp16_window": args.window}
     reports: list[dict] = []
 
     def save(partial: dict | None = None) -> None:
@@ -159,7 +164,8 @@ def main() -> None:
                                                 "kernels", "kernels_to_attention", "strategy") if k in r}),
                   f"({time.time() - t0:.0f} s)", flush=True)
 
-        rep = profile_model(model, contexts, kv=KVSettings(mode=mode), vocab_size=cfg["vocab_size"],
+        kv = KVSettings(mode=mode, fp16_window=0 if mode == "fp16" else args.window)
+        rep = profile_model(model, contexts, kv=kv, vocab_size=cfg["vocab_size"],
                             warmup=args.warmup, repeats=args.repeats, layer_scale=48 / args.layers,
                             on_context=on_context)
         print(f"{mode}: {time.time() - t1:.1f} s", flush=True)

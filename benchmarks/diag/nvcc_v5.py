@@ -2,7 +2,7 @@
 and the main loop's SASS (instructions, matrix ops, shared loads, and the sum of the compiler's fixed stall counts).
 
     python benchmarks/diag/nvcc_v5.py --nth 384 [--minb 1] [--qdtype f16] [--stage 1] [--defs NSLADD] [--window]
-        [--pair] [--sass out.sass]
+        [--pair] [--sacc 4] [--sass out.sass]
 
 Needs nvcc (CUDA 13: sm_90) and, for the loop, cuobjdump and nvdisasm (`pip install nvidia-cuda-cuobjdump
 nvidia-cuda-nvdisasm`). The loop is the
@@ -37,13 +37,13 @@ using Strides = cuda::std::array<int64_t, 8>;
 
 
 def source(nth: int, minb: int, qdtype: str, stage: int, window: bool, bits: int = 3, kbits: int = 3,
-           pk: int = 0, pv: int = 0) -> str:
+           pk: int = 0, pv: int = 0, sacc: int = 1) -> str:
     import rq_core.kernels as K
 
     name = "attn_v5w" if window else "attn_v5"
     tmpl = [("TQ", qdtype), ("D", 128), ("BITS", bits), ("KBITS", kbits), ("PK", pk), ("PV", pv), ("R", 8),
             ("LQ", 1), ("HKV", 4),
-            ("CAUSAL", 0), ("ROT", 3), ("NTH", nth), ("SACC", 1), ("PF", 1), ("VDEC", 2), ("MERGE", 1),
+            ("CAUSAL", 0), ("ROT", 3), ("NTH", nth), ("SACC", sacc), ("PF", 1), ("VDEC", 2), ("MERGE", 1),
             ("STAGE", stage)] + ([("WCAUSAL", 0)] if window else [])
     types = {"q": qdtype, "out": qdtype} | ({"wk": qdtype, "wv": qdtype} if window else {})
     src = K.full_source(name, "cuda", tmpl, types)
@@ -99,6 +99,7 @@ def main() -> int:
     ap.add_argument("--defs", default="", help="RQ_V5_DEFS, comma-separated")
     ap.add_argument("--window", action="store_true")
     ap.add_argument("--pair", action="store_true", help="pair codebooks (128, 32): 7- and 5-bit fields")
+    ap.add_argument("--sacc", type=int, default=1, help="score accumulators (RQ_V5_SACC)")
     ap.add_argument("--sass", default="", help="write the SASS here")
     a = ap.parse_args()
     if a.defs:
@@ -111,7 +112,8 @@ def main() -> int:
         inc.mkdir(parents=True)
         (inc / "utils.cuh").write_text(UTILS)
         cu = Path(d) / "k.cu"
-        cu.write_text(source(a.nth, minb, a.qdtype, a.stage, a.window, *((5, 7, 128, 32) if a.pair else ())))
+        cu.write_text(source(a.nth, minb, a.qdtype, a.stage, a.window, *((5, 7, 128, 32) if a.pair else (3, 3, 0, 0)),
+                               sacc=a.sacc))
         p = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", f"-I{d}", "-o",
                             str(Path(d) / "k.cubin"), str(cu)], capture_output=True, text=True)
         if p.returncode != 0:

@@ -43,8 +43,9 @@ def reference(cache, q: np.ndarray, scale: float, half: bool = False) -> np.ndar
         v = np.array(dequantize_kv(cache.v_codes[:, :, :n], cache.v_norms[:, :, :n], cache.rotation, lv,
                                    cache.bits, D), dtype=np.float64)
     if cache.fp16_len:  # the fp16 window after the packed tokens, exact
-        k = np.concatenate([k, np.array(cache._fk[:, :, :cache.fp16_len].astype(mx.float32), dtype=np.float64)], 2)
-        v = np.concatenate([v, np.array(cache._fv[:, :, :cache.fp16_len].astype(mx.float32), dtype=np.float64)], 2)
+        fk, fv = cache._fp16()
+        k = np.concatenate([k, np.array(fk.astype(mx.float32), dtype=np.float64)], 2)
+        v = np.concatenate([v, np.array(fv.astype(mx.float32), dtype=np.float64)], 2)
     G = HQ // HKV
     k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
     s = np.einsum("bhld,bhtd->bhlt", q.astype(np.float64), k) * scale
@@ -60,6 +61,8 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=0, help="the caches' fp16_window (v4 merges it in-kernel)")
     ap.add_argument("--rotation", default="wht_so4", help="the IsoQuant cache's rotation (e.g. rwht_so4)")
     ap.add_argument("--pair-points", default="", help="K,V: pair codebooks (kv.pair_points), e.g. 128,32")
+    ap.add_argument("--prefill-chunk", type=int, default=0, help="the prompt in chunks of this many tokens with as "
+                    "many causal queries (past kv.prefill_fp16 the older tokens are compressed as the chunks arrive)")
     ap.add_argument("--tol", type=float, default=3e-3, help="against the exact or the half-rounded levels "
                     "(the GPU's matrix units see the latter); fp16 queries and output")
     a = ap.parse_args()
@@ -79,8 +82,20 @@ def main() -> int:
             if a.pair_points:
                 kw["pair_points"] = tuple(int(x) for x in a.pair_points.split(","))
             cache = cls(head_dim=D, n_kv_heads=HKV, layer=3, fp16_window=a.window, **kw)
-            qp = mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16))
-            mx.eval(cache.attend(qp, mx.array(kp), mx.array(vp), scale=scale, mask="causal"))  # prompt: fp16 SDPA
+            if a.prefill_chunk:
+                for s0 in range(0, a.context, a.prefill_chunk):
+                    s1 = min(a.context, s0 + a.prefill_chunk)
+                    qc = mx.array(rng.standard_normal((1, HQ, s1 - s0, D)).astype(np.float16))
+                    o = cache.attend(qc, mx.array(kp[:, :, s0:s1]), mx.array(vp[:, :, s0:s1]), scale=scale,
+                                     mask="causal")
+                    ok = bool(np.isfinite(np.array(o.astype(mx.float32))).all()) and cache.fp16_len <= max(
+                        s1 - s0, cache.prefill_fp16)
+                    fails += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} {label:9s} RQ_ATTN={version:3s} prompt in chunks of {a.prefill_chunk}: "
+                      f"{cache.packed_len} tokens compressed while prefilling, {cache.fp16_len} fp16", flush=True)
+            else:
+                qp = mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16))
+                mx.eval(cache.attend(qp, mx.array(kp), mx.array(vp), scale=scale, mask="causal"))  # prompt: fp16 SDPA
             cache.end_prefill()
             # the stored codes (kv_append on a GPU) against quantize_kv on the CPU: equal but for near-ties
             n = cache.packed_len

@@ -22,6 +22,7 @@ Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask
 # 32 brought IsoQuant-3 wht_so4 from +2.24% to -0.30% ΔPPL (3 seeds; 16: +0.20%, 8: +2.44%) for ~0.013 of
 # fp16's bytes (benchmarks/README.md, kv-study); on a GPU it is one more split of the attention launch (attn_v5w).
 DEFAULT_FP16_WINDOW = 32
+DEFAULT_PREFILL_FP16 = 4096
 
 
 # isoquant3's codebooks: keys' 128 and values' 32 points a pair of rotated coordinates (7 + 5 bits a pair: 3 bits a
@@ -41,6 +42,9 @@ class KVSettings:
     rotation: str = "wht_so4"  # wht_so4 | wht | so4 | so3 | dense | rwht_so4
     codebook: str = "sphere"  # sphere | gaussian | path to a codebook TOML
     fp16_window: int = 0  # newest tokens kept in fp16 (0 = off)
+    # prompt tokens held in fp16 while a prompt is prefilled (the prompt attends to itself exactly up to here); a longer
+    # prompt's older tokens are compressed as its chunks arrive, so prefill never holds more fp16 K/V than this
+    prefill_fp16: int = DEFAULT_PREFILL_FP16
     norm_correction: bool = False  # store n / ||c||; measured no better (benchmarks/README.md)
     seed: int = 0
     # keys at their own width (None: `bits`). 4 with bits 3 kept fp16's needle retention on the bundled model
@@ -215,9 +219,14 @@ class IsoQuantCache:
 
     Layout for the GPU path: `k_codes`/`v_codes` uint32 [B, Hkv, T_cap, W] and `k_norms`/`v_norms`
     float16 [B, Hkv, T_cap]; the first `packed_len` rows are valid. Tokens after those (positions
-    packed_len .. offset-1) are an fp16 segment: the whole prompt until `end_prefill()` (so the prompt
-    attends to itself in full precision), then at most `fp16_window` newest tokens. Decoded tokens are
-    compressed on append. Attention runs over both parts and merges them by logsumexp.
+    packed_len .. offset-1) are an fp16 segment: the prompt until `end_prefill()` (so the prompt attends to
+    itself in full precision; a prompt longer than `prefill_fp16` tokens has its older tokens compressed as its
+    chunks arrive), then at most `fp16_window` newest tokens. Decoded tokens are compressed on append.
+    Attention runs over both parts and merges them by logsumexp.
+
+    The fp16 segment is `_fk[:, :, _f0 : _f0 + fp16_len]`: compressing its oldest tokens moves `_f0` instead of
+    the tokens (on a GPU every array op costs host time in each decode step); the buffer is compacted or shrunk
+    when it runs out or is far larger than what it holds (a long prompt's buffer is not kept for a 32-token window).
     """
 
     step = 256  # packed buffer growth, tokens
@@ -226,7 +235,7 @@ class IsoQuantCache:
     def __init__(self, *, head_dim: int, n_kv_heads: int, layer: int = 0, bits: int = 3,
                  rotation: str = "wht_so4", codebook: str = "sphere", fp16_window: int = 0,
                  norm_correction: bool = False, seed: int = 0, key_bits: int | None = None,
-                 pair_points: tuple[int, int] | None = None) -> None:
+                 pair_points: tuple[int, int] | None = None, prefill_fp16: int = DEFAULT_PREFILL_FP16) -> None:
         from rq_core.codebook import check_bits, check_pair_points, get_codebook, pair_codebook
         from rq_core.rotation import Rotation, check_dim
 
@@ -234,6 +243,9 @@ class IsoQuantCache:
         self.bits = check_bits(bits)
         if fp16_window < 0:
             raise RQError(f"fp16_window must be >= 0 (got {fp16_window})")
+        if prefill_fp16 < 0:
+            raise RQError(f"prefill_fp16 must be >= 0 (got {prefill_fp16})")
+        self.prefill_fp16 = int(prefill_fp16)
         self.n_kv_heads = n_kv_heads
         self.rotation = Rotation(head_dim, n_kv_heads, variant=rotation, seed=seed, layer=layer)
         self.codebook = get_codebook(codebook, self.bits, head_dim)
@@ -267,8 +279,10 @@ class IsoQuantCache:
         self.k_norms: mx.array | None = None
         self.v_norms: mx.array | None = None
         self.packed_len = 0
-        self._fk: mx.array | None = None  # fp16 segment [B, Hkv, cap, d], model dtype
+        self._coded = 0  # tokens with codes written: packed_len, and possibly fp16 tokens coded ahead (_spill)
+        self._fk: mx.array | None = None  # fp16 segment's buffer [B, Hkv, cap, d], model dtype
         self._fv: mx.array | None = None
+        self._f0 = 0  # the segment's first slot in the buffer
         self.fp16_len = 0
         self.prefilling = True
 
@@ -277,39 +291,54 @@ class IsoQuantCache:
         return self.packed_len + self.fp16_len
 
     # -- storage --
+    def _fp16(self, a: int = 0, b: int | None = None) -> tuple[mx.array, mx.array]:
+        """Views of the fp16 segment's tokens a .. b (default: all of it)."""
+        b = self.fp16_len if b is None else b
+        return self._fk[:, :, self._f0 + a : self._f0 + b], self._fv[:, :, self._f0 + a : self._f0 + b]
+
+    def _rebuffer(self, need: int, like: tuple[mx.array, mx.array] | None = None) -> None:
+        """New fp16 buffers for `need` tokens and a quarter step more (rounded up to `step`), the segment copied to
+        their front (`like`: the new keys and values, when there are no buffers yet)."""
+        lk, lv = (self._fk, self._fv) if like is None else like
+        B, H, _, D = lk.shape
+        cap = ((need + self.step // 4 + self.step - 1) // self.step) * self.step
+        new_k = mx.zeros((B, H, cap, D), lk.dtype)
+        new_v = mx.zeros((B, H, cap, lv.shape[3]), lv.dtype)
+        if self.fp16_len:
+            new_k[:, :, : self.fp16_len], new_v[:, :, : self.fp16_len] = self._fp16()
+        self._fk, self._fv, self._f0 = new_k, new_v, 0
+
     def _append_fp16(self, keys: mx.array, values: mx.array) -> None:
         L = keys.shape[2]
-        if self._fk is None or self.fp16_len + L > self._fk.shape[2]:
-            B, H, _, D = keys.shape
-            cap = ((self.fp16_len + L + self.step - 1) // self.step) * self.step
-            new_k = mx.zeros((B, H, cap, D), keys.dtype)
-            new_v = mx.zeros((B, H, cap, D), values.dtype)
-            if self.fp16_len:
-                new_k[:, :, : self.fp16_len] = self._fk[:, :, : self.fp16_len]
-                new_v[:, :, : self.fp16_len] = self._fv[:, :, : self.fp16_len]
-            self._fk, self._fv = new_k, new_v
-        self._fk[:, :, self.fp16_len : self.fp16_len + L] = keys
-        self._fv[:, :, self.fp16_len : self.fp16_len + L] = values
+        if self._fk is None:
+            self.fp16_len = 0
+            self._rebuffer(L, like=(keys, values))
+        elif self._f0 + self.fp16_len + L > self._fk.shape[2]:
+            self._rebuffer(self.fp16_len + L)
+        a = self._f0 + self.fp16_len
+        self._fk[:, :, a : a + L] = keys
+        self._fv[:, :, a : a + L] = values
         self.fp16_len += L
 
     def _append_packed(self, kc: mx.array, kn: mx.array, vc: mx.array, vn: mx.array) -> None:
+        """Write the codes of the next tokens after the `_coded` ones (attention reads the first packed_len)."""
         n = kc.shape[2]
-        end = self.packed_len + n
+        end = self._coded + n
         if self.k_codes is None or end > self.k_codes.shape[2]:
             B, H = kc.shape[:2]
             cap = ((end + self.step - 1) // self.step) * self.step
             bufs = [mx.zeros((B, H, cap, self.k_words), mx.uint32), mx.zeros((B, H, cap), mx.float16),
                     mx.zeros((B, H, cap, self.words), mx.uint32), mx.zeros((B, H, cap), mx.float16)]
-            if self.packed_len:
+            if self._coded:
                 old = [self.k_codes, self.k_norms, self.v_codes, self.v_norms]
                 for new, o in zip(bufs, old):
-                    new[:, :, : self.packed_len] = o[:, :, : self.packed_len]
+                    new[:, :, : self._coded] = o[:, :, : self._coded]
             self.k_codes, self.k_norms, self.v_codes, self.v_norms = bufs
-        self.k_codes[:, :, self.packed_len : end] = kc
-        self.k_norms[:, :, self.packed_len : end] = kn
-        self.v_codes[:, :, self.packed_len : end] = vc
-        self.v_norms[:, :, self.packed_len : end] = vn
-        self.packed_len = end
+        self.k_codes[:, :, self._coded : end] = kc
+        self.k_norms[:, :, self._coded : end] = kn
+        self.v_codes[:, :, self._coded : end] = vc
+        self.v_norms[:, :, self._coded : end] = vn
+        self._coded = end
 
     def compress(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return quantize_kv(x, self.rotation, self.levels, self.bits, norm_correction=self.norm_correction)
@@ -330,23 +359,32 @@ class IsoQuantCache:
         return (*self.compress(keys), *self.compress(values))
 
     def _spill(self, keep: int) -> None:
-        """Compress the oldest fp16 tokens so that at most `keep` stay in fp16."""
+        """Move the oldest fp16 tokens to the packed part so that at most `keep` stay in fp16.
+
+        Their codes may already be written: codes are made for every fp16 token not yet coded whenever a token
+        leaving the fp16 part has none, so a decode step of one token writes codes once per `fp16_window` steps (a
+        batch of them), not every step; attention reads the first packed_len codes and the fp16 tokens after them,
+        exactly as if each token were compressed as it left the window (a token's codes do not depend on when they
+        are made)."""
         n = self.fp16_len - keep
         if n <= 0:
             return
-        for a in range(0, n, self.compress_chunk):
-            b = min(n, a + self.compress_chunk)
-            kc, kn, vc, vn = self.compress_kv(self._fk[:, :, a:b], self._fv[:, :, a:b])
-            self._append_packed(kc, kn, vc, vn)
-            if n > self.compress_chunk:
-                mx.eval(self.k_codes, self.k_norms, self.v_codes, self.v_norms)
-        if keep > 0:
-            rest_k, rest_v = self._fk[:, :, n : self.fp16_len], self._fv[:, :, n : self.fp16_len]
-            self._fk[:, :, :keep] = rest_k
-            self._fv[:, :, :keep] = rest_v
+        if self._coded < self.packed_len + n:
+            a0, m = self._coded - self.packed_len, self.fp16_len - (self._coded - self.packed_len)
+            for a in range(0, m, self.compress_chunk):
+                b = min(m, a + self.compress_chunk)
+                kc, kn, vc, vn = self.compress_kv(*self._fp16(a0 + a, a0 + b))
+                self._append_packed(kc, kn, vc, vn)
+                if m > self.compress_chunk:
+                    mx.eval(self.k_codes, self.k_norms, self.v_codes, self.v_norms)
+        self.packed_len += n
+        self._f0 += n
         self.fp16_len = keep
-        if keep == 0 and self._fk is not None and self._fk.shape[2] > self.step:
+        if keep == 0 and self._fk.shape[2] > self.step:
             self._fk = self._fv = None  # the prompt's fp16 buffer is no longer needed
+            self._f0 = 0
+        elif self._fk.shape[2] > 2 * self.step + keep:
+            self._rebuffer(keep)  # a long prompt's buffer, now holding a window
 
     # -- protocol --
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
@@ -357,20 +395,22 @@ class IsoQuantCache:
         self._append_fp16(keys, values)
         if not self.prefilling:
             self._spill(self.fp16_window)
+        elif self.fp16_len > max(keys.shape[2], L, self.prefill_fp16):
+            # a long prompt: its older tokens compressed now (never this chunk's own, which attend to themselves)
+            self._spill(max(keys.shape[2], L, self.prefill_fp16))
         q_pos0 = self.offset - L
         causal = isinstance(mask, str) and L > 1
         arr_mask = mask if isinstance(mask, mx.array) else None
 
         if self.packed_len == 0:  # all fp16 (the prompt): the fused kernel does it
-            fk, fv = self._fk[:, :, : self.fp16_len], self._fv[:, :, : self.fp16_len]
+            fk, fv = self._fp16()
             m = None if (isinstance(mask, str) and L == 1) else mask
             return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
 
         if arr_mask is None and (self.fp16_len == 0 or (not self.prefilling and self.fp16_len >= L)):
             from rq_core import kernels  # one launch on a GPU (v5 or v4), window included; else None
 
-            n = self.fp16_len
-            window = (self._fk[:, :, :n], self._fv[:, :, :n]) if n else None
+            window = self._fp16() if self.fp16_len else None
             out = kernels.fused_attend(queries, self.rotation, self.k_codes, self.k_norms, self.v_codes, self.v_norms,
                                        self.levels, bits=self.bits, scale=scale, offset=q_pos0, causal=causal,
                                        valid_len=self.packed_len, window=window, key_bits=self.key_bits,
@@ -386,7 +426,7 @@ class IsoQuantCache:
             mask=None if arr_mask is None else arr_mask[..., : self.packed_len])
         parts.append((self.rotation.inverse_queries(o), lse))
         if self.fp16_len:
-            fk, fv = self._fk[:, :, : self.fp16_len], self._fv[:, :, : self.fp16_len]
+            fk, fv = self._fp16()
             parts.append(attention.dense_attention(
                 queries, fk, fv, scale=scale, offset=q_pos0, key_offset=self.packed_len, causal=causal,
                 mask=None if arr_mask is None else arr_mask[..., self.packed_len : self.offset]))
@@ -401,6 +441,7 @@ class IsoQuantCache:
         from_fp16 = min(n, self.fp16_len)
         self.fp16_len -= from_fp16
         self.packed_len -= n - from_fp16
+        self._coded = min(self._coded, self.offset)
         return n
 
     @property
@@ -447,7 +488,7 @@ def make_kv_cache(settings: KVSettings, *, layer: int, n_kv_heads: int, head_dim
     kw = dict(head_dim=head_dim, n_kv_heads=n_kv_heads, layer=layer, bits=settings.bits,
               codebook=settings.codebook, fp16_window=settings.fp16_window,
               norm_correction=settings.norm_correction, seed=settings.seed, key_bits=settings.key_bits,
-              pair_points=settings.pairs_for(head_dim))
+              pair_points=settings.pairs_for(head_dim), prefill_fp16=settings.prefill_fp16)
     if cls is IsoQuantCache:
         kw["rotation"] = settings.rotation
     return cls(**kw)

@@ -67,12 +67,13 @@ class Plan:
     kv_fixed_bytes: int  # sliding-window caches at full window + Mamba states
     context: int
     kv_bytes: int  # at `context` tokens
+    prefill_fp16_bytes: int  # a compressing cache's fp16 K/V while a prompt is prefilled (kv.prefill_fp16 tokens)
     activation_bytes: int  # working memory reserved for one prefill chunk
     budget_bytes: Optional[int]
     slots_per_layer: int  # expert slots per MoE layer (= experts_per_layer when all fit)
     expert_fraction: float  # slots / experts
     fits: bool
-    planned_peak_bytes: int  # resident + slots + KV + activations
+    planned_peak_bytes: int  # resident + slots + KV + the prefill's fp16 K/V + activations
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -186,24 +187,27 @@ def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context:
     per_tok, fixed = kv_bytes(config, recipe.kv.mode, recipe.kv.bits)
     ctx = recipe.pager.context if context is None else context
     kvb = per_tok * cache_tokens(ctx) + fixed
+    # a compressing cache holds up to kv.prefill_fp16 prompt tokens (at least a chunk) in fp16 while it prefills
+    pre = 0 if recipe.kv.mode == "fp16" else \
+        kv_bytes(config, "fp16")[0] * cache_tokens(min(ctx, max(recipe.kv.prefill_fp16, prefill_chunk)))
     act = activation_bytes(config, min(prefill_chunk, max(ctx, 1)))
     if budget is None and recipe.pager.memory_budget is not None:
         budget = parse_size(str(recipe.pager.memory_budget), "memory budget")
     notes: list[str] = []
     if budget is None or not n_moe:
         slots = E
-        fits = budget is None or resident + routed_bytes + kvb + act <= budget
+        fits = budget is None or resident + routed_bytes + kvb + pre + act <= budget
     else:
-        free = budget - resident - kvb - act
+        free = budget - resident - kvb - pre - act
         slots = max(0, min(E, free // (n_moe * per_expert))) if per_expert else E
         fits = slots >= k
         if not fits:
             notes.append(f"budget leaves {max(free, 0)} bytes for experts: fewer than top-k={k} slots per layer")
-    peak = resident + n_moe * slots * per_expert + kvb + act
+    peak = resident + n_moe * slots * per_expert + kvb + pre + act
     return Plan(model_type=fam, recipe=recipe.name, role_params=role_params, role_bytes=role_bytes,
                 total_bytes=resident + routed_bytes, resident_bytes=resident, moe_layers=n_moe,
                 experts_per_layer=E, top_k=k, bytes_per_expert=per_expert, routed_bytes=routed_bytes,
-                kv_bytes_per_token=per_tok, kv_fixed_bytes=fixed, context=ctx, kv_bytes=kvb,
+                kv_bytes_per_token=per_tok, kv_fixed_bytes=fixed, context=ctx, kv_bytes=kvb, prefill_fp16_bytes=pre,
                 activation_bytes=act, budget_bytes=budget, slots_per_layer=int(slots),
                 expert_fraction=(slots / E) if E else 1.0, fits=bool(fits), planned_peak_bytes=int(peak),
                 notes=notes)
@@ -233,6 +237,8 @@ def render(p: Plan) -> "Any":
               fmt_bytes(p.bytes_per_expert))
     t.add_row("KV per token", "", fmt_bytes(p.kv_bytes_per_token))
     t.add_row(f"KV at {p.context} tokens (+ fixed caches)", "", fmt_bytes(p.kv_bytes))
+    if p.prefill_fp16_bytes:
+        t.add_row("prompt K/V in fp16 while prefilling", "", fmt_bytes(p.prefill_fp16_bytes))
     t.add_row("activation reserve", "", fmt_bytes(p.activation_bytes))
     if p.budget_bytes is not None:
         t.add_row("budget", "", fmt_bytes(p.budget_bytes))

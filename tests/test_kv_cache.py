@@ -108,6 +108,76 @@ def test_fp16_window_and_multi_token_decode(pair_points, words):
     assert c.nbytes == 2 * 11 * (4 * words + 2 * 2) + 2 * 4 * D * 2 * 2  # the window counted at fp16's 2 bytes
 
 
+def _oracle(c, q, ks, vs, offset):
+    """Reference attention of q over the cache's tokens: its packed ones dequantized, then the fp16 segment, which
+    must be the last fp16_len appended keys and values (ks, vs: every token appended so far)."""
+    n = c.packed_len
+    Kp = dequantize_kv(c.k_codes[:, :, :n], c.k_norms[:, :, :n], c.rotation, c.k_levels, c.key_bits or c.bits, D)
+    Vp = dequantize_kv(c.v_codes[:, :, :n], c.v_norms[:, :, :n], c.rotation, c.levels, c.bits, D)
+    fk, fv = c._fp16()
+    np.testing.assert_array_equal(np.array(fk), np.array(ks[:, :, n:]))
+    np.testing.assert_array_equal(np.array(fv), np.array(vs[:, :, n:]))
+    K, V = mx.concatenate([Kp, fk], axis=2), mx.concatenate([Vp, fv], axis=2)
+    return reference_attention(q, K, V, scale=SCALE, offset=offset, causal=q.shape[2] > 1)
+
+
+def test_window_slides_without_copies_and_the_prompt_buffer_is_released():
+    """The fp16 segment moves through its buffer as tokens are compressed (compacted when it reaches the end), and
+    a long prompt's fp16 buffer is replaced by a window-sized one at end_prefill (it used to be kept: a compressed
+    cache holding the whole prompt's fp16 memory)."""
+    c = _mk(fp16_window=4)
+    q, k, v = _qkv(600, 0)
+    c.attend(q, k, v, scale=SCALE, mask="causal")
+    c.end_prefill()
+    assert (c.packed_len, c.fp16_len) == (596, 4) and c._fk.shape[2] <= c.step
+    ks, vs = k, v
+    calls = []
+    compress_kv = c.compress_kv
+    c.compress_kv = lambda *a: calls.append(a[0].shape[2]) or compress_kv(*a)
+    for i in range(300):  # past the buffer's end: one compaction at least
+        q1, k1, v1 = _qkv(1, 1000 + 3 * i)
+        out = c.attend(q1, k1, v1, scale=SCALE)
+        ks, vs = mx.concatenate([ks, k1], axis=2), mx.concatenate([vs, v1], axis=2)
+        if i in (0, 3, 4, 251, 252, 299):
+            np.testing.assert_allclose(np.array(out), np.array(_oracle(c, q1, ks, vs, 600 + i)), atol=1e-5)
+    assert (c.packed_len, c.fp16_len) == (896, 4) and c._fk.shape[2] <= c.step
+    # the window's tokens and the new one are coded together (60 launches of 5 tokens, not 300), with the codes per-token
+    # compression gives
+    assert len(calls) == 60 and set(calls) == {5}
+    want = quantize_kv(ks[:, :, :896], c.rotation, c.levels, 3)[0]
+    np.testing.assert_array_equal(np.array(c.k_codes[:, :, :896]), np.array(want))
+
+
+@pytest.mark.parametrize("pair_points", [(), (128, 32)])
+def test_long_prompt_is_compressed_while_it_is_prefilled(pair_points):
+    """kv.prefill_fp16: a prompt longer than it keeps at most that many fp16 tokens (never fewer than the chunk's
+    own) while it is prefilled; each chunk attends to the compressed older tokens, causally to its own."""
+    D64 = 64  # pair codebooks need head dims that are multiples of 64
+    c = make_kv_cache(KVSettings(mode="isoquant3", fp16_window=2, prefill_fp16=16, pair_points=pair_points),
+                      layer=1, n_kv_heads=HKV, head_dim=D64)
+    rand = lambda L, s: (_rand((B, HQ, L, D64), s), _rand((B, HKV, L, D64), s + 1), _rand((B, HKV, L, D64), s + 2))
+    ks = vs = None
+    for i, L in enumerate([10, 10, 10, 24, 3]):
+        q, k, v = rand(L, 10 * i)
+        out = c.attend(q, k, v, scale=SCALE, mask="causal")
+        ks = k if ks is None else mx.concatenate([ks, k], axis=2)
+        vs = v if vs is None else mx.concatenate([vs, v], axis=2)
+        assert c.fp16_len <= max(16, L) and c.offset == ks.shape[2]
+        n = c.packed_len
+        Kp = dequantize_kv(c.k_codes[:, :, :n], c.k_norms[:, :, :n], c.rotation, c.k_levels, c.key_bits or c.bits, D64) \
+            if n else ks[:, :, :0]
+        Vp = dequantize_kv(c.v_codes[:, :, :n], c.v_norms[:, :, :n], c.rotation, c.levels, c.bits, D64) \
+            if n else vs[:, :, :0]
+        K = mx.concatenate([Kp, ks[:, :, n:]], axis=2)
+        V = mx.concatenate([Vp, vs[:, :, n:]], axis=2)
+        want = reference_attention(q, K, V, scale=SCALE, offset=ks.shape[2] - L,
+                                   causal=True)
+        np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
+    assert c.packed_len == 57 - 16  # compressed before the chunks of 24 and 3 (keep max(16, L))
+    c.end_prefill()
+    assert (c.packed_len, c.fp16_len) == (55, 2)
+
+
 def test_trim_and_bytes():
     c = _mk()
     q, k, v = _qkv(10, 0)

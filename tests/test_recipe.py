@@ -40,6 +40,8 @@ def test_resolved_round_trip():
     (BASE + "[kv]\npair_points = [128, 33]\n", "kv.pair_points = \\[128, 33\\] must each be one of"),
     (BASE + "[kv]\npair_points = 128\n", "kv.pair_points must be two integers"),
     (BASE + "[kv]\npair_points = [128, 32]\nkey_bits = 4\n", "cannot both be set"),
+    (BASE + "[kv]\nprefill_fp16 = -1\n", "kv.prefill_fp16 = -1 must be >= 0"),
+    (BASE + "[kv]\nprefill_fp16 = \"all\"\n", "'kv.prefill_fp16' must be int"),
     (BASE + "[pager]\npolicy = \"fifo\"\n", "pager.policy"),
     (BASE + "[pager]\nmemory_budget = \"lots\"\n", "cannot read 'lots'"),
     ('version = 2\n', "'version' must be 1"),

@@ -111,6 +111,8 @@ def readme_section(saved: dict) -> None:
             f"quantized as recipes/qwen3-16gb.toml (attention 4-bit, experts 2-bit, router 8-bit, embeddings and "
             f"head 6-bit), {m['layers_timed']} layers timed"
             + ("" if m["layers_timed"] == 48 else f" and per-layer parts scaled to 48")
+            + (f"; compressed caches as `rq run` makes them (a {m['fp16_window']}-token fp16 window, isoquant3's pair "
+               "codebooks)" if m.get("fp16_window") else "")
             + ". Context by synthetic fill (random K/V appended to every layer's cache, then compressed). "
             "One decode step = one evaluation of the whole model; the parts are each kind of call replayed "
             "alone for all layers (medians of repeats, in turns). The paper measured a 45% KV-attention share "

@@ -63,6 +63,18 @@ def cache_bytes(cache: Iterable) -> tuple[int, int]:
     return held, fp16
 
 
+def cache_arrays(cache: list) -> list[mx.array]:
+    """The arrays the caches hold (their attributes, and arrays in list or tuple attributes)."""
+    out = []
+    for c in cache:
+        for v in vars(c).values() if hasattr(c, "__dict__") else ():
+            if isinstance(v, mx.array):
+                out.append(v)
+            elif isinstance(v, (list, tuple)):
+                out += [a for a in v if isinstance(a, mx.array)]
+    return out
+
+
 def _peak_rss() -> int:
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(r if sys.platform == "darwin" else r * 1024)  # bytes on macOS, KiB on Linux
@@ -96,8 +108,14 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     x = mx.array(prompt, dtype=mx.int32)[None]
     chunk = max(1, int(prefill_chunk))
     for i in range(0, len(prompt), chunk):
-        logits = model(x[:, i:i + chunk], cache=cache)[:, -1, :]
-        mx.eval(logits)  # bounds the graph (and memory) to one chunk
+        out = model(x[:, i:i + chunk], cache=cache)
+        if i + chunk < len(prompt):
+            # a chunk before the last is evaluated for its caches alone (one graph a chunk bounds memory), so its
+            # output head (chunk x vocabulary logits) is never computed
+            mx.eval(cache_arrays(cache))
+        else:
+            logits = out[:, -1, :]
+            mx.eval(logits)
     for c in cache:
         c.end_prefill()
     y = sample(logits, temp, top_p)

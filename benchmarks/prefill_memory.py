@@ -1,0 +1,67 @@
+"""Prefill of a long prompt with a compressed cache: time and peak memory, kv.prefill_fp16 against keeping the whole
+prompt in fp16 (the behaviour before session 15) and against the fp16 cache, side by side in one process.
+
+Qwen3-30B-A3B-shaped model with random weights quantized as recipes/qwen3-16gb.toml (profile_gpu.build), NL layers;
+a random prompt of T tokens through `generate` (chunks of 512, one token generated). Peak = MLX's peak allocation
+during generate minus the memory active before it (the weights); KV = the caches' bytes after it.
+
+    python3 benchmarks/prefill_memory.py [--layers 4] [--contexts 8192,32768] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+
+from rq_core.generate import generate  # noqa: E402
+from rq_core.kv_cache import DEFAULT_FP16_WINDOW, DEFAULT_PREFILL_FP16, KVSettings  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    import profile_gpu
+
+    model, cfg = profile_gpu.build(a.layers)
+    rows = []
+    for T in (int(x) for x in a.contexts.split(",")):
+        prompt = mx.random.randint(0, cfg["vocab_size"], (T,), key=mx.random.key(T)).tolist()
+        settings = {"fp16": KVSettings(mode="fp16"),
+                    f"isoquant3, prefill_fp16 {DEFAULT_PREFILL_FP16}": KVSettings(
+                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW),
+                    "isoquant3, whole prompt in fp16 (before)": KVSettings(
+                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=T)}
+        for name, kv in settings.items():
+            gc.collect()
+            mx.clear_cache()
+            base = mx.get_active_memory()
+            t0 = time.perf_counter()
+            res = generate(model, prompt, max_tokens=1, kv=kv)
+            dt = time.perf_counter() - t0
+            rows.append({"context": T, "cache": name, "prefill_s": res.prefill_s, "wall_s": dt,
+                         "prefill_tok_per_s": res.prefill_tok_per_s,
+                         "peak_over_weights_bytes": res.peak_memory_bytes - base, "kv_bytes": res.kv_bytes})
+            if not a.json:
+                r = rows[-1]
+                print(f"{T:6d} {name:42s} prefill {r['prefill_s']:7.2f} s  peak +{r['peak_over_weights_bytes'] / 2**20:8.1f} MiB"
+                      f"  KV {r['kv_bytes'] / 2**20:7.1f} MiB", flush=True)
+            del res
+    if a.json:
+        print(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__, "layers": a.layers,
+                          "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

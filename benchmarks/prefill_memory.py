@@ -29,6 +29,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--skip-fp16", action="store_true", help="the compressed caches only")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     import profile_gpu
@@ -42,6 +43,8 @@ def main() -> int:
                         mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW),
                     "isoquant3, whole prompt in fp16 (before)": KVSettings(
                         mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=T)}
+        if a.skip_fp16:
+            del settings["fp16"]
         for name, kv in settings.items():
             gc.collect()
             mx.clear_cache()

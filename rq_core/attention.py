@@ -18,6 +18,9 @@ import mlx.core as mx
 from rq_core.packing import unpack
 
 CHUNK = 1024
+# online_attention evaluates its running state after each chunk of keys when one chunk's scores exceed this: a long
+# prompt's chunk attending to many compressed tokens would otherwise build every chunk's temporaries into one graph
+EVAL_BYTES = 32 << 20
 
 # (k0, k1) -> (keys [B, Hkv, C, d], key scale [B, Hkv, C] | None, values [B, Hkv, C, d], value scale | None)
 ChunkFn = Callable[[int, int], tuple]
@@ -50,6 +53,7 @@ def online_attention(q: mx.array, n_kv_heads: int, T: int, chunk_fn: ChunkFn, *,
     acc = mx.zeros((B, n_kv_heads, G, L, d), mx.float32)
     mask5 = _mask_5d(mask, B, n_kv_heads, G, L) if mask is not None else None
     q_pos = (q_pos0 + mx.arange(L))[:, None]
+    bounded = B * Hq * L * min(chunk, T) * 4 > EVAL_BYTES
     for k0 in range(0, T, chunk):
         k1 = min(T, k0 + chunk)
         keys, kscale, values, vscale = chunk_fn(k0, k1)
@@ -72,6 +76,8 @@ def online_attention(q: mx.array, n_kv_heads: int, T: int, chunk_fn: ChunkFn, *,
             p = p * vscale[:, :, None, None, :]
         acc = acc * corr[..., None] + p @ values[:, :, None]
         m = m_new
+        if bounded and k1 < T:
+            mx.eval(m, s_sum, acc)
     out = mx.where(s_sum[..., None] > 0, acc / mx.maximum(s_sum, 1e-30)[..., None], 0.0)
     lse = mx.where(s_sum > 0, m + mx.log(mx.maximum(s_sum, 1e-30)), -mx.inf)
     return out.reshape(B, Hq, L, d), lse.reshape(B, Hq, L)

@@ -6,6 +6,6 @@ set -u
 OUT=${OUT:-$PWD/s15g_out}; mkdir -p "$OUT"
 source .device/bin/gpu-env || exit 3
 echo "== prefill_memory ($(date -u +%T))"
-timeout 400 python3 benchmarks/prefill_memory.py --layers 4 --contexts 8192,32768 > "$OUT/prefill_memory.log" 2>&1
+timeout ${PM_TIMEOUT:-400} python3 benchmarks/prefill_memory.py --layers 4 --contexts ${PM_CONTEXTS:-8192,32768} ${PM_ARGS:-} > "$OUT/prefill_memory.log" 2>&1
 echo "rc $?"; cat "$OUT/prefill_memory.log" | tail -8
 echo "== done ($(date -u +%T))"

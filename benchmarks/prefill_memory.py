@@ -1,5 +1,5 @@
-"""Prefill of a long prompt with a compressed cache: time and peak memory, kv.prefill_fp16 against keeping the whole
-prompt in fp16 (the behaviour before session 15) and against the fp16 cache, side by side in one process.
+"""Prefill of a long prompt with a compressed cache: time and peak memory, kv.prefill_fp16 (opt-in) against keeping the
+whole prompt in fp16 (the default) and against the fp16 cache, side by side in one process.
 
 Qwen3-30B-A3B-shaped model with random weights quantized as recipes/qwen3-16gb.toml (profile_gpu.build), NL layers;
 a random prompt of T tokens through `generate` (chunks of 512, one token generated). Peak = MLX's peak allocation
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 
 from rq_core.generate import generate  # noqa: E402
-from rq_core.kv_cache import DEFAULT_FP16_WINDOW, DEFAULT_PREFILL_FP16, KVSettings  # noqa: E402
+from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
 
 
 def main() -> int:
@@ -30,6 +30,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--skip-fp16", action="store_true", help="the compressed caches only")
+    ap.add_argument("--prefill-fp16", type=int, default=4096, help="kv.prefill_fp16 of the bounded row")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     import profile_gpu
@@ -39,10 +40,10 @@ def main() -> int:
     for T in (int(x) for x in a.contexts.split(",")):
         prompt = mx.random.randint(0, cfg["vocab_size"], (T,), key=mx.random.key(T)).tolist()
         settings = {"fp16": KVSettings(mode="fp16"),
-                    f"isoquant3, prefill_fp16 {DEFAULT_PREFILL_FP16}": KVSettings(
-                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW),
-                    "isoquant3, whole prompt in fp16 (before)": KVSettings(
-                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=T)}
+                    f"isoquant3, prefill_fp16 {a.prefill_fp16}": KVSettings(
+                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=a.prefill_fp16),
+                    "isoquant3, whole prompt in fp16 (default)": KVSettings(
+                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW)}
         if a.skip_fp16:
             del settings["fp16"]
         for name, kv in settings.items():

@@ -22,7 +22,6 @@ Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask
 # 32 brought IsoQuant-3 wht_so4 from +2.24% to -0.30% ΔPPL (3 seeds; 16: +0.20%, 8: +2.44%) for ~0.013 of
 # fp16's bytes (benchmarks/README.md, kv-study); on a GPU it is one more split of the attention launch (attn_v5w).
 DEFAULT_FP16_WINDOW = 32
-DEFAULT_PREFILL_FP16 = 4096
 
 
 # isoquant3's codebooks: keys' 128 and values' 32 points a pair of rotated coordinates (7 + 5 bits a pair: 3 bits a
@@ -42,9 +41,11 @@ class KVSettings:
     rotation: str = "wht_so4"  # wht_so4 | wht | so4 | so3 | dense | rwht_so4
     codebook: str = "sphere"  # sphere | gaussian | path to a codebook TOML
     fp16_window: int = 0  # newest tokens kept in fp16 (0 = off)
-    # prompt tokens held in fp16 while a prompt is prefilled (the prompt attends to itself exactly up to here); a longer
-    # prompt's older tokens are compressed as its chunks arrive, so prefill never holds more fp16 K/V than this
-    prefill_fp16: int = DEFAULT_PREFILL_FP16
+    # at most this many prompt tokens held in fp16 while a prompt is prefilled: a longer prompt's older tokens are
+    # compressed as its chunks arrive (later chunks attend to them compressed). None: the whole prompt stays fp16 until
+    # end_prefill (the default: on the H200 the bounded prefill measured slower and, before its per-chunk evaluation,
+    # with a higher peak; benchmarks/prefill_memory.py)
+    prefill_fp16: int | None = None
     norm_correction: bool = False  # store n / ||c||; measured no better (benchmarks/README.md)
     seed: int = 0
     # keys at their own width (None: `bits`). 4 with bits 3 kept fp16's needle retention on the bundled model
@@ -220,8 +221,8 @@ class IsoQuantCache:
     Layout for the GPU path: `k_codes`/`v_codes` uint32 [B, Hkv, T_cap, W] and `k_norms`/`v_norms`
     float16 [B, Hkv, T_cap]; the first `packed_len` rows are valid. Tokens after those (positions
     packed_len .. offset-1) are an fp16 segment: the prompt until `end_prefill()` (so the prompt attends to
-    itself in full precision; a prompt longer than `prefill_fp16` tokens has its older tokens compressed as its
-    chunks arrive), then at most `fp16_window` newest tokens. Decoded tokens are compressed on append.
+    itself in full precision; with `prefill_fp16` set, a longer prompt has its older tokens compressed as its chunks
+    arrive), then at most `fp16_window` newest tokens. Decoded tokens are compressed on append.
     Attention runs over both parts and merges them by logsumexp.
 
     The fp16 segment is `_fk[:, :, _f0 : _f0 + fp16_len]`: compressing its oldest tokens moves `_f0` instead of
@@ -235,7 +236,7 @@ class IsoQuantCache:
     def __init__(self, *, head_dim: int, n_kv_heads: int, layer: int = 0, bits: int = 3,
                  rotation: str = "wht_so4", codebook: str = "sphere", fp16_window: int = 0,
                  norm_correction: bool = False, seed: int = 0, key_bits: int | None = None,
-                 pair_points: tuple[int, int] | None = None, prefill_fp16: int = DEFAULT_PREFILL_FP16) -> None:
+                 pair_points: tuple[int, int] | None = None, prefill_fp16: int | None = None) -> None:
         from rq_core.codebook import check_bits, check_pair_points, get_codebook, pair_codebook
         from rq_core.rotation import Rotation, check_dim
 
@@ -243,9 +244,9 @@ class IsoQuantCache:
         self.bits = check_bits(bits)
         if fp16_window < 0:
             raise RQError(f"fp16_window must be >= 0 (got {fp16_window})")
-        if prefill_fp16 < 0:
+        if prefill_fp16 is not None and prefill_fp16 < 0:
             raise RQError(f"prefill_fp16 must be >= 0 (got {prefill_fp16})")
-        self.prefill_fp16 = int(prefill_fp16)
+        self.prefill_fp16 = None if prefill_fp16 is None else int(prefill_fp16)
         self.n_kv_heads = n_kv_heads
         self.rotation = Rotation(head_dim, n_kv_heads, variant=rotation, seed=seed, layer=layer)
         self.codebook = get_codebook(codebook, self.bits, head_dim)
@@ -395,7 +396,7 @@ class IsoQuantCache:
         self._append_fp16(keys, values)
         if not self.prefilling:
             self._spill(self.fp16_window)
-        elif self.fp16_len > max(keys.shape[2], L, self.prefill_fp16):
+        elif self.prefill_fp16 is not None and self.fp16_len > max(keys.shape[2], L, self.prefill_fp16):
             # a long prompt: its older tokens compressed now (never this chunk's own, which attend to themselves)
             self._spill(max(keys.shape[2], L, self.prefill_fp16))
         q_pos0 = self.offset - L

@@ -67,7 +67,7 @@ class Plan:
     kv_fixed_bytes: int  # sliding-window caches at full window + Mamba states
     context: int
     kv_bytes: int  # at `context` tokens
-    prefill_fp16_bytes: int  # a compressing cache's fp16 K/V while a prompt is prefilled (kv.prefill_fp16 tokens)
+    prefill_fp16_bytes: int  # a compressing cache's fp16 K/V while a prompt is prefilled (the prompt, or kv.prefill_fp16)
     activation_bytes: int  # working memory reserved for one prefill chunk
     budget_bytes: Optional[int]
     slots_per_layer: int  # expert slots per MoE layer (= experts_per_layer when all fit)
@@ -187,9 +187,9 @@ def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context:
     per_tok, fixed = kv_bytes(config, recipe.kv.mode, recipe.kv.bits)
     ctx = recipe.pager.context if context is None else context
     kvb = per_tok * cache_tokens(ctx) + fixed
-    # a compressing cache holds up to kv.prefill_fp16 prompt tokens (at least a chunk) in fp16 while it prefills
-    pre = 0 if recipe.kv.mode == "fp16" else \
-        kv_bytes(config, "fp16")[0] * cache_tokens(min(ctx, max(recipe.kv.prefill_fp16, prefill_chunk)))
+    # a compressing cache holds the prompt in fp16 while it prefills (at most kv.prefill_fp16 tokens, at least a chunk)
+    held = ctx if recipe.kv.prefill_fp16 is None else min(ctx, max(recipe.kv.prefill_fp16, prefill_chunk))
+    pre = 0 if recipe.kv.mode == "fp16" else kv_bytes(config, "fp16")[0] * cache_tokens(held)
     act = activation_bytes(config, min(prefill_chunk, max(ctx, 1)))
     if budget is None and recipe.pager.memory_budget is not None:
         budget = parse_size(str(recipe.pager.memory_budget), "memory budget")

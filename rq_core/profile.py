@@ -257,7 +257,7 @@ def fill_caches(model: nn.Module, caches: list, n_tokens: int, *, fill: str = "s
             kk, kv_ = mx.random.split(mx.random.key(seed * 1000 + i))
             window = getattr(cache, "window", None)
             m = min(n, window) if window else n  # a sliding cache keeps only its window
-            if hasattr(cache, "prefill_fp16"):  # the fill's keys stay fp16 until end_prefill compresses them all
+            if getattr(cache, "prefill_fp16", None) is not None:  # the fill stays fp16 until end_prefill compresses it
                 cache.prefill_fp16 = max(cache.prefill_fp16, n_tokens)
             for s in range(0, m, 8192):  # appended in pieces to bound the temporary fp16 K/V
                 L = min(8192, m - s)

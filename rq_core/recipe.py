@@ -220,7 +220,7 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
                 raise RQError(f"{src}: kv.key_bits and kv.pair_points cannot both be set")
             kv.pair_points = (pp[0], pp[1])
     _typed(src, "kv.fp16_window", kv.fp16_window, int)
-    if _typed(src, "kv.prefill_fp16", kv.prefill_fp16, int) < 0:
+    if kv.prefill_fp16 is not None and _typed(src, "kv.prefill_fp16", kv.prefill_fp16, int) < 0:
         raise RQError(f"{src}: kv.prefill_fp16 = {kv.prefill_fp16} must be >= 0")
     _typed(src, "kv.seed", kv.seed, int)
     _typed(src, "kv.norm_correction", kv.norm_correction, bool)

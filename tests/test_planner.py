@@ -36,13 +36,14 @@ def test_qwen3_real_config_plan():
     assert p.bytes_per_expert == 3 * (768 * 2048 // 4 + 768 * 2048 // 64 * 4)
     assert p.kv_bytes_per_token == 48 * 2 * 4 * (12 * 4 + 2)  # isoquant3: 12 words + fp16 norm per vector
     assert p.fits and p.budget_bytes == 16 * 10**9
-    # the prompt's fp16 K/V while it is prefilled: kv.prefill_fp16 tokens (4096 by default) at fp16's bytes, counted
-    # in the peak; an fp16 cache has no such extra (its K/V is the KV line)
+    # the prompt's fp16 K/V while it is prefilled (the whole prompt by default: the recipe's 8,192 tokens), counted in
+    # the peak; kv.prefill_fp16 bounds it; an fp16 cache has no such extra (its K/V is the KV line)
     fp16_tok = 48 * 2 * 4 * 128 * 2
-    assert p.prefill_fp16_bytes == fp16_tok * 4096 and p.planned_peak_bytes >= p.kv_bytes + p.prefill_fp16_bytes
-    short = plan(cfg, recipe.load("qwen3-16gb"), context=1000)
-    assert short.prefill_fp16_bytes == fp16_tok * 1024  # never more than the context (rounded as the caches grow)
+    assert p.prefill_fp16_bytes == fp16_tok * 8192 and p.planned_peak_bytes >= p.kv_bytes + p.prefill_fp16_bytes
     rec = recipe.load("qwen3-16gb")
+    rec.kv.prefill_fp16 = 2000
+    assert plan(cfg, rec).prefill_fp16_bytes == fp16_tok * 2048  # rounded up as the caches grow
+    assert plan(cfg, rec, context=1000).prefill_fp16_bytes == fp16_tok * 1024  # never more than the context
     rec.kv.mode = "fp16"
     assert plan(cfg, rec).prefill_fp16_bytes == 0
 

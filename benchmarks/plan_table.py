@@ -40,18 +40,21 @@ def main() -> None:
         "## Memory plans for the real configs (`python benchmarks/plan_table.py`)",
         "",
         "From each config and shipped recipe, without weights: bytes of the quantized weights, what stays",
-        "resident (everything but routed experts), KV cache at the recipe's context, a prefill working",
-        "reserve (512-token chunk), and how many expert slots per MoE layer then fit the budget.",
+        "resident (everything but routed experts), KV cache at the recipe's context, the prompt's fp16 K/V",
+        "while a compressing cache prefills it (the whole context's, unless kv.prefill_fp16 bounds it), a prefill",
+        "working reserve (512-token chunk), and how many expert slots per MoE layer then fit the budget.",
         "The paper's peaks are its measured numbers (its own quantization, not ours).",
         "",
-        "| model | recipe | weights GB | resident GB | routed GB | per expert MB | KV GB (ctx) | reserve GB "
-        "| budget GB | slots / experts | planned peak GB | paper peak GB | slots with the paper's peak as budget |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | recipe | weights GB | resident GB | routed GB | per expert MB | KV GB (ctx) | prefill fp16 KV GB "
+        "| reserve GB | budget GB | slots / experts | planned peak GB | paper peak GB "
+        "| slots with the paper's peak as budget |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, rec, p, paper, ap in rows:
         lines.append(
             f"| {name} | {rec} | {gb(p.total_bytes)} | {gb(p.resident_bytes)} | {gb(p.routed_bytes)} | "
-            f"{p.bytes_per_expert / 1e6:.2f} | {gb(p.kv_bytes)} ({p.context}) | {gb(p.activation_bytes)} | "
+            f"{p.bytes_per_expert / 1e6:.2f} | {gb(p.kv_bytes)} ({p.context}) | {gb(p.prefill_fp16_bytes)} | "
+            f"{gb(p.activation_bytes)} | "
             f"{gb(p.budget_bytes)} | {p.slots_per_layer} / {p.experts_per_layer} ({100 * p.expert_fraction:.0f}%) | "
             f"{gb(p.planned_peak_bytes)} | {paper} | {ap.slots_per_layer} / {ap.experts_per_layer} "
             f"({'fits' if ap.fits else 'does not fit'}) |")

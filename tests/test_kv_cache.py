@@ -148,6 +148,31 @@ def test_window_slides_without_copies_and_the_prompt_buffer_is_released():
     np.testing.assert_array_equal(np.array(c.k_codes[:, :, :896]), np.array(want))
 
 
+def test_trim_drops_codes_made_ahead():
+    """Window tokens may be coded before they leave the window; trimming them (e.g. rejected draft tokens) must not
+    leave their codes to be read for the tokens that replace them."""
+    c = _mk(fp16_window=4)
+    q, k, v = _qkv(40, 0)
+    c.attend(q, k, v, scale=SCALE, mask="causal")
+    c.end_prefill()
+    ks, vs = k, v
+    for i in range(7):
+        _, k1, v1 = _qkv(1, 500 + 3 * i)
+        c.attend(_qkv(1, 900 + i)[0], k1, v1, scale=SCALE)
+        ks, vs = mx.concatenate([ks, k1], axis=2), mx.concatenate([vs, v1], axis=2)
+    assert c._coded > c.packed_len  # the window's tokens were coded ahead
+    assert c.trim(3) == 3
+    ks, vs = ks[:, :, :-3], vs[:, :, :-3]
+    for i in range(12):  # new tokens in the trimmed ones' places, then past them
+        q1, k1, v1 = _qkv(1, 700 + 3 * i)
+        out = c.attend(q1, k1, v1, scale=SCALE)
+        ks, vs = mx.concatenate([ks, k1], axis=2), mx.concatenate([vs, v1], axis=2)
+        np.testing.assert_allclose(np.array(out), np.array(_oracle(c, q1, ks, vs, 44 + i)), atol=1e-5)
+    n = c.packed_len
+    np.testing.assert_array_equal(np.array(c.k_codes[:, :, :n]),
+                                  np.array(quantize_kv(ks[:, :, :n], c.rotation, c.levels, 3)[0]))
+
+
 @pytest.mark.parametrize("pair_points", [(), (128, 32)])
 def test_long_prompt_is_compressed_while_it_is_prefilled(pair_points):
     """kv.prefill_fp16: a prompt longer than it keeps at most that many fp16 tokens (never fewer than the chunk's

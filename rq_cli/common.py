@@ -95,6 +95,21 @@ def gpu_first_run_note() -> None:
 
 
 # --key-bits / --pair-points, shared by `rq eval` and `rq profile`
+FP16_WINDOW = typer.Option(None, "--fp16-window",
+                           help="Newest tokens kept unquantized in a compressed cache (default 32, as `rq run`; 0 = none).")
+
+
+def fp16_window_arg(n: Optional[int]) -> int:
+    """--fp16-window: the default window (as `rq run`'s) when not given."""
+    if n is None:
+        from rq_core.kv_cache import DEFAULT_FP16_WINDOW
+
+        return DEFAULT_FP16_WINDOW
+    if n < 0:
+        raise RQError(f"--fp16-window must be >= 0 (got {n})")
+    return n
+
+
 KEY_BITS = typer.Option(None, "--key-bits", help="Keys at this many bits, values at the mode's 3 (e.g. 4: needles "
                                                  "kept on the bundled model, 14% more KV bytes).")
 PAIR_POINTS = typer.Option(None, "--pair-points",

@@ -6,8 +6,8 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import (KEY_BITS, PAIR_POINTS, console, gpu_first_run_note, handle_errors, key_bits_arg,
-                           pair_points_arg, parse_list, print_json)
+from rq_cli.common import (FP16_WINDOW, KEY_BITS, PAIR_POINTS, console, fp16_window_arg, gpu_first_run_note,
+                           handle_errors, key_bits_arg, pair_points_arg, parse_list, print_json)
 from rq_core.errors import RQError
 
 app = typer.Typer(no_args_is_help=True)
@@ -38,9 +38,7 @@ def ppl(
     text: Optional[str] = typer.Option(None, "--text", help="Text file to score (default: the bundled held-out plays)."),
     key_bits: Optional[int] = KEY_BITS,
     pair_points: Optional[str] = PAIR_POINTS,
-    fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
-                                              help="Newest tokens kept unquantized in a compressed cache "
-                                                   "(default 32, as `rq run`; 0 = none)."),
+    fp16_window: Optional[int] = FP16_WINDOW,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Perplexity over held-out text: each window's first half is prefilled, the second half is scored
@@ -51,7 +49,7 @@ def ppl(
     _positive("--step", step)
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
-    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=key_bits_arg(kv, key_bits),
+    settings = kv_settings(kv, rotation, fp16_window=fp16_window_arg(fp16_window), key_bits=key_bits_arg(kv, key_bits),
                            pair_points=pair_points_arg(kv, pair_points, key_bits))
     em = load_eval_model(model)
     gpu_first_run_note()
@@ -66,16 +64,6 @@ def ppl(
                   f"{res.context}, KV {res.kv_mode}{rot}", highlight=False)
 
 
-def _window(n: Optional[int]) -> int:
-    if n is None:
-        from rq_core.kv_cache import DEFAULT_FP16_WINDOW
-
-        return DEFAULT_FP16_WINDOW
-    if n < 0:
-        raise RQError(f"--fp16-window must be >= 0 (got {n})")
-    return n
-
-
 @app.command("niah")
 @handle_errors
 def niah_cmd(
@@ -88,9 +76,7 @@ def niah_cmd(
     seed: int = typer.Option(0, "--seed"),
     key_bits: Optional[int] = KEY_BITS,
     pair_points: Optional[str] = PAIR_POINTS,
-    fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
-                                              help="Newest tokens kept unquantized in a compressed cache "
-                                                   "(default 32, as `rq run`; 0 = none)."),
+    fp16_window: Optional[int] = FP16_WINDOW,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end."""
@@ -102,7 +88,7 @@ def niah_cmd(
     if any(not 0 <= d <= 1 for d in Ds):
         raise RQError("--depths must lie in [0, 1]")
     modes = ["fp16"] + [m for m in parse_list(kv, str, "--kv") if m != "fp16"]
-    settings = [kv_settings(m, rotation if m == "isoquant3" else None, fp16_window=_window(fp16_window),
+    settings = [kv_settings(m, rotation if m == "isoquant3" else None, fp16_window=fp16_window_arg(fp16_window),
                             key_bits=key_bits_arg(m, key_bits), pair_points=pair_points_arg(m, pair_points, key_bits))
                 for m in modes]
     em = load_eval_model(model)
@@ -142,9 +128,7 @@ def gates_cmd(
     gates_file: Optional[str] = typer.Option(None, "--gates", help="Thresholds TOML (default: the bundled gates.toml)."),
     key_bits: Optional[int] = KEY_BITS,
     pair_points: Optional[str] = PAIR_POINTS,
-    fp16_window: Optional[int] = typer.Option(None, "--fp16-window",
-                                              help="Newest tokens kept unquantized in a compressed cache "
-                                                   "(default 32, as `rq run`; 0 = none)."),
+    fp16_window: Optional[int] = FP16_WINDOW,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Twelve quality gates of a KV mode against fp16; exits 1 if any gate fails."""
@@ -153,7 +137,7 @@ def gates_cmd(
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only")
     cfg = load_gates(gates_file)
-    settings = kv_settings(kv, rotation, fp16_window=_window(fp16_window), key_bits=key_bits_arg(kv, key_bits),
+    settings = kv_settings(kv, rotation, fp16_window=fp16_window_arg(fp16_window), key_bits=key_bits_arg(kv, key_bits),
                            pair_points=pair_points_arg(kv, pair_points, key_bits))
     em = load_eval_model(model)
     gpu_first_run_note()

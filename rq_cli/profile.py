@@ -7,8 +7,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from rq_cli.common import (KEY_BITS, PAIR_POINTS, console, gpu_first_run_note, handle_errors, key_bits_arg,
-                           pair_points_arg, print_json)
+from rq_cli.common import (FP16_WINDOW, KEY_BITS, PAIR_POINTS, console, fp16_window_arg, gpu_first_run_note,
+                           handle_errors, key_bits_arg, pair_points_arg, print_json)
 from rq_core.errors import RQError
 
 
@@ -73,6 +73,7 @@ def profile(
     rotation: str = typer.Option("wht_so4", "--rotation", help="Rotation variant of a compressed KV mode."),
     key_bits: Optional[int] = KEY_BITS,
     pair_points: Optional[str] = PAIR_POINTS,
+    fp16_window: Optional[int] = FP16_WINDOW,
     threshold: float = typer.Option(0.20, "--threshold", help="KV-attention share above which compression pays."),
     fill: str = typer.Option("synthetic", "--fill",
                              help="How the context is built: synthetic (random K/V appended) or prefill "
@@ -96,7 +97,8 @@ def profile(
     ckpt = load(model, tokenizer=False, cpu_float32=memory_budget is None)
     gpu_first_run_note()
     settings = KVSettings(mode=kv, rotation=rotation, key_bits=key_bits_arg(kv, key_bits),
-                          pair_points=pair_points_arg(kv, pair_points, key_bits))
+                          pair_points=pair_points_arg(kv, pair_points, key_bits),
+                          fp16_window=fp16_window_arg(fp16_window))  # the cache `rq run` makes
     limit = text_config(ckpt.config).get("max_position_embeddings")
     if limit and max(contexts) > limit:
         console.print(f"[yellow]note:[/] context {max(contexts)} is beyond the model's {limit} positions "

@@ -148,6 +148,11 @@ def test_cli_json() -> None:
         assert set(r["kernels"]) == set(STAGES)
         assert r["verdict"] in ("go", "no-go") and 0 <= r["kv_attention_share"] <= 1
     assert rep["backend"] in ("cpu", "cuda", "metal") and rep["verdict"] in ("go", "no-go")
+    assert rep["fp16_window"] == 32  # the cache `rq run` makes
+    res = CliRunner().invoke(app, ["profile", str(GOLDEN), "--context", "64", "--repeats", "2", "--fp16-window", "0",
+                                   "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["fp16_window"] == 0
 
 
 @pytest.mark.skipif(not (GOLDEN / "config.json").is_file(), reason="golden tiny model missing")
@@ -168,6 +173,7 @@ def test_cli_json_pair_points() -> None:
     (["--threshold", "1.5"], "threshold"),
     (["--fill", "magic"], "unknown fill"),
     (["--kv", "int9"], "KV mode"),
+    (["--fp16-window", "-1"], "--fp16-window must be >= 0"),
 ])
 def test_cli_bad_input(args: list[str], msg: str) -> None:
     res = CliRunner().invoke(app, ["profile", str(GOLDEN), *args])

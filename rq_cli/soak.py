@@ -8,7 +8,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from rq_cli.common import console, gpu_first_run_note, handle_errors, print_json
+from rq_cli.common import FP16_WINDOW, console, fp16_window_arg, gpu_first_run_note, handle_errors, print_json
 from rq_core.errors import RQError
 
 MB = 1 << 20
@@ -55,6 +55,7 @@ def soak(
     report: str = typer.Option(..., "--report", help="Report file (JSON), rewritten atomically at every sample."),
     kv: str = typer.Option("isoquant3", "--kv", help="KV cache mode: fp16, isoquant3, turbo3."),
     rotation: str = typer.Option("wht_so4", "--rotation", help="Rotation variant of a compressed KV mode."),
+    fp16_window: Optional[int] = FP16_WINDOW,
     interval: Optional[float] = typer.Option(None, "--interval",
                                              help="Seconds between samples (default: ~20 samples, 1-60 s)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per generation."),
@@ -92,7 +93,7 @@ def soak(
                             max_tokens=max_tokens, max_prompt=max_prompt, temp=temp, seed=seed,
                             thresholds=Thresholds(max_growth_mb=max_growth_mb,
                                                   max_throughput_drop=max_throughput_drop))
-    kvs = KVSettings(mode=kv, rotation=rotation, seed=seed)
+    kvs = KVSettings(mode=kv, rotation=rotation, seed=seed, fp16_window=fp16_window_arg(fp16_window))  # rq run's cache
     pager_obj = None
     if memory_budget is not None:
         from rq_cli.run_pager import attach_pager

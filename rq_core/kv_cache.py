@@ -467,6 +467,15 @@ class IsoQuantCache:
         B, H = ref.shape[:2]
         return 2 * B * H * self.offset * 2 * self.head_dim
 
+    def packed_ratio(self) -> tuple[int, int]:
+        """(bytes of the packed tokens' codes and norms, fp16's bytes for those tokens): the compression itself,
+        whatever the fp16 window holds."""
+        if self.k_codes is None or not self.packed_len:
+            return 0, 0
+        B, H = self.k_codes.shape[:2]
+        return (B * H * self.packed_len * (4 * self.k_words + 4 * self.words + 4),
+                2 * B * H * self.packed_len * 2 * self.head_dim)
+
 
 class TurboQuantCache(IsoQuantCache):
     """The TurboQuant baseline: a dense Haar-random rotation, same codebook and packing."""

@@ -87,7 +87,7 @@ def test_short_soak_passes_and_report_validates(tmp_path: Path) -> None:
     assert validate_report(report) == []
     assert report["status"] == "completed" and report["passed"] is True
     assert report["summary"]["samples"] >= 4 and report["summary"]["tokens_generated"] > 0
-    assert report["kv_mode"] == "isoquant3"
+    assert report["kv_mode"] == "isoquant3" and report["kv"]["fp16_window"] == 32  # the cache `rq run` makes
     last = report["samples"][-1]
     assert last["decode_tok_per_s"] > 0 and last["rss_bytes"] > 0 and last["active_bytes"] > 0
     assert set(report["summary"]["gates"]) == {"finite", "kv_bytes_ratio", "deterministic",

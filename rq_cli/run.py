@@ -55,7 +55,7 @@ def run(
     seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
     kv: Optional[str] = typer.Option(None, "--kv", help="KV cache of full-attention layers: fp16, isoquant3 or "
                                                         "turbo3 (default: the checkpoint's recipe.toml, else fp16)."),
-    kv_window: Optional[int] = typer.Option(None, "--kv-window",
+    kv_window: Optional[int] = typer.Option(None, "--kv-window", "--fp16-window",
                                             help="Newest tokens kept in fp16 beside a compressed KV cache (default: "
                                                  "the recipe's fp16_window, else 32, which measured better quality for "
                                                  "+6% KV bytes at 2K)."),

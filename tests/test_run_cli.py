@@ -168,6 +168,8 @@ def test_kv_settings_come_from_the_recipe_unless_flagged(tmp_path: Path) -> None
     r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--kv-window", "2", "--json")
     out = json.loads(r.output)
     assert (out["kv_mode"], out["kv_window"]) == ("isoquant3", 2)
+    r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--fp16-window", "3", "--json")  # rq eval's name
+    assert json.loads(r.output)["kv_window"] == 3
     r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--kv", "fp16", "--json")
     out = json.loads(r.output)
     assert out["kv_mode"] == "fp16" and out["kv_bytes"] >= out["kv_bytes_fp16"]

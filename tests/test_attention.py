@@ -77,6 +77,25 @@ def test_memory_is_chunked(monkeypatch):
     assert seen and max(seen) <= 64 and len(seen) == 2 * 5
 
 
+def test_bounded_evaluation_changes_nothing(monkeypatch):
+    """Past attention.EVAL_BYTES a chunk's scores, online_attention evaluates its running state after each key chunk
+    (a long prompt's chunks over many compressed tokens); the result is the same, and it does evaluate."""
+    B, Hkv, T, d, L = 1, 2, 200, 32, 12
+    rot, levels, kc, kn, vc, vn = _packed(B, Hkv, T, d, 3)
+    q_rot = rot.forward_queries(mx.random.normal((B, 4, L, d), key=mx.random.key(5)))
+    kw = dict(bits=3, scale=1 / math.sqrt(d), offset=T - L, causal=True, valid_len=T, chunk=32)
+    want, want_lse = packed_attention(q_rot, kc, kn, vc, vn, levels, **kw)
+    evals = []
+    real_eval = mx.eval
+    monkeypatch.setattr(attention, "EVAL_BYTES", 0)
+    monkeypatch.setattr(attention.mx, "eval", lambda *a: evals.append(len(a)) or real_eval(*a))
+    out, lse = packed_attention(q_rot, kc, kn, vc, vn, levels, **kw)
+    monkeypatch.setattr(attention.mx, "eval", real_eval)
+    assert len(evals) == -(-T // 32) - 1  # after every key chunk but the last
+    np.testing.assert_array_equal(np.array(out), np.array(want))
+    np.testing.assert_array_equal(np.array(lse), np.array(want_lse))
+
+
 def test_segments_merge_to_full_attention():
     B, Hq, Hkv, L, d = 1, 4, 2, 3, 16
     q = mx.random.normal((B, Hq, L, d), key=mx.random.key(0))

@@ -412,7 +412,7 @@ class MLXStandIn:
         outs = {n: (tuple(sh), code[dt]) for n, sh, dt in zip(spec.outputs, output_shapes, output_dtypes)}
         types.update({n: code[dt] for n, dt in zip(spec.outputs, output_dtypes)})  # (an fp16 `out` is __half*)
         res = emulate(self.name, tmpl, ins, outs, (grid[0] // threadgroup[0], grid[1]), threadgroup[0], types=types)
-        return [mx.array(res[n]) for n in spec.outputs]
+        return [mx.array(res[n]).astype(dt) for n, dt in zip(spec.outputs, output_dtypes)]  # bf16 comes back as f32
 
 
 def main() -> int:

@@ -155,6 +155,8 @@ SPECS: dict[str, Spec] = {
     # quantize + pack new K and V rows in one launch (IsoQuantCache's append); keys/values read through strides
     "kv_append": Spec("kv_append.body", ("keys", "values", "mats", "consts"),
                       ("k_codes", "k_norms", "v_codes", "v_norms"), contiguous=False),
+    # packed rows back to rotated-space vectors (a prompt chunk's attention over compressed tokens, kv.prefill_fp16)
+    "kv_decode": Spec("kv_decode.body", ("codes", "norms", "levels", "prm"), ("out",)),
 }
 
 
@@ -1231,12 +1233,35 @@ def append_codes(keys: mx.array, values: mx.array, rotation, levels: mx.array, b
         return None
 
 
+def decode_rows(codes: mx.array, norms: mx.array, levels: mx.array, *, bits: int, d: int, n: int,
+                dtype: mx.Dtype, rows: int | None = None) -> mx.array | None:
+    """Rows 0 .. n-1 of packed codes [B, H, Tcap, W] and norms [B, H, Tcap] as rotated-space vectors m · levels[c] / √d
+    [B, H, rows, d] in `dtype` (rows ≥ n, default n; rows n .. are left for the caller to fill), one kv_decode launch
+    (`rq_core.attention.dequantize_rotated` is the reference). levels [2^bits] (a scalar codebook) or [2^bits, 2]
+    (pair codebook; `bits` a field of two coordinates). None on CPU or for shapes the kernel does not take: the
+    caller decodes with MLX ops."""
+    rows = n if rows is None else rows
+    if not available() or n <= 0 or rows < n:
+        return None
+    B, H, Tcap, W = codes.shape
+    pair = levels.ndim == 2
+    nf = d // 2 if pair else d
+    if d % 64 or W != (nf * bits + 31) // 32 or levels.shape[0] != 1 << bits or n > Tcap:
+        return None
+    nth = min(128, nf)
+    (out,) = _run("kv_decode", [codes, norms, levels.astype(mx.float32).reshape(-1),
+                                mx.array([n, Tcap, rows], dtype=mx.int32)],
+                  [("D", d), ("FB", bits), ("PAIR", int(pair)), ("NTH", nth)], (B * H * n, 1), nth,
+                  [(B, H, rows, d)], [dtype])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Whole translation units, as MLX builds them (for compile checks off the GPU and resource reports)
 
 # input dtype per input name (everything else is float32); outputs are float32
 INPUT_TYPES = {"k_codes": "u32", "v_codes": "u32", "k_norms": "f16", "v_norms": "f16", "prm": "i32", "counter": "u32",
-               "tlen": "u32"}
+               "tlen": "u32", "codes": "u32", "norms": "f16"}
 _TYPE_NAMES = {"metal": {"f32": "float", "u32": "uint32_t", "f16": "float16_t", "i32": "int32_t", "bf16": "bfloat16_t"},
                "cuda": {"f32": "float", "u32": "uint32_t", "f16": "__half", "i32": "int32_t", "bf16": "__nv_bfloat16"}}
 # Metal attributes MLX adds to the signature when the body names them (the prelude uses these three)

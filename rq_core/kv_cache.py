@@ -28,6 +28,10 @@ DEFAULT_FP16_WINDOW = 32
 # coordinate, as the scalar codebook's 8 levels). Measured on the bundled model (README, "Needles and bits").
 DEFAULT_PAIR_POINTS = (128, 32)
 
+# A prompt chunk of more rows than this attends to compressed tokens (kv.prefill_fp16) by decoding them for one fused
+# attention call; up to it, the decode kernels (attn_v5 takes ≤ 8 query rows) or the chunked reference path.
+PREFILL_DECODE_ROWS = 8
+
 
 @dataclass
 class KVSettings:
@@ -286,6 +290,7 @@ class IsoQuantCache:
         self._f0 = 0  # the segment's first slot in the buffer
         self.fp16_len = 0
         self.prefilling = True
+        self._dense_r: mx.array | None = None  # the rotation as [H, d, d] matrices (a prompt chunk's decoded path)
 
     @property
     def offset(self) -> int:
@@ -407,6 +412,8 @@ class IsoQuantCache:
             fk, fv = self._fp16()
             m = None if (isinstance(mask, str) and L == 1) else mask
             return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
+        if self.prefilling and L > PREFILL_DECODE_ROWS and arr_mask is None:
+            return self._attend_decoded(queries, scale=scale, causal=causal)
 
         if arr_mask is None and (self.fp16_len == 0 or (not self.prefilling and self.fp16_len >= L)):
             from rq_core import kernels  # one launch on a GPU (v5 or v4), window included; else None
@@ -432,6 +439,42 @@ class IsoQuantCache:
                 queries, fk, fv, scale=scale, offset=q_pos0, key_offset=self.packed_len, causal=causal,
                 mask=None if arr_mask is None else arr_mask[..., self.packed_len : self.offset]))
         return attention.merge(parts).astype(queries.dtype)
+
+    def _attend_decoded(self, queries: mx.array, *, scale: float, causal: bool) -> mx.array:
+        """A prompt chunk over compressed older tokens (kv.prefill_fp16): the packed part decoded in the model's dtype
+        (one layer's K/V, inside this call only), the fp16 segment rotated, one fused attention in the rotated space.
+        The chunked float32 path would run (queries × packed tokens) through many small ops per chunk of keys."""
+        from rq_core import kernels
+        from rq_core.attention import decode
+
+        dt, n, d = queries.dtype, self.packed_len, self.head_dim
+        if self._dense_r is None:  # rotations as one matmul each: the op-by-op WHT holds ~20x its input while it runs
+            self._dense_r = self.rotation.dense_matrices()
+        R = self._dense_r  # [H, d, d], y = R x
+        B, Hq, L, _ = queries.shape
+        q_rot = (queries.astype(mx.float32).reshape(B, self.n_kv_heads, -1, d) @ R.swapaxes(-1, -2)).astype(dt)
+        # decode after this layer's queries exist, so that one layer's decoded K/V are alive at a time (without the
+        # edge an evaluation may decode every layer's packed tokens first: they depend only on the cache)
+        kc, kn, vc, vn = mx.depends([self.k_codes, self.k_norms, self.v_codes, self.v_norms], [q_rot])
+
+        def full(codes: mx.array, norms: mx.array, levels: mx.array, bits: int, fp16: mx.array) -> mx.array:
+            """The packed rows decoded, then the fp16 segment's rows rotated: [B, H, n + fp16_len, d] in dt."""
+            rot = (fp16.astype(mx.float32) @ R.swapaxes(-1, -2)).astype(dt)
+            out = kernels.decode_rows(codes, norms, levels, bits=bits, d=d, n=n, dtype=dt, rows=n + self.fp16_len)
+            if out is not None:  # one launch on a GPU, into a buffer with room for the segment (no concatenated copy)
+                out[:, :, n:] = rot
+                return out
+            s = (norms[:, :, :n].astype(mx.float32) * (1.0 / math.sqrt(d))).astype(dt)
+            return mx.concatenate([decode(codes[:, :, :n], levels.astype(dt), bits, d) * s[..., None], rot], axis=2)
+
+        fk, fv = self._fp16()
+        keys = full(kc, kn, self.k_levels, self.key_bits or self.bits, fk)
+        values = full(vc, vn, self.levels, self.bits, fv)
+        # mask "causal" aligns the L queries with the last L keys: the chunk's own tokens, as here
+        out = mx.fast.scaled_dot_product_attention(q_rot.reshape(B, Hq, L, d), keys, values, scale=scale,
+                                                   mask="causal" if causal else None)
+        out = out.astype(mx.float32).reshape(B, self.n_kv_heads, -1, d) @ R  # x = Rᵀ y, as rows
+        return out.reshape(B, Hq, L, d).astype(dt)
 
     def end_prefill(self) -> None:
         self.prefilling = False

@@ -49,9 +49,11 @@ CASES = {
                  ("ROT", 4), ("NTH", 256), ("SACC", 2), ("PF", 1), ("VDEC", 2), ("STAGE", 2), ("MERGE", 1),
                  ("WCAUSAL", 1)],
     "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("ROT", 3), ("NC", 0), ("PK", 0), ("PV", 0)],  # more in test_kv_append_kernel
+    "kv_decode": [("D", 128), ("FB", 3), ("PAIR", 0), ("NTH", 128)],
 }
 # more shape classes of the single-launch kernel (bf16 queries, dense rotation, causal, no rotation)
 EXTRA_CASES = {
+    "kv_decode/pair": ("kv_decode", [("D", 128), ("FB", 7), ("PAIR", 1), ("NTH", 64)]),
     # the four kernels with pair codebooks (128, 32): 7-bit key fields, 5-bit value fields
     "qk_dot/pair": ("qk_dot", [("D", 128), ("BITS", 7), ("R", 8), ("LQ", 1), ("TPT", 2), ("NTH", 128), ("PAIR", 1)]),
     "value_dim/pair": ("value_dim", [("D", 128), ("BITS", 5), ("R", 8), ("NTH", 128), ("TILE", 128), ("PAIR", 1)]),
@@ -197,7 +199,8 @@ def test_syntax_check(be, tmp_path):
     cases = [(n, n, t) for n, t in CASES.items()] + [(k, n, t) for k, (n, t) in EXTRA_CASES.items()]
     for label, name, template in cases:
         tq = dict(template).get("TQ", "f32")
-        types = ({"q": tq, "out": tq, "wk": tq, "wv": tq} if name in ("attn_v4w", "attn_v5w")
+        types = ({"out": "bf16"} if label == "kv_decode/pair"
+                 else {"q": tq, "out": tq, "wk": tq, "wv": tq} if name in ("attn_v4w", "attn_v5w")
                  else {"q": tq, "out": tq} if name in ("attn_v4", "attn_v5") else {"q": tq} if name.startswith("attn_mma")
                  else None)
         f = tmp_path / f"{label.replace('/', '_')}.cpp"

@@ -56,10 +56,9 @@ def main() -> int:
             rows.append({"context": T, "cache": name, "prefill_s": res.prefill_s, "wall_s": dt,
                          "prefill_tok_per_s": res.prefill_tok_per_s,
                          "peak_over_weights_bytes": res.peak_memory_bytes - base, "kv_bytes": res.kv_bytes})
-            if not a.json:
-                r = rows[-1]
-                print(f"{T:6d} {name:42s} prefill {r['prefill_s']:7.2f} s  peak +{r['peak_over_weights_bytes'] / 2**20:8.1f} MiB"
-                      f"  KV {r['kv_bytes'] / 2**20:7.1f} MiB", flush=True)
+            r = rows[-1]  # as each row lands (stderr under --json: a run cut short still shows its rows)
+            print(f"{T:6d} {name:42s} prefill {r['prefill_s']:7.2f} s  peak +{r['peak_over_weights_bytes'] / 2**20:8.1f} MiB"
+                  f"  KV {r['kv_bytes'] / 2**20:7.1f} MiB", flush=True, file=sys.stderr if a.json else sys.stdout)
             del res
     if a.json:
         print(json.dumps({"device": str(mx.default_device()), "mlx": mx.__version__, "layers": a.layers,

@@ -67,7 +67,8 @@ class Plan:
     kv_fixed_bytes: int  # sliding-window caches at full window + Mamba states
     context: int
     kv_bytes: int  # at `context` tokens
-    prefill_fp16_bytes: int  # a compressing cache's fp16 K/V while a prompt is prefilled (the prompt, or kv.prefill_fp16)
+    prefill_fp16_bytes: int  # a compressing cache's fp16 K/V while a prompt is prefilled (the prompt, or kv.prefill_fp16
+    # tokens and one layer's decoded context)
     activation_bytes: int  # working memory reserved for one prefill chunk
     budget_bytes: Optional[int]
     slots_per_layer: int  # expert slots per MoE layer (= experts_per_layer when all fit)
@@ -136,6 +137,16 @@ def kv_bytes(config: dict, kv_mode: str = "fp16", kv_bits: int = 3) -> tuple[int
     return per_tok, fixed
 
 
+def layer_fp16_bytes(config: dict) -> int:
+    """Bytes per token of one full-attention layer's K and V in fp16 (the layers share one shape in every family)."""
+    fam, tc = family_of(config), text_config(config)
+    hd = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
+    if fam == "gemma4":
+        return 2 * (tc.get("num_global_key_value_heads") or tc["num_key_value_heads"]) * 2 * (
+            tc.get("global_head_dim") or hd)
+    return 2 * tc["num_key_value_heads"] * 2 * hd
+
+
 def cache_tokens(context: int) -> int:
     """Tokens the KV caches hold room for at `context`: they grow in steps of 256 (kv_cache.FP16Cache.step)."""
     from rq_core.kv_cache import FP16Cache
@@ -187,9 +198,15 @@ def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context:
     per_tok, fixed = kv_bytes(config, recipe.kv.mode, recipe.kv.bits)
     ctx = recipe.pager.context if context is None else context
     kvb = per_tok * cache_tokens(ctx) + fixed
-    # a compressing cache holds the prompt in fp16 while it prefills (at most kv.prefill_fp16 tokens, at least a chunk)
+    # a compressing cache holds the prompt in fp16 while it prefills (at most kv.prefill_fp16 tokens, at least a chunk);
+    # with the bound, each chunk decodes the compressed tokens of the layer it is in (kv_cache._attend_decoded): one
+    # layer's K/V of the context at 2 bytes, at least (MLX may hold a few layers' at once: benchmarks/README.md)
     held = ctx if recipe.kv.prefill_fp16 is None else min(ctx, max(recipe.kv.prefill_fp16, prefill_chunk))
-    pre = 0 if recipe.kv.mode == "fp16" else kv_bytes(config, "fp16")[0] * cache_tokens(held)
+    pre = 0
+    if recipe.kv.mode != "fp16":
+        pre = kv_bytes(config, "fp16")[0] * cache_tokens(held)
+        if held < ctx:
+            pre += layer_fp16_bytes(config) * cache_tokens(ctx)
     act = activation_bytes(config, min(prefill_chunk, max(ctx, 1)))
     if budget is None and recipe.pager.memory_budget is not None:
         budget = parse_size(str(recipe.pager.memory_budget), "memory budget")

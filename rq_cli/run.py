@@ -23,7 +23,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: Optional[str],
-              pager: Optional[str], rotation: Optional[str] = None) -> tuple:
+              pager: Optional[str], rotation: Optional[str] = None, prefill_fp16: Optional[int] = None) -> tuple:
     """(KVSettings, memory budget, pager policy, where they came from): flags first, then the
     checkpoint's recipe.toml, then the defaults (fp16, a 32-token window for compressed modes, everything resident, lru)."""
     from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings
@@ -34,7 +34,8 @@ def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: 
 
         rec = recipe_mod.load(path / "recipe.toml")
     base = rec.kv if rec is not None else KVSettings(fp16_window=DEFAULT_FP16_WINDOW)
-    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window), ("rotation", rotation)) if v is not None}
+    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window), ("rotation", rotation),
+                              ("prefill_fp16", prefill_fp16)) if v is not None}
     settings = dataclasses.replace(base, **over)
     if rec is not None and memory_budget is None and rec.pager.memory_budget and \
             (path / "experts" / "index.json").is_file():
@@ -66,6 +67,11 @@ def run(
                                               help="Codebooks of a compressed KV cache: keys' and values' points a pair "
                                                    "of rotated coordinates, e.g. 128,32, or 'off' for scalar codebooks "
                                                    "(default: the recipe's kv.pair_points, else 128,32 for isoquant3)."),
+    prefill_fp16: Optional[int] = typer.Option(None, "--prefill-fp16",
+                                               help="A compressed KV cache keeps at most N prompt tokens in fp16 while "
+                                                    "it prefills, compressing older ones as the chunks arrive: less "
+                                                    "memory for a long prompt on a many-layer model (default: the "
+                                                    "recipe's kv.prefill_fp16, else the whole prompt)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -93,6 +99,8 @@ def run(
         raise RQError("--kv-window must be >= 0")
     if prefill_chunk < 1:
         raise RQError("--prefill-chunk must be >= 1")
+    if prefill_fp16 is not None and prefill_fp16 < 0:
+        raise RQError("--prefill-fp16 must be >= 0")
     if rotation is not None and rotation not in ("wht_so4", "rwht_so4", "wht", "so4", "so3"):
         raise RQError(f"unknown --rotation {rotation!r} (choose from: wht_so4, rwht_so4, wht, so4, so3)")
     pp = pair_points_arg("isoquant3", pair_points, None)
@@ -104,7 +112,8 @@ def run(
 
     # float32 on the CPU (small models); the pager casts pages to the model's dtype as it loads them.
     ckpt = load(model, cpu_float32=True)
-    settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager, rotation)
+    settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager, rotation,
+                                                       prefill_fp16)
     if pp is not None:
         if pp and settings.key_bits is not None:
             raise RQError("--pair-points cannot be combined with the recipe's kv.key_bits")
@@ -127,7 +136,8 @@ def run(
         from rq_cli.run_pager import attach_pager
 
         pager_obj = attach_pager(ckpt, memory_budget, pager, plan_only, json_out,
-                                 context=len(ids) + max_tokens, prefill_chunk=prefill_chunk, kv_mode=kv)
+                                 context=len(ids) + max_tokens, prefill_chunk=prefill_chunk, kv_mode=kv,
+                                 prefill_fp16=settings.prefill_fp16)
         if pager_obj is None:
             return
 
@@ -152,6 +162,7 @@ def run(
         if pager_obj is not None:
             d["pager"] = pager_obj.report().as_dict()
         print_json({"text": text_out, **d, "kv_mode": kv, "kv_window": settings.fp16_window,
+                    "kv_prefill_fp16": settings.prefill_fp16 if kv != "fp16" else None,
                     "rotation": settings.rotation if kv == "isoquant3" else None,
                     "kv_key_bits": settings.key_bits if kv != "fp16" else None,
                     "kv_pair_points": list(pairs) if pairs else None,

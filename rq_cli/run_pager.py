@@ -9,7 +9,7 @@ from rq_core.errors import RQError
 
 
 def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only: bool, json_out: bool, *,
-                 context: int, prefill_chunk: int, kv_mode: str = "fp16") -> Any:
+                 context: int, prefill_chunk: int, kv_mode: str = "fp16", prefill_fp16: Optional[int] = None) -> Any:
     """Plan slots for the budget and attach an ExpertPager to ckpt.model; with --plan print the plan
     and return None. No weights are read here (the model is lazy)."""
     from rq_core.pack import load_index
@@ -25,7 +25,7 @@ def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only
         budget = parse_size(memory_budget, "--memory-budget")
     index = load_index(ckpt.path) if (ckpt.path / "experts" / "index.json").is_file() else None
     p = slots_for_budget(ckpt.model, ckpt.config, budget if budget is not None else 1 << 62, context=context,
-                         prefill_chunk=prefill_chunk, kv_mode=kv_mode, index=index)
+                         prefill_chunk=prefill_chunk, kv_mode=kv_mode, index=index, prefill_fp16=prefill_fp16)
     p["budget_bytes"] = budget
     p["policy"] = policy
     if plan_only:
@@ -40,7 +40,8 @@ def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only
         raise RQError("--memory-budget: this model has no routed experts to page")
     if not p["fits"]:
         raise RQError(f"--memory-budget {memory_budget} is too small: resident weights {fmt_bytes(p['resident_bytes'])}"
-                      f" + KV {fmt_bytes(p['kv_bytes'])} + working memory {fmt_bytes(p['activation_bytes'])} leave "
+                      f" + KV {fmt_bytes(p['kv_bytes'])} + prompt K/V in fp16 while prefilling "
+                      f"{fmt_bytes(p['prefill_fp16_bytes'])} + working memory {fmt_bytes(p['activation_bytes'])} leave "
                       f"room for {p['slots_per_layer']} experts per layer, top-k needs {p['top_k']}")
     if index is None:
         raise RQError(f"{ckpt.path} has no expert pages: run `rq pack {ckpt.path}` first")

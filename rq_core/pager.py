@@ -231,18 +231,21 @@ def _patch(module: Any, layer: _Layer) -> None:
 
 
 def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, prefill_chunk: int,
-                     kv_mode: str = "fp16", kv_bits: int = 3, index: Optional[dict] = None) -> dict[str, Any]:
+                     kv_mode: str = "fp16", kv_bits: int = 3, index: Optional[dict] = None,
+                     prefill_fp16: Optional[int] = None) -> dict[str, Any]:
     """How many expert slots per MoE layer fit `budget` bytes next to the resident weights (measured
-    from the loaded model's arrays), the KV cache for `context` tokens and a prefill working reserve."""
+    from the loaded model's arrays), the KV cache for `context` tokens, a compressing cache's fp16 prompt while it
+    prefills (planner.prefill_fp16_bytes; `prefill_fp16`: kv.prefill_fp16) and a prefill working reserve."""
     from mlx.utils import tree_flatten
 
-    from rq_core.planner import _moe_info, activation_bytes, cache_tokens, kv_bytes
+    from rq_core.planner import _moe_info, activation_bytes, cache_tokens, kv_bytes, prefill_fp16_bytes
 
     banks = expert_banks(model)
     bank_ids = {id(v) for m in banks.values() for _, v in tree_flatten(m.parameters())}
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if id(v) not in bank_ids)
     per_tok, fixed = kv_bytes(config, kv_mode, kv_bits)
     kvb = per_tok * cache_tokens(context) + fixed
+    pre = prefill_fp16_bytes(config, kv_mode, context, prefill_fp16, prefill_chunk)
     act = activation_bytes(config, min(prefill_chunk, max(context, 1)))
     n_moe, E, k = _moe_info(config)
     if index is not None:  # in the dtype the model holds (pages are cast on load)
@@ -251,9 +254,9 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     else:
         per_expert = max(sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
                          for m in banks.values())
-    free = budget - resident - kvb - act
+    free = budget - resident - kvb - pre - act
     slots = int(max(0, min(E, free // max(n_moe * per_expert, 1))))
-    return {"budget_bytes": budget, "resident_bytes": resident, "kv_bytes": kvb, "activation_bytes": act,
-            "bytes_per_expert": per_expert, "moe_layers": n_moe, "experts_per_layer": E, "top_k": k,
-            "slots_per_layer": slots, "fits": slots >= k,
-            "planned_peak_bytes": resident + kvb + act + n_moe * slots * per_expert}
+    return {"budget_bytes": budget, "resident_bytes": resident, "kv_bytes": kvb, "prefill_fp16_bytes": pre,
+            "activation_bytes": act, "bytes_per_expert": per_expert, "moe_layers": n_moe, "experts_per_layer": E,
+            "top_k": k, "slots_per_layer": slots, "fits": slots >= k,
+            "planned_peak_bytes": resident + kvb + pre + act + n_moe * slots * per_expert}

@@ -147,6 +147,21 @@ def layer_fp16_bytes(config: dict) -> int:
     return 2 * tc["num_key_value_heads"] * 2 * hd
 
 
+def prefill_fp16_bytes(config: dict, kv_mode: str, context: int, prefill_fp16: Optional[int] = None,
+                       prefill_chunk: int = 512) -> int:
+    """A compressing cache's fp16 K/V while a prompt of `context` tokens is prefilled: the whole prompt's (it attends to
+    itself exactly until the prefill ends), or with kv.prefill_fp16 that many tokens (at least a chunk) and one
+    layer's K/V of the context at 2 bytes, which each chunk decodes (kv_cache._attend_decoded; at least one layer's:
+    MLX may hold a few at once, benchmarks/README.md). 0 for an fp16 cache (its K/V is the KV line)."""
+    if kv_mode == "fp16":
+        return 0
+    held = context if prefill_fp16 is None else min(context, max(prefill_fp16, prefill_chunk))
+    pre = kv_bytes(config, "fp16")[0] * cache_tokens(held)
+    if held < context:
+        pre += layer_fp16_bytes(config) * cache_tokens(context)
+    return pre
+
+
 def cache_tokens(context: int) -> int:
     """Tokens the KV caches hold room for at `context`: they grow in steps of 256 (kv_cache.FP16Cache.step)."""
     from rq_core.kv_cache import FP16Cache
@@ -198,15 +213,7 @@ def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context:
     per_tok, fixed = kv_bytes(config, recipe.kv.mode, recipe.kv.bits)
     ctx = recipe.pager.context if context is None else context
     kvb = per_tok * cache_tokens(ctx) + fixed
-    # a compressing cache holds the prompt in fp16 while it prefills (at most kv.prefill_fp16 tokens, at least a chunk);
-    # with the bound, each chunk decodes the compressed tokens of the layer it is in (kv_cache._attend_decoded): one
-    # layer's K/V of the context at 2 bytes, at least (MLX may hold a few layers' at once: benchmarks/README.md)
-    held = ctx if recipe.kv.prefill_fp16 is None else min(ctx, max(recipe.kv.prefill_fp16, prefill_chunk))
-    pre = 0
-    if recipe.kv.mode != "fp16":
-        pre = kv_bytes(config, "fp16")[0] * cache_tokens(held)
-        if held < ctx:
-            pre += layer_fp16_bytes(config) * cache_tokens(ctx)
+    pre = prefill_fp16_bytes(config, recipe.kv.mode, ctx, recipe.kv.prefill_fp16, prefill_chunk)
     act = activation_bytes(config, min(prefill_chunk, max(ctx, 1)))
     if budget is None and recipe.pager.memory_budget is not None:
         budget = parse_size(str(recipe.pager.memory_budget), "memory budget")

@@ -77,6 +77,16 @@ def test_peak_memory_stays_under_the_budget(packed):
     full = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
     assert full.tokens == res.tokens
     assert pager.report().hit_rate is not None
+    # a compressing cache's fp16 prompt while it prefills takes budget from the experts (the planner's count)
+    from rq_core.planner import prefill_fp16_bytes
+
+    iso = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=16, kv_mode="isoquant3")
+    pre = prefill_fp16_bytes(cfg, "isoquant3", ctx, None, 16)
+    assert iso["prefill_fp16_bytes"] == pre > 0 and iso["planned_peak_bytes"] >= iso["kv_bytes"] + pre
+    bounded = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=16, kv_mode="isoquant3",
+                               prefill_fp16=16)
+    assert bounded["prefill_fp16_bytes"] == prefill_fp16_bytes(cfg, "isoquant3", ctx, 16, 16)
+    assert bounded["slots_per_layer"] <= p["slots_per_layer"] and iso["slots_per_layer"] <= p["slots_per_layer"]
 
 
 def test_run_cli_memory_budget_json_and_plan(packed):

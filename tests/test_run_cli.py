@@ -227,3 +227,18 @@ def test_pair_points_flag_and_recipe(tmp_path: Path) -> None:
     assert json.loads(r.output)["kv_pair_points"] == [64, 64]
     d3 = _with_recipe(tmp_path / "c", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nkey_bits = 4\n')
     assert "key_bits" in _error_line(_rq(str(d3), "--prompt", "hello", "--pair-points", "128,32"))
+
+
+def test_prefill_fp16_flag() -> None:
+    """--prefill-fp16 N: a prompt longer than N is compressed while it prefills (its later chunks attend to the
+    compressed tokens); the run generates and reports the bound; a negative bound is one error line."""
+    prompt = " ".join(["ROMEO: But soft, what light through yonder window breaks?"] * 12)
+    r = _rq("--prompt", prompt, "--kv", "isoquant3", "--prefill-fp16", "48", "--prefill-chunk", "32",
+            "--max-tokens", "4", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["kv_prefill_fp16"] == 48 and d["prompt_tokens"] > 96 and d["generated_tokens"] == 4
+    assert d["kv_bytes"] < d["kv_bytes_fp16"]
+    d0 = json.loads(_rq("--prompt", "ROMEO:", "--kv", "isoquant3", "--max-tokens", "1", "--json").stdout)
+    assert d0["kv_prefill_fp16"] is None
+    assert "--prefill-fp16 must be >= 0" in _error_line(_rq("--prompt", "x", "--prefill-fp16", "-1"))

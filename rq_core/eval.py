@@ -174,12 +174,15 @@ class PPLResult:
     fp16_window: int = 0
     key_bits: Optional[int] = None  # keys at their own width (None: the mode's bits)
     pair_points: Optional[tuple[int, int]] = None  # pair codebooks' points, keys' and values' (None: scalar)
+    prefill_fp16: Optional[int] = None  # kv.prefill_fp16 (None: the whole prefill in fp16)
+    prefill_chunk: int = 512
 
     def as_dict(self) -> dict:
         return {"ppl": self.ppl, "tokens": self.tokens, "kv_mode": self.kv_mode, "rotation": self.rotation,
                 "context": self.context, "windows": self.windows, "prefill": self.prefill, "nll": self.nll,
                 "fp16_window": self.fp16_window, "key_bits": self.key_bits,
-                "pair_points": list(self.pair_points) if self.pair_points else None}
+                "pair_points": list(self.pair_points) if self.pair_points else None,
+                "prefill_fp16": self.prefill_fp16, "prefill_chunk": self.prefill_chunk}
 
 
 def check_context(context: int, em_context: int) -> int:
@@ -191,13 +194,13 @@ def check_context(context: int, em_context: int) -> int:
 
 
 def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, prefill: Optional[int] = None,
-               step: int = 32, max_windows: Optional[int] = None) -> PPLResult:
-    """Perplexity of the decode-scored half (by default) of each window."""
+               step: int = 32, max_windows: Optional[int] = None, prefill_chunk: int = 512) -> PPLResult:
+    """Perplexity of the decode-scored half (by default) of each window (its prefill in chunks of `prefill_chunk`)."""
     prefill = context // 2 if prefill is None else prefill
     total, count = 0.0, 0
     wins = windows(ids, context, max_windows)
     for w in wins:
-        lp = window_logprobs(model, w, kv, prefill=prefill, step=step)
+        lp = window_logprobs(model, w, kv, prefill=prefill, step=step, prefill_chunk=prefill_chunk)
         tgt = mx.array(w[prefill + 1 :].astype(np.int32))
         nll = -mx.take_along_axis(lp, tgt[:, None], axis=-1).sum()
         total += float(nll.item())
@@ -207,7 +210,8 @@ def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, pre
                      windows=len(wins), prefill=prefill, nll=nll,
                      fp16_window=kv.fp16_window if kv.mode != "fp16" else 0,
                      key_bits=kv.key_bits if kv.mode != "fp16" else None,
-                     pair_points=kv.pairs)
+                     pair_points=kv.pairs, prefill_fp16=kv.prefill_fp16 if kv.mode != "fp16" else None,
+                     prefill_chunk=prefill_chunk)
 
 
 @dataclass
@@ -237,7 +241,7 @@ class Comparison:
 
 def compare(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, prefill: Optional[int] = None,
             step: int = 32, max_windows: Optional[int] = None,
-            ref: Optional[list[mx.array]] = None) -> tuple[Comparison, list[mx.array]]:
+            ref: Optional[list[mx.array]] = None, prefill_chunk: int = 512) -> tuple[Comparison, list[mx.array]]:
     """Compare `kv` with fp16 window by window (KL(fp16 ‖ kv) per scored token, top-1 agreement, ΔPPL).
 
     `ref` (fp16 log-probabilities per window, as returned) avoids recomputing the reference."""
@@ -245,11 +249,11 @@ def compare(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, prefil
     wins = windows(ids, context, max_windows)
     fp16 = KVSettings(mode="fp16")
     if ref is None:
-        ref = [window_logprobs(model, w, fp16, prefill=prefill, step=step) for w in wins]
+        ref = [window_logprobs(model, w, fp16, prefill=prefill, step=step, prefill_chunk=prefill_chunk) for w in wins]
     nll_r = nll_m = 0.0
     kls, agree, count, finite = [], 0, 0, True
     for w, lr in zip(wins, ref):
-        lm = window_logprobs(model, w, kv, prefill=prefill, step=step)
+        lm = window_logprobs(model, w, kv, prefill=prefill, step=step, prefill_chunk=prefill_chunk)
         finite &= bool(mx.all(mx.isfinite(lm)).item())
         tgt = mx.array(w[prefill + 1 :].astype(np.int32))[:, None]
         nll_r += float(-mx.take_along_axis(lr, tgt, axis=-1).sum().item())

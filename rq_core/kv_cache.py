@@ -47,8 +47,8 @@ class KVSettings:
     fp16_window: int = 0  # newest tokens kept in fp16 (0 = off)
     # at most this many prompt tokens held in fp16 while a prompt is prefilled: a longer prompt's older tokens are
     # compressed as its chunks arrive (later chunks attend to them compressed). None: the whole prompt stays fp16 until
-    # end_prefill (the default: on the H200 the bounded prefill measured slower and, before its per-chunk evaluation,
-    # with a higher peak; benchmarks/prefill_memory.py)
+    # end_prefill (the default: on the H200 the bounded prefill is as fast but its peak is lower only for many layers
+    # and long prompts; benchmarks/README.md, "Long-prompt prefill")
     prefill_fp16: int | None = None
     norm_correction: bool = False  # store n / ||c||; measured no better (benchmarks/README.md)
     seed: int = 0

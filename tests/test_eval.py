@@ -192,7 +192,20 @@ def test_cli_ppl_pair_points():
         "isoquant3/wht_so4+w32+p128x32"
 
 
-@pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--fp16-window", "-1"], ["eval", "ppl", "--kv", "turbo3", "--rotation", "so3"],
+def test_cli_ppl_prefill_fp16():
+    """--prefill-fp16 N with --prefill-chunk: the window's prefill is compressed as its chunks arrive, which changes
+    what the scored half reads (a different perplexity), reported in the JSON; a bound as long as the prefill changes
+    nothing."""
+    base = _iso_ppl("--prefill-chunk", "8")
+    bounded = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "8")
+    whole = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "32")
+    assert base["prefill_fp16"] is None and bounded["prefill_fp16"] == 8 and bounded["prefill_chunk"] == 8
+    assert bounded["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
+    assert whole["ppl"] == pytest.approx(base["ppl"], rel=1e-6)
+
+
+@pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--fp16-window", "-1"],
+                                  ["eval", "ppl", "--prefill-fp16", "-1"], ["eval", "ppl", "--prefill-chunk", "0"], ["eval", "ppl", "--kv", "turbo3", "--rotation", "so3"],
                                   ["eval", "ppl", "--kv", "isoquant3", "--key-bits", "9"],
                                   ["eval", "ppl", "--kv", "isoquant3", "--pair-points", "128,33"],
                                   ["eval", "ppl", "--kv", "isoquant3", "--pair-points", "128"],

@@ -173,12 +173,14 @@ def test_trim_drops_codes_made_ahead():
                                   np.array(quantize_kv(ks[:, :, :n], c.rotation, c.levels, 3)[0]))
 
 
-@pytest.mark.parametrize("pair_points", [(), (128, 32)])
-def test_long_prompt_is_compressed_while_it_is_prefilled(pair_points):
+@pytest.mark.parametrize("pair_points,mode,rotation", [((), "isoquant3", "wht_so4"), ((128, 32), "isoquant3", "wht_so4"),
+                                                      ((128, 32), "isoquant3", "rwht_so4"), ((), "turbo3", "wht_so4")])
+def test_long_prompt_is_compressed_while_it_is_prefilled(pair_points, mode, rotation):
     """kv.prefill_fp16: a prompt longer than it keeps at most that many fp16 tokens (never fewer than the chunk's
-    own) while it is prefilled; each chunk attends to the compressed older tokens, causally to its own."""
+    own) while it is prefilled; each chunk attends to the compressed older tokens, causally to its own (chunks of
+    more than 8 rows by decoding them for one fused attention call, rotated by the rotation's matrices)."""
     D64 = 64  # pair codebooks need head dims that are multiples of 64
-    c = make_kv_cache(KVSettings(mode="isoquant3", fp16_window=2, prefill_fp16=16, pair_points=pair_points),
+    c = make_kv_cache(KVSettings(mode=mode, rotation=rotation, fp16_window=2, prefill_fp16=16, pair_points=pair_points),
                       layer=1, n_kv_heads=HKV, head_dim=D64)
     rand = lambda L, s: (_rand((B, HQ, L, D64), s), _rand((B, HKV, L, D64), s + 1), _rand((B, HKV, L, D64), s + 2))
     ks = vs = None
@@ -246,3 +248,23 @@ def test_default_codebooks_resolve_per_setting_and_head_dim():
     c = make_kv_cache(KVSettings(mode="isoquant3"), layer=0, n_kv_heads=2, head_dim=64)
     assert c.pair_points == (128, 32) and (c.k_words, c.words) == (7, 5)
     assert make_kv_cache(KVSettings(mode="turbo3"), layer=0, n_kv_heads=2, head_dim=64).pair_points is None
+
+
+def test_prompt_chunk_over_compressed_tokens_batch_of_two():
+    """The decoded prefill path with a batch of two prompts (each its own rows of codes): equal to dequantize-then-
+    attend over that prompt's tokens, for each."""
+    d, Hkv, G, L = 64, 2, 4, 12
+    c = make_kv_cache(KVSettings(mode="isoquant3", fp16_window=2, prefill_fp16=12), layer=2, n_kv_heads=Hkv, head_dim=d)
+    ks = vs = None
+    for i in range(3):
+        q, k, v = (_rand((2, Hkv * G, L, d), 50 + i), _rand((2, Hkv, L, d), 60 + i), _rand((2, Hkv, L, d), 70 + i))
+        out = c.attend(q, k, v, scale=SCALE, mask="causal")
+        ks = k if ks is None else mx.concatenate([ks, k], axis=2)
+        vs = v if vs is None else mx.concatenate([vs, v], axis=2)
+    n = c.packed_len
+    assert n == 24 and c.fp16_len == 12
+    Kp = dequantize_kv(c.k_codes[:, :, :n], c.k_norms[:, :, :n], c.rotation, c.k_levels, c.key_bits or c.bits, d)
+    Vp = dequantize_kv(c.v_codes[:, :, :n], c.v_norms[:, :, :n], c.rotation, c.levels, c.bits, d)
+    want = reference_attention(q, mx.concatenate([Kp, ks[:, :, n:]], axis=2), mx.concatenate([Vp, vs[:, :, n:]], axis=2),
+                               scale=SCALE, offset=36 - L, causal=True)
+    np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)

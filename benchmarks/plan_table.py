@@ -58,6 +58,23 @@ def main() -> None:
             f"{gb(p.budget_bytes)} | {p.slots_per_layer} / {p.experts_per_layer} ({100 * p.expert_fraction:.0f}%) | "
             f"{gb(p.planned_peak_bytes)} | {paper} | {ap.slots_per_layer} / {ap.experts_per_layer} "
             f"({'fits' if ap.fits else 'does not fit'}) |")
+    lines += ["", "Long prompts: the prompt's fp16 K/V while a compressing cache prefills it, and the planned peak, with the",
+              "whole prompt in fp16 (the default) against kv.prefill_fp16 = 4096 (its 4,096 tokens in fp16 plus one",
+              "layer's decoded context; the H200 measured several layers' at once, benchmarks/README.md \"Long-prompt",
+              "prefill\", so this is the least it holds). Counted by the planner, not measured.", "",
+              "| model | recipe | context | prefill fp16 KV GB (default) | planned peak GB | prefill fp16 KV GB (bound 4096) "
+              "| planned peak GB | slots / experts (default / bound) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for cfg_name, rec_name, _ in CASES:
+        cfg = json.loads((ROOT / "tests" / "data" / "configs" / cfg_name).read_text())
+        for ctx in (32768, 131072):
+            r = recipe.load(rec_name)
+            d = plan(cfg, r, context=ctx)
+            r.kv.prefill_fp16 = 4096
+            b = plan(cfg, r, context=ctx)
+            lines.append(f"| {cfg_name.removesuffix('.json')} | {rec_name} | {ctx} | {gb(d.prefill_fp16_bytes)} | "
+                         f"{gb(d.planned_peak_bytes)} | {gb(b.prefill_fp16_bytes)} | {gb(b.planned_peak_bytes)} | "
+                         f"{d.slots_per_layer} / {b.slots_per_layer} of {d.experts_per_layer} |")
     lines += ["", "Per-role bytes (GB):", "",
               "| model | " + " | ".join(k for k in rows[0][2].role_bytes) + " |",
               "| --- |" + " --- |" * len(rows[0][2].role_bytes)]

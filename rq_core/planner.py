@@ -147,9 +147,6 @@ def layer_fp16_bytes(config: dict) -> int:
     return 2 * tc["num_key_value_heads"] * 2 * hd
 
 
-PREFILL_HINT = 4096  # the kv.prefill_fp16 a plan's note suggests for long contexts
-
-
 def prefill_fp16_bytes(config: dict, kv_mode: str, context: int, prefill_fp16: Optional[int] = None,
                        prefill_chunk: int = 512) -> int:
     """A compressing cache's fp16 K/V while a prompt of `context` tokens is prefilled: the whole prompt's (it attends to
@@ -218,18 +215,9 @@ def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context:
     kvb = per_tok * cache_tokens(ctx) + fixed
     pre = prefill_fp16_bytes(config, recipe.kv.mode, ctx, recipe.kv.prefill_fp16, prefill_chunk)
     act = activation_bytes(config, min(prefill_chunk, max(ctx, 1)))
-    if recipe.kv.mode != "fp16" and recipe.kv.prefill_fp16 is None:
-        bounded = prefill_fp16_bytes(config, recipe.kv.mode, ctx, PREFILL_HINT, prefill_chunk)
-        if 2 * bounded <= pre:  # a long context: say what the bound would count
-            notes_pre = [f"a {ctx}-token prompt holds {fmt_bytes(pre)} of fp16 K/V while it prefills; kv.prefill_fp16 = "
-                         f"{PREFILL_HINT} (rq run --prefill-fp16 {PREFILL_HINT}) counts {fmt_bytes(bounded)}"]
-        else:
-            notes_pre = []
-    else:
-        notes_pre = []
     if budget is None and recipe.pager.memory_budget is not None:
         budget = parse_size(str(recipe.pager.memory_budget), "memory budget")
-    notes: list[str] = notes_pre
+    notes: list[str] = []
     if budget is None or not n_moe:
         slots = E
         fits = budget is None or resident + routed_bytes + kvb + pre + act <= budget

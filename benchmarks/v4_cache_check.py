@@ -5,7 +5,7 @@ prompt, then decodes a few tokens through `cache.attend` once per RQ_ATTN value 
 output with the float64 math on the same cache contents (dequantize, rotate back, softmax). On CPU
 every value takes the reference path (fused_attend returns None), so this also runs here.
 
-    python3 benchmarks/v4_cache_check.py [--context 5000] [--steps 3]
+    python3 benchmarks/v4_cache_check.py [--context 5000] [--steps 3] [--prefill-chunk 1024 --prefill-fp16 4096]
 
 Exit status 1 if any relative error exceeds --tol or any output is not finite.
 """
@@ -31,7 +31,8 @@ HQ, HKV, D = 32, 4, 128
 
 
 def reference(cache, q: np.ndarray, scale: float, half: bool = False) -> np.ndarray:
-    """float64 attention of q [1, HQ, 1, D] over everything the cache holds (all packed here).
+    """float64 attention of q [1, HQ, L, D] over everything the cache holds (the packed tokens, then the fp16 segment);
+    with L > 1 the queries are the last L tokens, causally (query i sees keys up to its own position).
 
     half: with the codebook levels rounded to float16, as the GPU's matrix units use them."""
     n = cache.packed_len
@@ -49,6 +50,8 @@ def reference(cache, q: np.ndarray, scale: float, half: bool = False) -> np.ndar
     G = HQ // HKV
     k, v = np.repeat(k, G, axis=1), np.repeat(v, G, axis=1)
     s = np.einsum("bhld,bhtd->bhlt", q.astype(np.float64), k) * scale
+    L, T = q.shape[2], k.shape[2]
+    s = np.where(np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("bhlt,bhtd->bhld", p, v)
@@ -63,6 +66,7 @@ def main() -> int:
     ap.add_argument("--pair-points", default="", help="K,V: pair codebooks (kv.pair_points), e.g. 128,32")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="the prompt in chunks of this many tokens with as "
                     "many causal queries (past kv.prefill_fp16 the older tokens are compressed as the chunks arrive)")
+    ap.add_argument("--prefill-fp16", type=int, default=4096, help="kv.prefill_fp16 with --prefill-chunk")
     ap.add_argument("--tol", type=float, default=3e-3, help="against the exact or the half-rounded levels "
                     "(the GPU's matrix units see the latter); fp16 queries and output")
     a = ap.parse_args()
@@ -81,6 +85,8 @@ def main() -> int:
             kw = {"rotation": a.rotation} if cls is IsoQuantCache else {}
             if a.pair_points:
                 kw["pair_points"] = tuple(int(x) for x in a.pair_points.split(","))
+            if a.prefill_chunk:
+                kw["prefill_fp16"] = a.prefill_fp16
             cache = cls(head_dim=D, n_kv_heads=HKV, layer=3, fp16_window=a.window, **kw)
             if a.prefill_chunk:
                 for s0 in range(0, a.context, a.prefill_chunk):
@@ -93,6 +99,15 @@ def main() -> int:
                     fails += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} {label:9s} RQ_ATTN={version:3s} prompt in chunks of {a.prefill_chunk}: "
                       f"{cache.packed_len} tokens compressed while prefilling, {cache.fp16_len} fp16", flush=True)
+                if cache.packed_len:  # the last chunk's last 16 rows (over packed and fp16 tokens) against float64
+                    qs = np.array(qc[:, :, -16:].astype(mx.float32))
+                    got = np.array(o[:, :, -16:].astype(mx.float32), dtype=np.float64)
+                    err = min(float(np.linalg.norm(got - r) / np.linalg.norm(r))
+                              for r in (reference(cache, qs, scale), reference(cache, qs, scale, half=True)))
+                    ok = err < a.tol
+                    fails += not ok
+                    print(f"{'ok  ' if ok else 'FAIL'} {label:9s} RQ_ATTN={version:3s} last prompt chunk's rows: rel. err "
+                          f"{err:.2e}", flush=True)
             else:
                 qp = mx.array(rng.standard_normal((1, HQ, 1, D)).astype(np.float16))
                 mx.eval(cache.attend(qp, mx.array(kp), mx.array(vp), scale=scale, mask="causal"))  # prompt: fp16 SDPA

@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rq_core import env
+
 _DONE: set = set()
 _WARNED: list = []
 # in-memory replacement for MLX's "mlx/backend/cuda/device/utils.cuh": what the generated code names
@@ -47,7 +49,7 @@ _UTILS_NAME = "mlx/backend/cuda/device/utils.cuh"
 
 
 def enabled() -> bool:
-    return os.environ.get("RQ_KERNEL_CACHE", "1") != "0"
+    return env.get("RQ_KERNEL_CACHE", "1") != "0"
 
 
 def first_run_note() -> str | None:

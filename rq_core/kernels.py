@@ -34,7 +34,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from rq_core import kernel_cache
+from rq_core import env, kernel_cache
 
 # metal/ at the repo root; an installed wheel carries it as rq_core/_metal (pyproject.toml).
 _HERE = Path(__file__).resolve().parent
@@ -252,7 +252,7 @@ def minify(src: str) -> str:
 
 
 def _minify_on() -> bool:
-    return os.environ.get("RQ_KERNEL_MINIFY", "1") != "0"
+    return env.get("RQ_KERNEL_MINIFY", "1") != "0"
 
 
 def render(name: str, backend: str) -> tuple[str, str]:
@@ -275,7 +275,7 @@ def render(name: str, backend: str) -> tuple[str, str]:
 
 def backend() -> str | None:
     """'metal' or 'cuda' when MLX has that GPU backend and a device; None on CPU-only installs."""
-    if os.environ.get("RQ_KERNELS", "1") == "0":
+    if env.get("RQ_KERNELS", "1") == "0":
         return None
     try:
         if mx.metal.is_available():
@@ -881,70 +881,110 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     words), else the values' `bits` and `levels`. trace: also return the phase stamps, uint32 [groups, ns, 16, 2]
     (V5_TRACE_PHASES; CUDA only). want_lse=False: lse comes back None (no slice of the scratch made: a graph node
     a layer that the caches do not read)."""
-    if backend() is None:
+    be = backend()
+    if be is None:
         raise KernelUnsupported("no GPU backend")
-    B, Hq, L, D = q.shape
-    Hkv = k_codes.shape[1]
+    L = q.shape[2]
+    if window is not None:
+        wk, wv = window
+        nw = wk.shape[2]
+        if not 1 <= nw <= MMA_TILE or nw < L or wk.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+            raise KernelUnsupported(f"v5 window of {nw} tokens ({wk.dtype}) for {L} queries")
+    qd = q if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else q.astype(mx.float32)
+    # everything else follows from shapes, dtypes and settings: planned once per class (a decode step asks for every
+    # layer, and the checks and plans took most of this function's ~20 us of host time a call)
+    plan = _v5_launch_plan(be, tuple(q.shape), qd.dtype, tuple(k_codes.shape), tuple(v_codes.shape),
+                           tuple(levels.shape), None if key_levels is None else tuple(key_levels.shape), bits,
+                           key_bits, scale, valid_len, offset, causal, rot, blocks, nth, minb, pf, vdec, stage,
+                           window is not None, trace, _v5_settings(be))
+    nth, minb_eff, kb_own, groups, template, grid, out_shapes, out_dtypes = plan
+    k = _kernel_v5(be, nth, minb_eff, window is not None, _minify_on(), trace)
+    res = _launch(
+        k, inputs=[qd, _mats(mats), _consts(levels, scale, key_levels if kb_own else None), k_codes, k_norms,
+                v_codes, v_norms, _counter(groups), _length_view(valid_len)] + (list(window) if window else []),
+        template=template, grid=grid, threadgroup=(nth, 1, 1), output_shapes=out_shapes, output_dtypes=out_dtypes,
+        init_value=0 if trace else float("nan") if POISON else None)
+    B, Hq = q.shape[0], q.shape[1]
+    R = (Hq // k_codes.shape[1]) * L
+    lse = res[1][-groups * R:].reshape(B, Hq, L) if want_lse else None
+    return (res[0], lse, res[2]) if trace else (res[0], lse)
+
+
+def _v5_settings(be: str) -> tuple:
+    """The module settings and device facts attn_v5's launch plan reads (tests and diagnostics change some at run
+    time)."""
+    return (V5_SACC, V5_MERGE, V5_STAGE, V5_PF, V5_VDEC, V5_NTH, V5_NTH_LONG, V5_BLOCKS, V5_MAXNS, V5_MINB, MMA_TILE,
+            V5_DEFS, SMEM_LIMIT[be], cuda_sm_count() if be == "cuda" else None)
+
+
+@functools.lru_cache(maxsize=512)
+def _v5_launch_plan(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tuple, lvshape: tuple,
+                    klvshape: tuple | None, bits: int, key_bits: int | None, scale: float, valid_len: int, offset: int,
+                    causal: bool, rot: int, blocks: int | None, nth: int | None, minb: int | None, pf: int | None,
+                    vdec: int | None, stage: int | None, window: bool, trace: bool, settings: tuple) -> tuple:
+    """attention_v5's checks and launch arguments for one class of calls: (threads, launch bound, whether the keys
+    have their own table, groups, template, grid, output shapes, output dtypes). Raises KernelUnsupported."""
+    B, Hq, L, D = qshape
+    Hkv = kshape[1]
     R = (Hq // Hkv) * L
     pair = None  # pair codebooks: (keys' points, values' points); bits / key_bits are their fields' widths
-    if levels.ndim == 2:
-        if key_levels is None or key_levels.ndim != 2 or levels.shape[0] != 1 << bits \
-                or key_bits is None or key_levels.shape[0] != 1 << key_bits:
+    if len(lvshape) == 2:
+        if klvshape is None or len(klvshape) != 2 or lvshape[0] != 1 << bits \
+                or key_bits is None or klvshape[0] != 1 << key_bits:
             raise KernelUnsupported("v5: pair codebooks need both tables, of 2^bits and 2^key_bits points")
-        pair = (key_levels.shape[0], levels.shape[0])
+        pair = (klvshape[0], lvshape[0])
         _check(D, 3, R)  # the shape checks of the 3-bit codes (head dim, rows)
         if not 16 <= pair[1] <= 64 or not 16 <= pair[0] <= 256:
             raise KernelUnsupported(f"v5: pair codebooks of {pair} points (values' table lane-replicated: <= 64)")
-        if k_codes.shape[3] * 64 != D * key_bits or v_codes.shape[3] * 64 != D * bits:
-            raise KernelUnsupported(f"v5: pair rows of {k_codes.shape[3]} / {v_codes.shape[3]} words")
-        if (k_codes.shape[2] * k_codes.shape[3]) % 4 or (v_codes.shape[2] * v_codes.shape[3]) % 4:
+        if kshape[3] * 64 != D * key_bits or vshape[3] * 64 != D * bits:
+            raise KernelUnsupported(f"v5: pair rows of {kshape[3]} / {vshape[3]} words")
+        if (kshape[2] * kshape[3]) % 4 or (vshape[2] * vshape[3]) % 4:
             # rows of 14 / 10 words: a head's rows start 16-byte aligned (the copy ring's cp.async) only if the
             # capacity makes them (the cache's is a multiple of 256 tokens)
-            raise KernelUnsupported(f"v5: pair codes of capacity {k_codes.shape[2]} leave heads unaligned")
+            raise KernelUnsupported(f"v5: pair codes of capacity {kshape[2]} leave heads unaligned")
         vdec = 2  # the values' lane-replicated table by byte offsets
     else:
         _check(D, bits, R)
-    kb = bits if key_bits is None or key_levels is None else key_bits
+    kb = bits if key_bits is None or klvshape is None else key_bits
     if kb != bits and pair is None:
         _check(D, kb, R)
-        if k_codes.shape[3] * 32 != D * kb:
-            raise KernelUnsupported(f"v5: key rows of {k_codes.shape[3]} words for {kb}-bit keys")
-    be = backend() or "cuda"
+        if kshape[3] * 32 != D * kb:
+            raise KernelUnsupported(f"v5: key rows of {kshape[3]} words for {kb}-bit keys")
     if nth is None:
         nth = v5_nth(valid_len)
     nth, stage, pf, vdec = _v5_config(D, bits, R, be, nth, stage, pf, V5_STAGE, V5_PF, V5_VDEC if vdec is None else vdec,
                                       kb, pair)
     if pair is not None and vdec != 2:
         raise KernelUnsupported("v5: pair codebooks need the pair-table decode (its table did not fit)")
-    extra, wt = [], []
-    if window is not None:
-        wk, wv = window
-        nw = wk.shape[2]
-        if not 1 <= nw <= MMA_TILE or nw < L or wk.dtype not in (mx.float16, mx.bfloat16, mx.float32):
-            raise KernelUnsupported(f"v5 window of {nw} tokens ({wk.dtype}) for {L} queries")
-        extra, wt = [wk, wv], [("WCAUSAL", int(causal and L > 1))]
+    wt = []
+    if window:
+        wt = [("WCAUSAL", int(causal and L > 1))]
         causal, offset = False, valid_len  # every packed token precedes every query
-    T, causal, qd, groups = _one_launch_args("v5", q, Hkv, rot, valid_len, offset, causal)
+    T, causal, _, groups = _one_launch_args("v5", _Shaped(qshape, qdtype), Hkv, rot, valid_len, offset, causal)
     target = v5_blocks(T) if blocks is None else blocks
-    if window is None:
+    if not window:
         ns = v5_plan(T, groups, target)
     else:  # the window's split first, its blocks taken from the target (so they add no wave: at 264 blocks, 2 waves
         # of one per SM on the H200, 4 more made a third, +35 us at 128K on 2026-11-30)
         ns = min(v5_plan(T, groups, max(groups, target - groups)), V5_MAXNS - 1) + 1
-    k = _kernel_v5(be, nth, _v5_minb(nth, minb), window is not None, _minify_on(), trace)
-    res = _launch(
-        k, inputs=[qd, _mats(mats), _consts(levels, scale, key_levels if kb != bits or pair else None), k_codes, k_norms,
-                v_codes, v_norms, _counter(groups), _length_view(T)] + extra,
-        template=[("TQ", qd.dtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("PK", pair[0] if pair else 0),
-                  ("PV", pair[1] if pair else 0), ("R", R), ("LQ", L), ("HKV", Hkv),
-                  ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
-                  ("VDEC", vdec), ("STAGE", stage), ("MERGE", V5_MERGE)] + wt,
-        grid=(groups * nth, ns, 1), threadgroup=(nth, 1, 1),
-        output_shapes=[(B, Hq, L, D), (v5_scratch_size(groups, ns, R, D),)] + [(groups, ns, 16, 2)] * trace,
-        output_dtypes=[qd.dtype, mx.float32] + [mx.uint32] * trace,
-        init_value=0 if trace else float("nan") if POISON else None)
-    lse = res[1][-groups * R:].reshape(B, Hq, L) if want_lse else None
-    return (res[0], lse, res[2]) if trace else (res[0], lse)
+    template = [("TQ", qdtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("PK", pair[0] if pair else 0),
+                ("PV", pair[1] if pair else 0), ("R", R), ("LQ", L), ("HKV", Hkv),
+                ("CAUSAL", int(causal)), ("ROT", rot), ("NTH", nth), ("SACC", V5_SACC), ("PF", pf),
+                ("VDEC", vdec), ("STAGE", stage), ("MERGE", V5_MERGE)] + wt
+    out_shapes = [(B, Hq, L, D), (v5_scratch_size(groups, ns, R, D),)] + [(groups, ns, 16, 2)] * trace
+    out_dtypes = [qdtype, mx.float32] + [mx.uint32] * trace
+    return (nth, _v5_minb(nth, minb), kb != bits or pair is not None, groups, template, (groups * nth, ns, 1),
+            out_shapes, out_dtypes)
+
+
+class _Shaped:
+    """Stands in for the queries in _one_launch_args when only their shape and dtype are known."""
+
+    def __init__(self, shape: tuple, dtype) -> None:
+        self.shape, self.dtype = shape, dtype
+
+    def astype(self, dtype) -> "_Shaped":
+        return _Shaped(self.shape, dtype)
 
 
 def v5_scratch_size(groups: int, ns: int, R: int, D: int) -> int:
@@ -982,7 +1022,7 @@ def attn_version() -> str:
     streaming; shapes it does not cover take v4), "v4" (one launch, block-level tiles), "v3" (MLX-op query
     rotation, v3 split kernel + merge, MLX-op inverse rotation) or "v3r" (the same two v3 kernels rotating
     in-kernel). Measurements behind the default: docs/KERNEL_NOTES.md."""
-    v = os.environ.get("RQ_ATTN", "v5")
+    v = env.get("RQ_ATTN", "v5")
     if v not in ("v3", "v3r", "v4", "v5"):
         from rq_core.errors import RQError
 
@@ -1020,7 +1060,7 @@ def fused_attend(queries: mx.array, rotation, k_codes: mx.array, k_norms: mx.arr
         rot, mats = rotation_args(rotation)
         args = dict(bits=bits, scale=scale, valid_len=valid_len, offset=offset, causal=causal, rot=rot)
         if version in ("v4", "v5"):
-            if rot & ROT_DENSE and "RQ_ATTN" not in os.environ:
+            if rot & ROT_DENSE and not env.has("RQ_ATTN"):
                 return None  # TurboQuant: v3 + the rotation as matmuls measured faster than in-kernel dense
             if version == "v5":
                 try:
@@ -1134,7 +1174,7 @@ _APPEND_CONSTS: dict = {}
 def append_mode() -> str:
     """How IsoQuantCache quantizes appended tokens on a GPU (env RQ_APPEND): "kernel" (default: one
     kv_append launch for K and V) or "ops" (quantize_kv's MLX ops, the reference). CPU always uses the ops."""
-    v = os.environ.get("RQ_APPEND", "kernel")
+    v = env.get("RQ_APPEND", "kernel")
     if v not in ("kernel", "ops"):
         from rq_core.errors import RQError
 

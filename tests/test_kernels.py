@@ -717,3 +717,42 @@ def test_v5_launch_bound_and_merge_round(monkeypatch):
     # 512 threads: one block an SM caps registers at 128 anyway, so rounds of 17
     assert "__launch_bounds__(512, 1)" in big["header"] and "#define RQ_V5_NC33" not in big["source"]
     assert one["name"] != two["name"]  # MLX caches modules by name
+
+
+def test_v5_launch_plan_follows_settings_and_shapes(monkeypatch):
+    """attention_v5 plans a class of calls once (_v5_launch_plan): a changed module setting, context or window gives
+    a new plan, an identical call the same launch arguments as the first."""
+    import mlx.core as mx
+
+    calls = []
+
+    class Recorder:
+        def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None, **_):
+            calls.append((tuple(template), grid, threadgroup, tuple(map(tuple, output_shapes))))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setenv("RQ_KERNEL_CACHE", "0")
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "cuda_sm_count", lambda: 132)
+    monkeypatch.setattr(K, "_kernel_v5", lambda *a, **k: Recorder())
+    G, Hkv, D, cap = 8, 4, 128, 4096
+    q = mx.zeros((1, G * Hkv, 1, D), mx.float16)
+    codes = mx.zeros((1, Hkv, cap, 12), mx.uint32)
+    norms = mx.zeros((1, Hkv, cap), mx.float16)
+    lv = mx.zeros((8,), mx.float32)
+
+    def launch(T, window=None):
+        K.attention_v5(q, None, codes, norms, codes, norms, lv, bits=3, scale=0.1, valid_len=T, offset=T, rot=0,
+                       window=window, want_lse=False)
+        return calls[-1]
+
+    first = launch(1000)
+    assert launch(1000) == first
+    assert launch(3000)[1] != first[1]  # more splits
+    long = launch(20000)
+    monkeypatch.setattr(K, "V5_SACC", 2)
+    assert dict(launch(1000)[0])["SACC"] == 2 and dict(first[0])["SACC"] == 1
+    monkeypatch.setattr(K, "cuda_sm_count", lambda: 66)
+    assert launch(20000)[1][1] < long[1][1]  # half the SMs: fewer splits
+    w = mx.zeros((1, Hkv, 40, D), mx.float16)
+    assert dict(launch(1000, (w, w))[0])["WCAUSAL"] == 0

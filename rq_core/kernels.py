@@ -893,10 +893,14 @@ def attention_v5(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms:
     qd = q if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else q.astype(mx.float32)
     # everything else follows from shapes, dtypes and settings: planned once per class (a decode step asks for every
     # layer, and the checks and plans took most of this function's ~20 us of host time a call)
+    # the context enters the plan only through the thread count, the splits (ceil(T / 128), at most V5_MAXNS) and the
+    # queries' offset relative to it, so a decode step (one more token each) finds the plan made for the step before
     plan = _v5_launch_plan(be, tuple(q.shape), qd.dtype, tuple(k_codes.shape), tuple(v_codes.shape),
                            tuple(levels.shape), None if key_levels is None else tuple(key_levels.shape), bits,
-                           key_bits, scale, valid_len, offset, causal, rot, blocks, nth, minb, pf, vdec, stage,
-                           window is not None, trace, _v5_settings(be))
+                           key_bits, scale, min(-(-valid_len // 128), V5_MAXNS),
+                           0 if window is not None else offset - valid_len, causal, rot, blocks,
+                           v5_nth(valid_len) if nth is None else nth, minb, pf, vdec, stage, window is not None, trace,
+                           _v5_settings(be))
     nth, minb_eff, kb_own, groups, template, grid, out_shapes, out_dtypes = plan
     k = _kernel_v5(be, nth, minb_eff, window is not None, _minify_on(), trace)
     res = _launch(
@@ -919,11 +923,14 @@ def _v5_settings(be: str) -> tuple:
 
 @functools.lru_cache(maxsize=512)
 def _v5_launch_plan(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tuple, lvshape: tuple,
-                    klvshape: tuple | None, bits: int, key_bits: int | None, scale: float, valid_len: int, offset: int,
-                    causal: bool, rot: int, blocks: int | None, nth: int | None, minb: int | None, pf: int | None,
+                    klvshape: tuple | None, bits: int, key_bits: int | None, scale: float, tiles: int, off_rel: int,
+                    causal: bool, rot: int, blocks: int | None, nth: int, minb: int | None, pf: int | None,
                     vdec: int | None, stage: int | None, window: bool, trace: bool, settings: tuple) -> tuple:
     """attention_v5's checks and launch arguments for one class of calls: (threads, launch bound, whether the keys
-    have their own table, groups, template, grid, output shapes, output dtypes). Raises KernelUnsupported."""
+    have their own table, groups, template, grid, output shapes, output dtypes). Raises KernelUnsupported.
+    tiles: ceil(valid_len / 128) capped at V5_MAXNS; off_rel: the queries' offset less valid_len (0 with a window)."""
+    valid_len = 128 * tiles  # stands for the context: the same splits, and the same offset relative to it
+    offset = valid_len + off_rel
     B, Hq, L, D = qshape
     Hkv = kshape[1]
     R = (Hq // Hkv) * L
@@ -950,8 +957,6 @@ def _v5_launch_plan(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tuple
         _check(D, kb, R)
         if kshape[3] * 32 != D * kb:
             raise KernelUnsupported(f"v5: key rows of {kshape[3]} words for {kb}-bit keys")
-    if nth is None:
-        nth = v5_nth(valid_len)
     nth, stage, pf, vdec = _v5_config(D, bits, R, be, nth, stage, pf, V5_STAGE, V5_PF, V5_VDEC if vdec is None else vdec,
                                       kb, pair)
     if pair is not None and vdec != 2:

@@ -44,12 +44,18 @@ def main() -> int:
     a = ap.parse_args()
     KO = load_old(a.old)
     stub = StubKernel()
+    def append_codes(keys, values, rotation, levels, bits, **kw):  # kv_append stubbed too: codes of the right shapes
+        B, H, L, _ = keys.shape
+        return (mx.zeros((B, H, L, 14), mx.uint32), mx.zeros((B, H, L), mx.float16),
+                mx.zeros((B, H, L, 10), mx.uint32), mx.zeros((B, H, L), mx.float16))
+
     for K in (KN, KO):
         K.backend = lambda: "cuda"
         K.available = lambda: True
         K._kernel = lambda name, be: stub
         K._kernel_v5 = lambda be, nth, minb, window=False, minified=True, trace=False: stub
         K.cuda_sm_count = lambda: 132
+        K.append_codes = append_codes
     Hq, Hkv, d = 32, 4, 128
     c = make_kv_cache(KVSettings(mode="isoquant3", fp16_window=32, pair_points=(128, 32)), layer=0, n_kv_heads=Hkv,
                       head_dim=d)
@@ -70,7 +76,29 @@ def main() -> int:
                               scale=0.1, offset=c.packed_len, causal=False, valid_len=c.packed_len, window=win,
                               key_bits=c.key_bits, key_levels=c.k_levels)
 
-    cases = {"attention_v5, this checkout": lambda: v5(KN), "attention_v5, --old": lambda: v5(KO),
+    import rq_core
+
+    k1 = mx.zeros((1, Hkv, 1, d), mx.bfloat16)
+    steps = {KN: make_kv_cache(KVSettings(mode="isoquant3", fp16_window=32, pair_points=(128, 32)), layer=0,
+                               n_kv_heads=Hkv, head_dim=d) for _ in (0,)}
+    steps[KO] = make_kv_cache(KVSettings(mode="isoquant3", fp16_window=32, pair_points=(128, 32)), layer=0,
+                              n_kv_heads=Hkv, head_dim=d)
+    for cache in steps.values():
+        cache.attend(mx.zeros((1, Hq, 16, d), mx.bfloat16), k, k, scale=0.1, mask="causal")
+        cache.end_prefill()
+
+    def step(K):
+        """One decode step's attend (the context grows a token, the window spills as rq run decodes)."""
+        rq_core.kernels = K  # the cache imports `kernels` from the package at call time
+        try:
+            o = steps[K].attend(q1, k1, k1, scale=0.1)
+            if steps[K].offset % 64 == 0:
+                mx.eval(o, steps[K]._fk, steps[K]._fv, steps[K].k_codes)
+        finally:
+            rq_core.kernels = KN
+
+    cases = {"attend a decode step, this checkout": lambda: step(KN), "attend a decode step, --old": lambda: step(KO),
+             "attention_v5, this checkout": lambda: v5(KN), "attention_v5, --old": lambda: v5(KO),
              "fused_attend, this checkout": lambda: fused(KN), "fused_attend, --old": lambda: fused(KO),
              "the stub launch alone": lambda: stub(inputs=[], template=[], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                                                     output_shapes=[(1, Hq, 1, d), (1000,)],
@@ -84,7 +112,7 @@ def main() -> int:
             times[name].append((time.perf_counter() - t) / 300 * 1e6)
     for name, v in times.items():
         v.sort()
-        print(f"{name:30s} min {v[0]:6.2f} us  median {v[len(v) // 2]:6.2f} us")
+        print(f"{name:36s} min {v[0]:6.2f} us  median {v[len(v) // 2]:6.2f} us")
     return 0
 
 

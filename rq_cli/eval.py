@@ -39,10 +39,10 @@ def ppl(
     key_bits: Optional[int] = KEY_BITS,
     pair_points: Optional[str] = PAIR_POINTS,
     fp16_window: Optional[int] = FP16_WINDOW,
-    prefill_fp16: Optional[int] = typer.Option(None, "--prefill-fp16",
+    prefill_fp16: Optional[str] = typer.Option(None, "--prefill-fp16",
                                                help="A compressed cache keeps at most N of a window's prefilled tokens "
-                                                    "in fp16, compressing older ones as the chunks arrive (default: "
-                                                    "all of them, as rq run)."),
+                                                    "in fp16, compressing older ones as the chunks arrive, or 'all' "
+                                                    "(default: 4096, as rq run)."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prefilled tokens per step."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
@@ -53,12 +53,13 @@ def ppl(
     _positive("--windows", windows)
     _positive("--step", step)
     _positive("--prefill-chunk", prefill_chunk)
-    if prefill_fp16 is not None and prefill_fp16 < 0:
-        raise RQError(f"--prefill-fp16 must be >= 0 (got {prefill_fp16})")
+    from rq_core.kv_cache import DEFAULT_PREFILL_FP16, prefill_fp16_value
+
+    bound = DEFAULT_PREFILL_FP16 if prefill_fp16 is None else prefill_fp16_value(prefill_fp16, "--prefill-fp16")
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
     settings = kv_settings(kv, rotation, fp16_window=fp16_window_arg(fp16_window), key_bits=key_bits_arg(kv, key_bits),
-                           pair_points=pair_points_arg(kv, pair_points, key_bits), prefill_fp16=prefill_fp16)
+                           pair_points=pair_points_arg(kv, pair_points, key_bits), prefill_fp16=bound)
     em = load_eval_model(model)
     gpu_first_run_note()
     ctx = check_context(em.context if context is None else context, em.context)

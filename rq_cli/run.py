@@ -23,10 +23,10 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: Optional[str],
-              pager: Optional[str], rotation: Optional[str] = None, prefill_fp16: Optional[int] = None) -> tuple:
+              pager: Optional[str], rotation: Optional[str] = None, prefill_fp16: Optional[str] = None) -> tuple:
     """(KVSettings, memory budget, pager policy, where they came from): flags first, then the
     checkpoint's recipe.toml, then the defaults (fp16, a 32-token window for compressed modes, everything resident, lru)."""
-    from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings
+    from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings, prefill_fp16_value
 
     rec = None
     if (path / "recipe.toml").is_file():
@@ -34,8 +34,9 @@ def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: 
 
         rec = recipe_mod.load(path / "recipe.toml")
     base = rec.kv if rec is not None else KVSettings(fp16_window=DEFAULT_FP16_WINDOW)
-    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window), ("rotation", rotation),
-                              ("prefill_fp16", prefill_fp16)) if v is not None}
+    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window), ("rotation", rotation)) if v is not None}
+    if prefill_fp16 is not None:  # "all" overrides with None
+        over["prefill_fp16"] = prefill_fp16_value(prefill_fp16, "--prefill-fp16")
     settings = dataclasses.replace(base, **over)
     if rec is not None and memory_budget is None and rec.pager.memory_budget and \
             (path / "experts" / "index.json").is_file():
@@ -67,11 +68,11 @@ def run(
                                               help="Codebooks of a compressed KV cache: keys' and values' points a pair "
                                                    "of rotated coordinates, e.g. 128,32, or 'off' for scalar codebooks "
                                                    "(default: the recipe's kv.pair_points, else 128,32 for isoquant3)."),
-    prefill_fp16: Optional[int] = typer.Option(None, "--prefill-fp16",
+    prefill_fp16: Optional[str] = typer.Option(None, "--prefill-fp16",
                                                help="A compressed KV cache keeps at most N prompt tokens in fp16 while "
-                                                    "it prefills, compressing older ones as the chunks arrive: less "
-                                                    "memory for a long prompt on a many-layer model (default: the "
-                                                    "recipe's kv.prefill_fp16, else the whole prompt)."),
+                                                    "it prefills, compressing older ones as the chunks arrive, or "
+                                                    "'all' to keep the whole prompt in fp16 until it is done (default: "
+                                                    "the recipe's kv.prefill_fp16, else 4096)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -99,8 +100,10 @@ def run(
         raise RQError("--kv-window must be >= 0")
     if prefill_chunk < 1:
         raise RQError("--prefill-chunk must be >= 1")
-    if prefill_fp16 is not None and prefill_fp16 < 0:
-        raise RQError("--prefill-fp16 must be >= 0")
+    if prefill_fp16 is not None:
+        from rq_core.kv_cache import prefill_fp16_value
+
+        prefill_fp16_value(prefill_fp16, "--prefill-fp16")  # a bad value fails before the model loads
     if rotation is not None and rotation not in ("wht_so4", "rwht_so4", "wht", "so4", "so3"):
         raise RQError(f"unknown --rotation {rotation!r} (choose from: wht_so4, rwht_so4, wht, so4, so3)")
     pp = pair_points_arg("isoquant3", pair_points, None)

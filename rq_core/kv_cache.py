@@ -28,6 +28,30 @@ DEFAULT_FP16_WINDOW = 32
 # coordinate, as the scalar codebook's 8 levels). Measured on the bundled model (README, "Needles and bits").
 DEFAULT_PAIR_POINTS = (128, 32)
 
+# Prompt tokens a compressing cache keeps in fp16 while it prefills (kv.prefill_fp16): a longer prompt's older tokens are
+# compressed as its chunks arrive. H200, Qwen3-30B-A3B shape, against the whole prompt in fp16: 48 layers x 32K peak
+# +2,534 MiB against +6,622 (45.0 s against 39.1 s); 8 layers x 128K +920 against +4,872 (38.2 s against 34.0 s);
+# bundled model on the CPU: no measurable quality cost (benchmarks/README.md, "Long-prompt prefill").
+DEFAULT_PREFILL_FP16 = 4096
+
+
+def prefill_fp16_value(value: object, what: str) -> int | None:
+    """kv.prefill_fp16 as given by a recipe or a flag: a token count >= 0, or "all" (None: the whole prompt stays
+    fp16 until the prefill ends)."""
+    if isinstance(value, str):
+        if value.strip().lower() == "all":
+            return None
+        try:
+            value = int(value)
+        except ValueError:
+            raise RQError(f"{what} must be a token count or 'all' (got {value!r})") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RQError(f"{what} must be a token count or 'all' (got {value!r})")
+    if value < 0:
+        raise RQError(f"{what} = {value} must be >= 0")
+    return value
+
+
 # A prompt chunk of more rows than this attends to compressed tokens (kv.prefill_fp16) by decoding them for one fused
 # attention call; up to it, the decode kernels (attn_v5 takes ≤ 8 query rows) or the chunked reference path.
 PREFILL_DECODE_ROWS = 8
@@ -46,10 +70,9 @@ class KVSettings:
     codebook: str = "sphere"  # sphere | gaussian | path to a codebook TOML
     fp16_window: int = 0  # newest tokens kept in fp16 (0 = off)
     # at most this many prompt tokens held in fp16 while a prompt is prefilled: a longer prompt's older tokens are
-    # compressed as its chunks arrive (later chunks attend to them compressed). None: the whole prompt stays fp16 until
-    # end_prefill (the default: on the H200 the bounded prefill is as fast but its peak is lower only for many layers
-    # and long prompts; benchmarks/README.md, "Long-prompt prefill")
-    prefill_fp16: int | None = None
+    # compressed as its chunks arrive (later chunks attend to them compressed). None ("all"): the whole prompt stays
+    # fp16 until end_prefill
+    prefill_fp16: int | None = DEFAULT_PREFILL_FP16
     norm_correction: bool = False  # store n / ||c||; measured no better (benchmarks/README.md)
     seed: int = 0
     # keys at their own width (None: `bits`). 4 with bits 3 kept fp16's needle retention on the bundled model
@@ -476,8 +499,12 @@ class IsoQuantCache:
         # mask "causal" aligns the L queries with the last L keys: the chunk's own tokens, as here
         out = mx.fast.scaled_dot_product_attention(q_rot.reshape(B, Hq, L, d), keys, values, scale=scale,
                                                    mask="causal" if causal else None)
-        out = out.astype(mx.float32).reshape(B, self.n_kv_heads, -1, d) @ R  # x = Rᵀ y, as rows
-        return out.reshape(B, Hq, L, d).astype(dt)
+        out = (out.astype(mx.float32).reshape(B, self.n_kv_heads, -1, d) @ R).reshape(B, Hq, L, d).astype(dt)
+        # evaluated here, so that one layer's decoded K/V are alive at a time: left to the model's evaluation, MLX held
+        # several layers' at once (H200, 16 layers x 32K, bound 4096: peak +4,521 MiB, +1,433 with this, whole prompt in
+        # fp16 +3,448; mx.async_eval: +4,130)
+        mx.eval(out)
+        return out
 
     def end_prefill(self) -> None:
         self.prefilling = False

@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings
+from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings, prefill_fp16_value
 from rq_core.roles import FAMILIES, ROLES
 
 VERSION = 1
@@ -103,6 +103,8 @@ class Recipe:
                 d["roles"][role] = {"bits": spec.bits, "group_size": spec.group_size, "method": spec.method}
         # TOML has no null: an unset kv.pair_points (isoquant3's default codebooks) is left out; [] is scalar
         d["kv"] = {k: v for k, v in dataclasses.asdict(self.kv).items() if v is not None}
+        if self.kv.prefill_fp16 is None:
+            d["kv"]["prefill_fp16"] = "all"  # absent would read back as the default bound
         d["pager"] = {k: v for k, v in dataclasses.asdict(self.pager).items() if v is not None}
         d["calibration"] = dataclasses.asdict(self.calibration)
         if self.promote.kurtosis_threshold is not None:
@@ -220,8 +222,7 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
                 raise RQError(f"{src}: kv.key_bits and kv.pair_points cannot both be set")
             kv.pair_points = (pp[0], pp[1])
     _typed(src, "kv.fp16_window", kv.fp16_window, int)
-    if kv.prefill_fp16 is not None and _typed(src, "kv.prefill_fp16", kv.prefill_fp16, int) < 0:
-        raise RQError(f"{src}: kv.prefill_fp16 = {kv.prefill_fp16} must be >= 0")
+    kv.prefill_fp16 = prefill_fp16_value(kv.prefill_fp16, f"{src}: kv.prefill_fp16")
     _typed(src, "kv.seed", kv.seed, int)
     _typed(src, "kv.norm_correction", kv.norm_correction, bool)
     _typed(src, "kv.codebook", kv.codebook, str)

@@ -196,10 +196,12 @@ def test_cli_ppl_prefill_fp16():
     """--prefill-fp16 N with --prefill-chunk: the window's prefill is compressed as its chunks arrive, which changes
     what the scored half reads (a different perplexity), reported in the JSON; a bound as long as the prefill changes
     nothing."""
-    base = _iso_ppl("--prefill-chunk", "8")
+    base = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "all")
     bounded = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "8")
     whole = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "32")
+    default = _iso_ppl("--prefill-chunk", "8")  # the default bound (4,096) is longer than this prefill
     assert base["prefill_fp16"] is None and bounded["prefill_fp16"] == 8 and bounded["prefill_chunk"] == 8
+    assert default["prefill_fp16"] == 4096 and default["ppl"] == pytest.approx(base["ppl"], rel=1e-6)
     assert bounded["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
     assert whole["ppl"] == pytest.approx(base["ppl"], rel=1e-6)
 

@@ -36,11 +36,15 @@ def test_qwen3_real_config_plan():
     assert p.bytes_per_expert == 3 * (768 * 2048 // 4 + 768 * 2048 // 64 * 4)
     assert p.kv_bytes_per_token == 48 * 2 * 4 * (12 * 4 + 2)  # isoquant3: 12 words + fp16 norm per vector
     assert p.fits and p.budget_bytes == 16 * 10**9
-    # the prompt's fp16 K/V while it is prefilled (the whole prompt by default: the recipe's 8,192 tokens), counted in
-    # the peak; kv.prefill_fp16 bounds it; an fp16 cache has no such extra (its K/V is the KV line)
+    # the prompt's fp16 K/V while it is prefilled, counted in the peak: by default kv.prefill_fp16's 4,096 tokens (the
+    # recipe's context is 8,192) and one layer's decoded context; "all" (None) the whole prompt; an fp16 cache has no
+    # such extra (its K/V is the KV line)
     fp16_tok = 48 * 2 * 4 * 128 * 2
-    assert p.prefill_fp16_bytes == fp16_tok * 8192 and p.planned_peak_bytes >= p.kv_bytes + p.prefill_fp16_bytes
+    assert p.prefill_fp16_bytes == fp16_tok * 4096 + fp16_tok // 48 * 8192
+    assert p.planned_peak_bytes >= p.kv_bytes + p.prefill_fp16_bytes
     rec = recipe.load("qwen3-16gb")
+    rec.kv.prefill_fp16 = None
+    assert plan(cfg, rec).prefill_fp16_bytes == fp16_tok * 8192
     rec.kv.prefill_fp16 = 2000
     # rounded up as the caches grow; plus one layer's K/V of the whole context, decoded as each chunk attends to it
     assert plan(cfg, rec).prefill_fp16_bytes == fp16_tok * 2048 + fp16_tok // 48 * 8192
@@ -49,6 +53,7 @@ def test_qwen3_real_config_plan():
     assert plan(cfg, rec).prefill_fp16_bytes == 0
     # at a long context the bound counts far less (its one layer's decoded context included)
     rec = recipe.load("qwen3-16gb")
+    rec.kv.prefill_fp16 = None
     assert plan(cfg, rec, context=32768).prefill_fp16_bytes == fp16_tok * 32768
     rec.kv.prefill_fp16 = 4096
     assert plan(cfg, rec, context=32768).prefill_fp16_bytes == fp16_tok * 4096 + fp16_tok // 48 * 32768

@@ -41,7 +41,8 @@ def test_resolved_round_trip():
     (BASE + "[kv]\npair_points = 128\n", "kv.pair_points must be two integers"),
     (BASE + "[kv]\npair_points = [128, 32]\nkey_bits = 4\n", "cannot both be set"),
     (BASE + "[kv]\nprefill_fp16 = -1\n", "kv.prefill_fp16 = -1 must be >= 0"),
-    (BASE + "[kv]\nprefill_fp16 = \"all\"\n", "'kv.prefill_fp16' must be int"),
+    (BASE + "[kv]\nprefill_fp16 = \"most\"\n", "kv.prefill_fp16 must be a token count or 'all'"),
+    (BASE + "[kv]\nprefill_fp16 = 1.5\n", "kv.prefill_fp16 must be a token count or 'all'"),
     (BASE + "[pager]\npolicy = \"fifo\"\n", "pager.policy"),
     (BASE + "[pager]\nmemory_budget = \"lots\"\n", "cannot read 'lots'"),
     ('version = 2\n', "'version' must be 1"),
@@ -71,6 +72,14 @@ def test_kv_settings_and_sizes():
     assert r4.kv.key_bits == 4 and recipe.loads(r4.dumps()).kv.key_bits == 4
     rp = recipe.loads(BASE + '[kv]\nmode = "isoquant3"\npair_points = [128, 32]\n')
     assert rp.kv.pair_points == (128, 32) and recipe.loads(rp.dumps()).kv.pair_points == (128, 32)
+    # kv.prefill_fp16: the default bound, a count, or "all" (the whole prompt; written back as "all", since a key left
+    # out would read back as the default)
+    from rq_core.kv_cache import DEFAULT_PREFILL_FP16
+
+    assert r.kv.prefill_fp16 == DEFAULT_PREFILL_FP16 == recipe.loads(r.dumps()).kv.prefill_fp16
+    ra = recipe.loads(BASE + '[kv]\nmode = "isoquant3"\nprefill_fp16 = "all"\n')
+    assert ra.kv.prefill_fp16 is None and recipe.loads(ra.dumps()).kv.prefill_fp16 is None
+    assert recipe.loads(BASE + '[kv]\nprefill_fp16 = 0\n').kv.prefill_fp16 == 0
     assert recipe.parse_size("16GB") == 16 * 10**9
     assert recipe.parse_size("512MiB") == 512 * 2**20
     assert recipe.parse_size("1.5G") == 1.5e9

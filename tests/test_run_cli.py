@@ -240,5 +240,9 @@ def test_prefill_fp16_flag() -> None:
     assert d["kv_prefill_fp16"] == 48 and d["prompt_tokens"] > 96 and d["generated_tokens"] == 4
     assert d["kv_bytes"] < d["kv_bytes_fp16"]
     d0 = json.loads(_rq("--prompt", "ROMEO:", "--kv", "isoquant3", "--max-tokens", "1", "--json").stdout)
-    assert d0["kv_prefill_fp16"] is None
-    assert "--prefill-fp16 must be >= 0" in _error_line(_rq("--prompt", "x", "--prefill-fp16", "-1"))
+    assert d0["kv_prefill_fp16"] == 4096  # the default bound
+    da = json.loads(_rq("--prompt", "ROMEO:", "--kv", "isoquant3", "--prefill-fp16", "all", "--max-tokens", "1",
+                        "--json").stdout)
+    assert da["kv_prefill_fp16"] is None  # the whole prompt in fp16
+    assert "--prefill-fp16 = -1 must be >= 0" in _error_line(_rq("--prompt", "x", "--prefill-fp16", "-1"))
+    assert "token count or 'all'" in _error_line(_rq("--prompt", "x", "--prefill-fp16", "lots"))

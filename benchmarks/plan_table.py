@@ -41,7 +41,7 @@ def main() -> None:
         "",
         "From each config and shipped recipe, without weights: bytes of the quantized weights, what stays",
         "resident (everything but routed experts), KV cache at the recipe's context, the prompt's fp16 K/V",
-        "while a compressing cache prefills it (kv.prefill_fp16's 4,096 tokens and one layer's decoded context), a prefill",
+        "while a compressing cache prefills it (kv.prefill_fp16's 4,096 tokens and two layers' decoded context), a prefill",
         "working reserve (512-token chunk), and how many expert slots per MoE layer then fit the budget.",
         "The paper's peaks are its measured numbers (its own quantization, not ours).",
         "",
@@ -59,9 +59,9 @@ def main() -> None:
             f"{gb(p.planned_peak_bytes)} | {paper} | {ap.slots_per_layer} / {ap.experts_per_layer} "
             f"({'fits' if ap.fits else 'does not fit'}) |")
     lines += ["", "Long prompts: the prompt's fp16 K/V while a compressing cache prefills it, and the planned peak, with",
-              "kv.prefill_fp16 = 4096 (the default since session 17: its 4,096 tokens in fp16 plus one layer's decoded",
-              "context, which the H200 measured as what the bounded prefill holds; benchmarks/README.md \"Long-prompt",
-              "prefill\") against \"all\" (the whole prompt in fp16 until it is done). Counted by the planner.", "",
+              "kv.prefill_fp16 = 4096 (the default since session 17: its 4,096 tokens in fp16 plus two layers' decoded",
+              "context, the one waited for and the one queued ahead; benchmarks/README.md \"Long-prompt prefill\")",
+              "against \"all\" (the whole prompt in fp16 until it is done). Counted by the planner.", "",
               "| model | recipe | context | prefill fp16 KV GB (bound 4096, default) | planned peak GB "
               "| prefill fp16 KV GB (\"all\") | planned peak GB | slots / experts (default / \"all\") |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -1,11 +1,11 @@
-"""Prefill of a long prompt with a compressed cache: time and peak memory, kv.prefill_fp16 (opt-in) against keeping the
-whole prompt in fp16 (the default) and against the fp16 cache, side by side in one process.
+"""Prefill of a long prompt with a compressed cache: time and peak memory, kv.prefill_fp16 (default 4096) against keeping
+the whole prompt in fp16 ("all") and against the fp16 cache, side by side in one process.
 
 Qwen3-30B-A3B-shaped model with random weights quantized as recipes/qwen3-16gb.toml (profile_gpu.build), NL layers;
 a random prompt of T tokens through `generate` (chunks of 512, one token generated). Peak = MLX's peak allocation
 during generate minus the memory active before it (the weights); KV = the caches' bytes after it.
 
-    python3 benchmarks/prefill_memory.py [--layers 4] [--contexts 8192,32768] [--layer-eval sync,async] [--json]
+    python3 benchmarks/prefill_memory.py [--layers 4] [--contexts 8192,32768] [--inflight 1,2] [--json]
 """
 from __future__ import annotations
 
@@ -31,51 +31,39 @@ def main() -> int:
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--skip-fp16", action="store_true", help="the compressed caches only")
     ap.add_argument("--prefill-fp16", type=int, default=4096, help="kv.prefill_fp16 of the bounded row")
-    ap.add_argument("--layer-eval", default="", help="also the bounded row with each layer's decoded attention "
-                    "evaluated as it is built: 'sync' (mx.eval), 'async' (mx.async_eval), or both comma-separated (an "
-                    "experiment on whether MLX then holds one layer's decoded K/V at a time; not in rq_core)")
+    ap.add_argument("--inflight", default="", help="also the bounded row with its decoded attention queued this many "
+                    "layers ahead of the one waited for (IsoQuantCache.prefill_inflight; 0, the default, waits for each "
+                    "layer), comma-separated")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     import profile_gpu
 
     from rq_core.kv_cache import IsoQuantCache
 
-    plain_attend_decoded = IsoQuantCache._attend_decoded
-
-    def layer_eval(how: str):
-        def attend_decoded(self, queries, *, scale, causal):
-            out = plain_attend_decoded(self, queries, scale=scale, causal=causal)
-            (mx.eval if how == "sync" else mx.async_eval)(out)
-            return out
-        return attend_decoded
-
     model, cfg = profile_gpu.build(a.layers)
     rows = []
     for T in (int(x) for x in a.contexts.split(",")):
         prompt = mx.random.randint(0, cfg["vocab_size"], (T,), key=mx.random.key(T)).tolist()
-        settings = {"fp16": KVSettings(mode="fp16"),
-                    f"isoquant3, prefill_fp16 {a.prefill_fp16}": KVSettings(
-                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=a.prefill_fp16),
-                    "isoquant3, whole prompt in fp16 (default)": KVSettings(
-                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW)}
-        for how in (x for x in a.layer_eval.split(",") if x):
-            if how not in ("sync", "async"):
-                raise SystemExit(f"--layer-eval: {how!r} is not sync or async")
-            settings[f"isoquant3, prefill_fp16 {a.prefill_fp16}, layer eval {how}"] = KVSettings(
-                mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=a.prefill_fp16)
+        bound = f"isoquant3, prefill_fp16 {a.prefill_fp16}"
+        settings = {"fp16": (KVSettings(mode="fp16"), 0),
+                    bound: (KVSettings(mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=a.prefill_fp16), 0),
+                    "isoquant3, whole prompt in fp16 (\"all\")": (KVSettings(
+                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=None), 0)}
+        for n in (int(x) for x in a.inflight.split(",") if x):
+            settings[f"{bound}, {n} layers in flight"] = (KVSettings(
+                mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=a.prefill_fp16), n)
         if a.skip_fp16:
             del settings["fp16"]
-        for name, kv in settings.items():
+        for name, (kv, inflight) in settings.items():
             gc.collect()
             mx.clear_cache()
             base = mx.get_active_memory()
-            how = name.rsplit("layer eval ", 1)[1] if "layer eval" in name else None
-            IsoQuantCache._attend_decoded = layer_eval(how) if how else plain_attend_decoded
+            IsoQuantCache.prefill_inflight = inflight
             t0 = time.perf_counter()
             try:
                 res = generate(model, prompt, max_tokens=1, kv=kv)
             finally:
-                IsoQuantCache._attend_decoded = plain_attend_decoded
+                IsoQuantCache.prefill_inflight = 0
             dt = time.perf_counter() - t0
             rows.append({"context": T, "cache": name, "prefill_s": res.prefill_s, "wall_s": dt,
                          "prefill_tok_per_s": res.prefill_tok_per_s,

@@ -150,15 +150,18 @@ def layer_fp16_bytes(config: dict) -> int:
 def prefill_fp16_bytes(config: dict, kv_mode: str, context: int, prefill_fp16: Optional[int] = None,
                        prefill_chunk: int = 512) -> int:
     """A compressing cache's fp16 K/V while a prompt of `context` tokens is prefilled: the whole prompt's (it attends to
-    itself exactly until the prefill ends), or with kv.prefill_fp16 that many tokens (at least a chunk) and one
-    layer's K/V of the context at 2 bytes, which each chunk decodes (kv_cache._attend_decoded; at least one layer's:
-    MLX may hold a few at once, benchmarks/README.md). 0 for an fp16 cache (its K/V is the KV line)."""
+    itself exactly until the prefill ends), or with kv.prefill_fp16 that many tokens (at least a chunk) and the K/V
+    of the context at 2 bytes of the layers whose decoded attention may be alive at once: the one waited for and
+    IsoQuantCache.prefill_inflight queued ahead of it (kv_cache._attend_decoded). 0 for an fp16 cache (its K/V is the
+    KV line)."""
+    from rq_core.kv_cache import IsoQuantCache
+
     if kv_mode == "fp16":
         return 0
     held = context if prefill_fp16 is None else min(context, max(prefill_fp16, prefill_chunk))
     pre = kv_bytes(config, "fp16")[0] * cache_tokens(held)
     if held < context:
-        pre += layer_fp16_bytes(config) * cache_tokens(context)
+        pre += (1 + max(0, IsoQuantCache.prefill_inflight)) * layer_fp16_bytes(config) * cache_tokens(context)
     return pre
 
 

@@ -26,7 +26,7 @@ def test_tensor_bytes_matches_mx_quantize():
     assert tensor_bytes((64,), RoleSpec(2, 64)) == 128  # vectors are never quantized
 
 
-def test_qwen3_real_config_plan():
+def test_qwen3_real_config_plan(monkeypatch):
     cfg = _cfg("qwen3-30b-a3b.json")
     p = plan(cfg, recipe.load("qwen3-16gb"))
     assert p.moe_layers == 48 and p.experts_per_layer == 128 and p.top_k == 8
@@ -37,25 +37,30 @@ def test_qwen3_real_config_plan():
     assert p.kv_bytes_per_token == 48 * 2 * 4 * (12 * 4 + 2)  # isoquant3: 12 words + fp16 norm per vector
     assert p.fits and p.budget_bytes == 16 * 10**9
     # the prompt's fp16 K/V while it is prefilled, counted in the peak: by default kv.prefill_fp16's 4,096 tokens (the
-    # recipe's context is 8,192) and one layer's decoded context; "all" (None) the whole prompt; an fp16 cache has no
+    # recipe's context is 8,192) and two layers' decoded context; "all" (None) the whole prompt; an fp16 cache has no
     # such extra (its K/V is the KV line)
     fp16_tok = 48 * 2 * 4 * 128 * 2
-    assert p.prefill_fp16_bytes == fp16_tok * 4096 + fp16_tok // 48 * 8192
+    assert p.prefill_fp16_bytes == fp16_tok * 4096 + 2 * (fp16_tok // 48) * 8192
     assert p.planned_peak_bytes >= p.kv_bytes + p.prefill_fp16_bytes
     rec = recipe.load("qwen3-16gb")
     rec.kv.prefill_fp16 = None
     assert plan(cfg, rec).prefill_fp16_bytes == fp16_tok * 8192
     rec.kv.prefill_fp16 = 2000
-    # rounded up as the caches grow; plus one layer's K/V of the whole context, decoded as each chunk attends to it
-    assert plan(cfg, rec).prefill_fp16_bytes == fp16_tok * 2048 + fp16_tok // 48 * 8192
+    # rounded up as the caches grow; plus two layers' K/V of the whole context, decoded as each chunk attends to it
+    assert plan(cfg, rec).prefill_fp16_bytes == fp16_tok * 2048 + 2 * (fp16_tok // 48) * 8192
     assert plan(cfg, rec, context=1000).prefill_fp16_bytes == fp16_tok * 1024  # never more than the context
     rec.kv.mode = "fp16"
     assert plan(cfg, rec).prefill_fp16_bytes == 0
-    # at a long context the bound counts far less (its one layer's decoded context included)
+    # at a long context the bound counts far less (its two layers' decoded context included)
     rec = recipe.load("qwen3-16gb")
     rec.kv.prefill_fp16 = None
     assert plan(cfg, rec, context=32768).prefill_fp16_bytes == fp16_tok * 32768
     rec.kv.prefill_fp16 = 4096
+    assert plan(cfg, rec, context=32768).prefill_fp16_bytes == fp16_tok * 4096 + 2 * (fp16_tok // 48) * 32768
+    # two layers' decoded context: the one waited for and IsoQuantCache.prefill_inflight (1) queued ahead; one with 0
+    from rq_core.kv_cache import IsoQuantCache
+
+    monkeypatch.setattr(IsoQuantCache, "prefill_inflight", 0)
     assert plan(cfg, rec, context=32768).prefill_fp16_bytes == fp16_tok * 4096 + fp16_tok // 48 * 32768
 
 

@@ -6,6 +6,7 @@ set -u
 OUT=${OUT:-$PWD/s17b_out}; mkdir -p "$OUT"
 source .device/bin/gpu-env || exit 3
 echo "== prefill_memory layers 16 ($(date -u +%T))"
+# (--layer-eval was a wrapper in the script until d7ee393; the sync it measured is in rq_core since, and --inflight replaced it)
 timeout 400 python3 benchmarks/prefill_memory.py --layers 16 --contexts 2048,32768 --layer-eval sync,async --skip-fp16 \
   --json > "$OUT/prefill_memory_L16.json" 2> "$OUT/prefill_memory_L16.err"; echo "rc $?"; tail -3 "$OUT/prefill_memory_L16.err"
 python3 - "$OUT" <<'PY'

@@ -82,6 +82,9 @@ def main() -> None:
                          "are scalar codebooks (the paper's)")
     ap.add_argument("--pair-ablation", action="store_true",
                     help="also the rotation ablation's bare rows with the pair codebooks of --pair-row")
+    ap.add_argument("--value-gain", default="on", choices=("on", "off", "both"),
+                    help="the compressed rows with kv.value_gain (on: the default), without it (off: labels end in "
+                         "+nogain), or both")
     ap.add_argument("--only", default="", help="comma-separated row labels to run (e.g. isoquant3/wht_so4+w32)")
     ap.add_argument("--merge", default=None, metavar="JSON",
                     help="add the rows run into this earlier results file (same model and settings required), "
@@ -118,6 +121,12 @@ def main() -> None:
                          if mode == "isoquant3"]
         settings += [ev.kv_settings("isoquant3", "wht_so4", fp16_window=n, pair_points=pp)
                      for n in args.window_row or ([] if args.pair_ablation else [0])]
+    if args.value_gain != "on":
+        import dataclasses
+
+        plain = [dataclasses.replace(kv, value_gain=False) for kv in settings if kv.mode != "fp16"]
+        settings = ([kv for kv in settings if args.value_gain == "both" or kv.mode == "fp16"]
+                    + plain)
     only = {x for x in args.only.split(",") if x}
     unknown = only - {ev.label(kv) for kv in settings}
     if unknown:

@@ -67,6 +67,7 @@ def main() -> int:
     ap.add_argument("--prefill-chunk", type=int, default=0, help="the prompt in chunks of this many tokens with as "
                     "many causal queries (past kv.prefill_fp16 the older tokens are compressed as the chunks arrive)")
     ap.add_argument("--prefill-fp16", type=int, default=4096, help="kv.prefill_fp16 with --prefill-chunk")
+    ap.add_argument("--no-value-gain", action="store_true", help="caches without kv.value_gain (their values' norms unscaled)")
     ap.add_argument("--tol", type=float, default=3e-3, help="against the exact or the half-rounded levels "
                     "(the GPU's matrix units see the latter); fp16 queries and output")
     a = ap.parse_args()
@@ -87,7 +88,7 @@ def main() -> int:
                 kw["pair_points"] = tuple(int(x) for x in a.pair_points.split(","))
             if a.prefill_chunk:
                 kw["prefill_fp16"] = a.prefill_fp16
-            cache = cls(head_dim=D, n_kv_heads=HKV, layer=3, fp16_window=a.window, **kw)
+            cache = cls(head_dim=D, n_kv_heads=HKV, layer=3, fp16_window=a.window, value_gain=not a.no_value_gain, **kw)
             if a.prefill_chunk:
                 for s0 in range(0, a.context, a.prefill_chunk):
                     s1 = min(a.context, s0 + a.prefill_chunk)
@@ -124,6 +125,14 @@ def main() -> int:
             fails += not ok
             print(f"{'ok  ' if ok else 'FAIL'} {label:9s} RQ_ATTN={version:3s} stored codes: {diff} of {words} words "
                   f"differ from quantize_kv's", flush=True)
+            # the values' stored norms: quantize_kv's times the codebook's reconstruction gain (kv.value_gain)
+            vn = np.array(cache.v_norms[:, :, :n].astype(mx.float32), dtype=np.float64)
+            want = np.array(ref_v[1].astype(mx.float32), dtype=np.float64) * cache.v_gain
+            err = float(np.abs(vn - want).max() / np.abs(want).max())
+            ok = err < 2e-3
+            fails += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {label:9s} RQ_ATTN={version:3s} values' norms: gain {cache.v_gain:.4f}, "
+                  f"max rel. err {err:.1e}", flush=True)
             for i, (q, k, v) in enumerate(steps):
                 out = cache.attend(mx.array(q), mx.array(k), mx.array(v), scale=scale, mask="causal")
                 mx.eval(out)

@@ -44,6 +44,9 @@ def ppl(
                                                     "in fp16, compressing older ones as the chunks arrive, or 'all' "
                                                     "(default: 4096, as rq run)."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prefilled tokens per step."),
+    value_gain: bool = typer.Option(True, "--value-gain/--no-value-gain",
+                                    help="Scale the values' stored norms by the codebook's reconstruction gain "
+                                         "1 / (1 - D) (kv.value_gain; default on)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Perplexity over held-out text: each window's first half is prefilled, the second half is scored
@@ -59,7 +62,8 @@ def ppl(
     if rotation is not None and kv != "isoquant3":
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
     settings = kv_settings(kv, rotation, fp16_window=fp16_window_arg(fp16_window), key_bits=key_bits_arg(kv, key_bits),
-                           pair_points=pair_points_arg(kv, pair_points, key_bits), prefill_fp16=bound)
+                           pair_points=pair_points_arg(kv, pair_points, key_bits), prefill_fp16=bound,
+                           value_gain=value_gain)
     em = load_eval_model(model)
     gpu_first_run_note()
     ctx = check_context(em.context if context is None else context, em.context)

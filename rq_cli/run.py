@@ -166,6 +166,7 @@ def run(
             d["pager"] = pager_obj.report().as_dict()
         print_json({"text": text_out, **d, "kv_mode": kv, "kv_window": settings.fp16_window,
                     "kv_prefill_fp16": settings.prefill_fp16 if kv != "fp16" else None,
+                    "kv_value_gain": settings.value_gain if kv != "fp16" else None,
                     "rotation": settings.rotation if kv == "isoquant3" else None,
                     "kv_key_bits": settings.key_bits if kv != "fp16" else None,
                     "kv_pair_points": list(pairs) if pairs else None,

@@ -108,15 +108,17 @@ def rotation_of(kv: KVSettings) -> Optional[str]:
 
 
 def label(kv: KVSettings) -> str:
-    """A short name: fp16, turbo3, or isoquant3/<rotation>; "+w<N>" with an fp16 window of N tokens, "+k<B>"
-    with keys at B bits."""
+    """A short name: fp16, turbo3, or isoquant3/<rotation>; "+w<N>" with an fp16 window of N tokens, "+p<K>x<V>"
+    with pair codebooks, "+k<B>" with keys at B bits, "+nogain" without kv.value_gain."""
     name = f"isoquant3/{kv.rotation}" if kv.mode == "isoquant3" else kv.mode
     if kv.mode == "fp16":
         return name
     name = f"{name}+w{kv.fp16_window}" if kv.fp16_window else name
     if kv.pairs:
-        return f"{name}+p{kv.pairs[0]}x{kv.pairs[1]}"
-    return f"{name}+k{kv.key_bits}" if kv.key_bits not in (None, kv.bits) else name
+        name = f"{name}+p{kv.pairs[0]}x{kv.pairs[1]}"
+    elif kv.key_bits not in (None, kv.bits):
+        name = f"{name}+k{kv.key_bits}"
+    return name if kv.value_gain else f"{name}+nogain"
 
 
 # -------------------------------------------------------------------------------------- windows
@@ -176,13 +178,14 @@ class PPLResult:
     pair_points: Optional[tuple[int, int]] = None  # pair codebooks' points, keys' and values' (None: scalar)
     prefill_fp16: Optional[int] = None  # kv.prefill_fp16 (None: the whole prefill in fp16)
     prefill_chunk: int = 512
+    value_gain: Optional[bool] = None  # kv.value_gain (None for fp16)
 
     def as_dict(self) -> dict:
         return {"ppl": self.ppl, "tokens": self.tokens, "kv_mode": self.kv_mode, "rotation": self.rotation,
                 "context": self.context, "windows": self.windows, "prefill": self.prefill, "nll": self.nll,
                 "fp16_window": self.fp16_window, "key_bits": self.key_bits,
                 "pair_points": list(self.pair_points) if self.pair_points else None,
-                "prefill_fp16": self.prefill_fp16, "prefill_chunk": self.prefill_chunk}
+                "prefill_fp16": self.prefill_fp16, "prefill_chunk": self.prefill_chunk, "value_gain": self.value_gain}
 
 
 def check_context(context: int, em_context: int) -> int:
@@ -211,7 +214,7 @@ def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, pre
                      fp16_window=kv.fp16_window if kv.mode != "fp16" else 0,
                      key_bits=kv.key_bits if kv.mode != "fp16" else None,
                      pair_points=kv.pairs, prefill_fp16=kv.prefill_fp16 if kv.mode != "fp16" else None,
-                     prefill_chunk=prefill_chunk)
+                     prefill_chunk=prefill_chunk, value_gain=kv.value_gain if kv.mode != "fp16" else None)
 
 
 @dataclass

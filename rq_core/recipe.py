@@ -225,6 +225,7 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
     kv.prefill_fp16 = prefill_fp16_value(kv.prefill_fp16, f"{src}: kv.prefill_fp16")
     _typed(src, "kv.seed", kv.seed, int)
     _typed(src, "kv.norm_correction", kv.norm_correction, bool)
+    _typed(src, "kv.value_gain", kv.value_gain, bool)
     _typed(src, "kv.codebook", kv.codebook, str)
 
     pg_t = _check_keys("pager", data.get("pager", {}), tuple(f.name for f in dataclasses.fields(PagerSettings)), src)

@@ -163,6 +163,10 @@ def test_cli_ppl_fp16_window():
     assert short["ppl"] != pytest.approx(ref["ppl"], rel=1e-5)
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32)) == "isoquant3/wht_so4+w32+p128x32"
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, pair_points=())) == "isoquant3/wht_so4+w32"
+    assert ev.label(ev.kv_settings("turbo3", fp16_window=32, value_gain=False)) == "turbo3+w32+nogain"
+    # kv.value_gain changes what decode reads, and the JSON says which was measured
+    gain, plain = _iso_ppl(), _iso_ppl("--no-value-gain")
+    assert gain["value_gain"] is True and plain["value_gain"] is False and gain["ppl"] != plain["ppl"]
 
 
 def _iso_ppl(*extra) -> dict:

@@ -344,6 +344,7 @@ def main() -> int:
                     "(threads per block, launch bound, load-ahead depth, value decode, copy-ring stages; e.g. 256:2,512:1:1), each checked on the main shape at "
                     "513, 4096 and 32768 tokens")
     ap.add_argument("--quick-v5", action="store_true", help="v5: 9 cases in 4 shape classes (short device runs)")
+    ap.add_argument("--bits", default="", help="comma-separated value widths: only the cases at these (e.g. 4)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import mlx.core as mx
@@ -373,6 +374,8 @@ def main() -> int:
                 dict(base, T=3000, rot=11)]
         if path == "v5":
             out.append(dict(base, T=1500, bits=2))
+            # 4-bit keys and values at head dim 128: the edge layers' caches (kv.edge_layers)
+            out += [dict(base, T=T, bits=4) for T in (1, 513, 32768)] + [dict(base, G=4, T=700, L=2, causal=True, bits=4)]
             # keys at their own width (kv.key_bits): 4-bit keys with 3- and 2-bit values
             out += [dict(base, T=T, key_bits=4) for T in (1, 513, 4096, 32768)]
             out += [dict(base, T=1500, bits=2, key_bits=4), dict(base, G=4, T=700, L=2, causal=True, key_bits=4)]
@@ -440,6 +443,8 @@ def main() -> int:
     if a.only:
         keep = set(a.only.split(","))
         cases = [cs for cs in cases if cs["path"] in keep]
+    if a.bits:
+        cases = [cs for cs in cases if str(cs["bits"]) in a.bits.split(",")]
     if a.quick_v5:  # the v5 cases that need the fewest compiles: main shape at 6 contexts, G = 1, bf16, causal
         cases = [cs for cs in cases if cs["path"] != "v5" or cs.get("v5cfg") or (
             (cs["G"], cs["d"], cs["bits"], cs["rot"]) == (8, 128, 3, 3) and cs["T"] in (1, 7, 513, 4096, 32768, 131072)

@@ -30,13 +30,14 @@ from rq_core.kv_cache import KVSettings  # noqa: E402
 
 
 def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int | None, real: bool = False,
-        qjl: bool = False, pairvq: bool = False, pair_points: tuple = ()) -> dict:
+        qjl: bool = False, pairvq: bool = False, pair_points: tuple = (), edge_layers: int = 0) -> dict:
     import kv_study
 
     em = ev.load_eval_model(None)
     ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
     kv = KVSettings(mode="isoquant3", bits=bits, rotation="wht_so4", fp16_window=32,
-                    key_bits=key_bits if real else None, pair_points=tuple(pair_points) if real and pair_points else ())
+                    key_bits=key_bits if real else None, pair_points=tuple(pair_points) if real and pair_points else (),
+                    edge_layers=edge_layers)
     model = em.model
     emulated = bool(key_bits or value_bits or qjl or pairvq or pair_points) and not real
     if emulated:
@@ -46,7 +47,7 @@ def run(seed: int, trials: int, bits: int, key_bits: int | None, value_bits: int
     r = ev.niah(model, ids, ev.needle_token_pieces(em.tokenizer), [kv], lengths=[512, 1024, 2048],
                 depths=[0.1, 0.5, 0.9], trials=trials, seed=seed)
     r.update(seed=seed, bits=bits, key_bits=key_bits or bits, value_bits=value_bits or bits,
-             emulated=emulated, qjl=qjl, pairvq=pairvq, pair_points=list(pair_points))
+             emulated=emulated, qjl=qjl, pairvq=pairvq, pair_points=list(pair_points), edge_layers=edge_layers)
     return r
 
 
@@ -108,6 +109,8 @@ def main() -> int:
                     "at the same bits (kv_study.PairVQKeysCache)")
     ap.add_argument("--pair-points", default="", help="K,V: keys and values with 2-D codebooks of K and V points "
                     "(kv_study.PairVQCache; 128,32 is 3.5 + 2.5 bits a coordinate, IsoQuant-3's bytes)")
+    ap.add_argument("--edge-layers", type=int, default=0, help="the real cache's kv.edge_layers (first and last N "
+                    "layers at 4 bits)")
     ap.add_argument("--gates", action="store_true", help="the twelve gates for the emulated setting instead of needles")
     ap.add_argument("--out", default=None)
     ap.add_argument("--compare", nargs="+", default=None, metavar="NAME=FILE[:MODE][,FILE[:MODE]...]")
@@ -124,7 +127,7 @@ def main() -> int:
         print(f"{g['passed']} of {len(g['gates'])} gates passed: "
               + ", ".join(f"{x['name']} {'ok' if x['passed'] else 'FAIL'}" for x in g["gates"]))
         return 0
-    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real, a.qjl, a.pairvq, pp)
+    r = run(a.seed, a.trials, a.bits, a.key_bits, a.value_bits, a.real, a.qjl, a.pairvq, pp, a.edge_layers)
     print(json.dumps({k: v["accuracy"] for k, v in r["modes"].items()}))
     if a.out:
         Path(a.out).write_text(json.dumps(r))

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._readme import write_section  # noqa: E402
 from rq_core import eval as ev  # noqa: E402
+from rq_core.kv_cache import DEFAULT_EDGE_LAYERS  # noqa: E402
 
 MODES = [("fp16", None), ("turbo3", None), ("isoquant3", "so3"), ("isoquant3", "so4"), ("isoquant3", "wht"),
          ("isoquant3", "wht_so4")]
@@ -85,6 +86,9 @@ def main() -> None:
     ap.add_argument("--value-gain", default="on", choices=("on", "off", "both"),
                     help="the compressed rows with kv.value_gain (on: the default), without it (off: labels end in "
                          "+nogain), or both")
+    ap.add_argument("--edge-layers", type=int, default=DEFAULT_EDGE_LAYERS, metavar="N",
+                    help="the windowed rows' first and last N compressed layers at 4 bits (kv.edge_layers; default "
+                         f"{DEFAULT_EDGE_LAYERS}, as rq run; labels end in +eN). The bare rows have none, as the paper")
     ap.add_argument("--only", default="", help="comma-separated row labels to run (e.g. isoquant3/wht_so4+w32)")
     ap.add_argument("--merge", default=None, metavar="JSON",
                     help="add the rows run into this earlier results file (same model and settings required), "
@@ -110,7 +114,8 @@ def main() -> None:
     # default configuration (a window of N newest tokens in fp16) for TurboQuant-3 and IsoQuant-3 wht_so4
     # (scalar codebooks: pair_points (); isoquant3's default is the pair codebooks of --pair-row's rows)
     settings = [ev.kv_settings(mode, rot, fp16_window=0, pair_points=()) for mode, rot in MODES]
-    settings += [ev.kv_settings(m, r, fp16_window=n, pair_points=()) for n in args.window_row
+    edges = args.edge_layers
+    settings += [ev.kv_settings(m, r, fp16_window=n, pair_points=(), edge_layers=edges) for n in args.window_row
                  for m, r in (("turbo3", None), ("isoquant3", "wht_so4"))]
     if args.pair_row != "off":
         from rq_core.codebook import check_pair_points
@@ -119,7 +124,7 @@ def main() -> None:
         if args.pair_ablation:
             settings += [ev.kv_settings(mode, rot, fp16_window=0, pair_points=pp) for mode, rot in MODES
                          if mode == "isoquant3"]
-        settings += [ev.kv_settings("isoquant3", "wht_so4", fp16_window=n, pair_points=pp)
+        settings += [ev.kv_settings("isoquant3", "wht_so4", fp16_window=n, pair_points=pp, edge_layers=edges if n else 0)
                      for n in args.window_row or ([] if args.pair_ablation else [0])]
     if args.value_gain != "on":
         import dataclasses

@@ -61,6 +61,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=5000)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--bits", type=int, default=3, help="the caches' bits (scalar codebooks; 4: an edge layer's, "
+                    "kv.edge_layers)")
     ap.add_argument("--window", type=int, default=0, help="the caches' fp16_window (v4 merges it in-kernel)")
     ap.add_argument("--rotation", default="wht_so4", help="the IsoQuant cache's rotation (e.g. rwht_so4)")
     ap.add_argument("--pair-points", default="", help="K,V: pair codebooks (kv.pair_points), e.g. 128,32")
@@ -84,6 +86,7 @@ def main() -> int:
         for version in [v for v in os.environ.get("RQ_CHECK_VERSIONS", "v3,v3r,v4,v5").split(",") if v]:
             os.environ["RQ_ATTN"] = version
             kw = {"rotation": a.rotation} if cls is IsoQuantCache else {}
+            kw["bits"] = a.bits
             if a.pair_points:
                 kw["pair_points"] = tuple(int(x) for x in a.pair_points.split(","))
             if a.prefill_chunk:

@@ -6,7 +6,8 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import (FP16_WINDOW, KEY_BITS, PAIR_POINTS, console, fp16_window_arg, gpu_first_run_note,
+from rq_cli.common import (EDGE_LAYERS, FP16_WINDOW, KEY_BITS, PAIR_POINTS, console, edge_layers_arg, fp16_window_arg,
+                           gpu_first_run_note,
                            handle_errors, key_bits_arg, pair_points_arg, parse_list, print_json)
 from rq_core.errors import RQError
 
@@ -39,6 +40,7 @@ def ppl(
     key_bits: Optional[int] = KEY_BITS,
     pair_points: Optional[str] = PAIR_POINTS,
     fp16_window: Optional[int] = FP16_WINDOW,
+    edge_layers: Optional[int] = EDGE_LAYERS,
     prefill_fp16: Optional[str] = typer.Option(None, "--prefill-fp16",
                                                help="A compressed cache keeps at most N of a window's prefilled tokens "
                                                     "in fp16, compressing older ones as the chunks arrive, or 'all' "
@@ -63,7 +65,7 @@ def ppl(
         raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
     settings = kv_settings(kv, rotation, fp16_window=fp16_window_arg(fp16_window), key_bits=key_bits_arg(kv, key_bits),
                            pair_points=pair_points_arg(kv, pair_points, key_bits), prefill_fp16=bound,
-                           value_gain=value_gain)
+                           value_gain=value_gain, edge_layers=edge_layers_arg(edge_layers))
     em = load_eval_model(model)
     gpu_first_run_note()
     ctx = check_context(em.context if context is None else context, em.context)
@@ -91,6 +93,7 @@ def niah_cmd(
     key_bits: Optional[int] = KEY_BITS,
     pair_points: Optional[str] = PAIR_POINTS,
     fp16_window: Optional[int] = FP16_WINDOW,
+    edge_layers: Optional[int] = EDGE_LAYERS,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end."""
@@ -103,7 +106,8 @@ def niah_cmd(
         raise RQError("--depths must lie in [0, 1]")
     modes = ["fp16"] + [m for m in parse_list(kv, str, "--kv") if m != "fp16"]
     settings = [kv_settings(m, rotation if m == "isoquant3" else None, fp16_window=fp16_window_arg(fp16_window),
-                            key_bits=key_bits_arg(m, key_bits), pair_points=pair_points_arg(m, pair_points, key_bits))
+                            key_bits=key_bits_arg(m, key_bits), pair_points=pair_points_arg(m, pair_points, key_bits),
+                            edge_layers=edge_layers_arg(edge_layers))
                 for m in modes]
     em = load_eval_model(model)
     gpu_first_run_note()
@@ -143,6 +147,7 @@ def gates_cmd(
     key_bits: Optional[int] = KEY_BITS,
     pair_points: Optional[str] = PAIR_POINTS,
     fp16_window: Optional[int] = FP16_WINDOW,
+    edge_layers: Optional[int] = EDGE_LAYERS,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Twelve quality gates of a KV mode against fp16; exits 1 if any gate fails."""
@@ -152,7 +157,7 @@ def gates_cmd(
         raise RQError("--rotation applies to --kv isoquant3 only")
     cfg = load_gates(gates_file)
     settings = kv_settings(kv, rotation, fp16_window=fp16_window_arg(fp16_window), key_bits=key_bits_arg(kv, key_bits),
-                           pair_points=pair_points_arg(kv, pair_points, key_bits))
+                           pair_points=pair_points_arg(kv, pair_points, key_bits), edge_layers=edge_layers_arg(edge_layers))
     em = load_eval_model(model)
     gpu_first_run_note()
     rep = GateRunner(em, cfg, _ids(em, None)).run(settings)

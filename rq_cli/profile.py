@@ -7,7 +7,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from rq_cli.common import (FP16_WINDOW, KEY_BITS, PAIR_POINTS, console, fp16_window_arg, gpu_first_run_note,
+from rq_cli.common import (EDGE_LAYERS, FP16_WINDOW, KEY_BITS, PAIR_POINTS, console, edge_layers_arg, fp16_window_arg,
+                           gpu_first_run_note,
                            handle_errors, key_bits_arg, pair_points_arg, print_json)
 from rq_core.errors import RQError
 
@@ -74,6 +75,7 @@ def profile(
     key_bits: Optional[int] = KEY_BITS,
     pair_points: Optional[str] = PAIR_POINTS,
     fp16_window: Optional[int] = FP16_WINDOW,
+    edge_layers: Optional[int] = EDGE_LAYERS,
     threshold: float = typer.Option(0.20, "--threshold", help="KV-attention share above which compression pays."),
     fill: str = typer.Option("synthetic", "--fill",
                              help="How the context is built: synthetic (random K/V appended) or prefill "
@@ -98,7 +100,8 @@ def profile(
     gpu_first_run_note()
     settings = KVSettings(mode=kv, rotation=rotation, key_bits=key_bits_arg(kv, key_bits),
                           pair_points=pair_points_arg(kv, pair_points, key_bits),
-                          fp16_window=fp16_window_arg(fp16_window))  # the cache `rq run` makes
+                          fp16_window=fp16_window_arg(fp16_window),
+                          edge_layers=edge_layers_arg(edge_layers))  # the cache `rq run` makes
     limit = text_config(ckpt.config).get("max_position_embeddings")
     if limit and max(contexts) > limit:
         console.print(f"[yellow]note:[/] context {max(contexts)} is beyond the model's {limit} positions "
@@ -109,7 +112,7 @@ def profile(
         from rq_cli.run_pager import attach_pager
 
         pager_obj = attach_pager(ckpt, memory_budget, pager, False, json_out, context=max(contexts) + 64,
-                                 prefill_chunk=512, kv_mode=kv)
+                                 prefill_chunk=512, kv_mode=kv, edge_layers=settings.edge_layers)
 
     def progress(r: dict) -> None:
         if not json_out:

@@ -23,18 +23,20 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: Optional[str],
-              pager: Optional[str], rotation: Optional[str] = None, prefill_fp16: Optional[str] = None) -> tuple:
+              pager: Optional[str], rotation: Optional[str] = None, prefill_fp16: Optional[str] = None,
+              edge_layers: Optional[int] = None) -> tuple:
     """(KVSettings, memory budget, pager policy, where they came from): flags first, then the
     checkpoint's recipe.toml, then the defaults (fp16, a 32-token window for compressed modes, everything resident, lru)."""
-    from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings, prefill_fp16_value
+    from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KVSettings, prefill_fp16_value
 
     rec = None
     if (path / "recipe.toml").is_file():
         from rq_core import recipe as recipe_mod
 
         rec = recipe_mod.load(path / "recipe.toml")
-    base = rec.kv if rec is not None else KVSettings(fp16_window=DEFAULT_FP16_WINDOW)
-    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window), ("rotation", rotation)) if v is not None}
+    base = rec.kv if rec is not None else KVSettings(fp16_window=DEFAULT_FP16_WINDOW, edge_layers=DEFAULT_EDGE_LAYERS)
+    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window), ("rotation", rotation),
+                              ("edge_layers", edge_layers)) if v is not None}
     if prefill_fp16 is not None:  # "all" overrides with None
         over["prefill_fp16"] = prefill_fp16_value(prefill_fp16, "--prefill-fp16")
     settings = dataclasses.replace(base, **over)
@@ -73,6 +75,9 @@ def run(
                                                     "it prefills, compressing older ones as the chunks arrive, or "
                                                     "'all' to keep the whole prompt in fp16 until it is done (default: "
                                                     "the recipe's kv.prefill_fp16, else 4096)."),
+    edge_layers: Optional[int] = typer.Option(None, "--edge-layers",
+                                              help="The first and last N compressed layers keep keys and values at 4 "
+                                                   "bits (default: the recipe's kv.edge_layers, else 1; 0 = none)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -98,6 +103,8 @@ def run(
         raise RQError("--top-p must be in (0, 1]")
     if kv_window is not None and kv_window < 0:
         raise RQError("--kv-window must be >= 0")
+    if edge_layers is not None and edge_layers < 0:
+        raise RQError("--edge-layers must be >= 0")
     if prefill_chunk < 1:
         raise RQError("--prefill-chunk must be >= 1")
     if prefill_fp16 is not None:
@@ -116,7 +123,7 @@ def run(
     # float32 on the CPU (small models); the pager casts pages to the model's dtype as it loads them.
     ckpt = load(model, cpu_float32=True)
     settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager, rotation,
-                                                       prefill_fp16)
+                                                       prefill_fp16, edge_layers)
     if pp is not None:
         if pp and settings.key_bits is not None:
             raise RQError("--pair-points cannot be combined with the recipe's kv.key_bits")
@@ -140,7 +147,7 @@ def run(
 
         pager_obj = attach_pager(ckpt, memory_budget, pager, plan_only, json_out,
                                  context=len(ids) + max_tokens, prefill_chunk=prefill_chunk, kv_mode=kv,
-                                 prefill_fp16=settings.prefill_fp16)
+                                 prefill_fp16=settings.prefill_fp16, edge_layers=settings.edge_layers)
         if pager_obj is None:
             return
 
@@ -157,8 +164,8 @@ def run(
     res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
                    kv=settings, eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
                    context_length=ctx, on_token=None if json_out else on_token, cache=caches)
-    # the codebooks the compressed caches took (the settings' default depends on the head dim)
-    pairs = next((c.pair_points for c in caches if hasattr(c, "k_codes")), None)
+    # the codebooks the compressed caches took (the settings' default depends on the head dim; edge layers are scalar)
+    pairs = next((c.pair_points for c in caches if getattr(c, "pair_points", None)), None)
     text_out = tok.decode(res.tokens)
     if json_out:
         d = res.as_dict()
@@ -170,13 +177,18 @@ def run(
                     "rotation": settings.rotation if kv == "isoquant3" else None,
                     "kv_key_bits": settings.key_bits if kv != "fp16" else None,
                     "kv_pair_points": list(pairs) if pairs else None,
+                    "kv_edge_layers": settings.edge_layers if kv != "fp16" else None,
+                    "kv_edge_bits": settings.edge_bits if kv != "fp16" and settings.edge_layers else None,
                     "settings_from": source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
         return
     tail = stream.flush()
     sys.stdout.write(tail + "\n")
     sys.stdout.flush()
     ratio = f" ({res.kv_bytes_fp16 / res.kv_bytes:.2f}x smaller)" if res.kv_bytes_fp16 > res.kv_bytes > 0 else ""
-    kv_stat = f"KV {kv}{f' (pair codebooks {pairs[0]}/{pairs[1]})' if pairs else ''} {_fmt_bytes(res.kv_bytes)}"
+    notes = ([f"pair codebooks {pairs[0]}/{pairs[1]}"] if pairs else []) + (
+        [f"{settings.edge_layers} edge layer(s) at {settings.edge_bits} bits"] if kv != "fp16" and settings.edge_layers
+        else [])
+    kv_stat = f"KV {kv}{f' ({chr(44).join(notes)})' if notes else ''} {_fmt_bytes(res.kv_bytes)}"
     if kv != "fp16":
         kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}"
     elif res.kv_bytes > res.kv_bytes_fp16:  # rq_core.checkpoint computes small models in float32 on the CPU

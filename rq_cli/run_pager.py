@@ -9,7 +9,8 @@ from rq_core.errors import RQError
 
 
 def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only: bool, json_out: bool, *,
-                 context: int, prefill_chunk: int, kv_mode: str = "fp16", prefill_fp16: Optional[int] = None) -> Any:
+                 context: int, prefill_chunk: int, kv_mode: str = "fp16", prefill_fp16: Optional[int] = None,
+                 edge_layers: int = 0) -> Any:
     """Plan slots for the budget and attach an ExpertPager to ckpt.model; with --plan print the plan
     and return None. No weights are read here (the model is lazy)."""
     from rq_core.pack import load_index
@@ -25,7 +26,8 @@ def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only
         budget = parse_size(memory_budget, "--memory-budget")
     index = load_index(ckpt.path) if (ckpt.path / "experts" / "index.json").is_file() else None
     p = slots_for_budget(ckpt.model, ckpt.config, budget if budget is not None else 1 << 62, context=context,
-                         prefill_chunk=prefill_chunk, kv_mode=kv_mode, index=index, prefill_fp16=prefill_fp16)
+                         prefill_chunk=prefill_chunk, kv_mode=kv_mode, index=index, prefill_fp16=prefill_fp16,
+                         edge_layers=edge_layers)
     p["budget_bytes"] = budget
     p["policy"] = policy
     if plan_only:

@@ -8,7 +8,8 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from rq_cli.common import FP16_WINDOW, console, fp16_window_arg, gpu_first_run_note, handle_errors, print_json
+from rq_cli.common import (EDGE_LAYERS, FP16_WINDOW, console, edge_layers_arg, fp16_window_arg, gpu_first_run_note,
+                           handle_errors, print_json)
 from rq_core.errors import RQError
 
 MB = 1 << 20
@@ -56,6 +57,7 @@ def soak(
     kv: str = typer.Option("isoquant3", "--kv", help="KV cache mode: fp16, isoquant3, turbo3."),
     rotation: str = typer.Option("wht_so4", "--rotation", help="Rotation variant of a compressed KV mode."),
     fp16_window: Optional[int] = FP16_WINDOW,
+    edge_layers: Optional[int] = EDGE_LAYERS,
     interval: Optional[float] = typer.Option(None, "--interval",
                                              help="Seconds between samples (default: ~20 samples, 1-60 s)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per generation."),
@@ -93,13 +95,14 @@ def soak(
                             max_tokens=max_tokens, max_prompt=max_prompt, temp=temp, seed=seed,
                             thresholds=Thresholds(max_growth_mb=max_growth_mb,
                                                   max_throughput_drop=max_throughput_drop))
-    kvs = KVSettings(mode=kv, rotation=rotation, seed=seed, fp16_window=fp16_window_arg(fp16_window))  # rq run's cache
+    kvs = KVSettings(mode=kv, rotation=rotation, seed=seed, fp16_window=fp16_window_arg(fp16_window),
+                     edge_layers=edge_layers_arg(edge_layers))  # rq run's cache
     pager_obj = None
     if memory_budget is not None:
         from rq_cli.run_pager import attach_pager
 
         pager_obj = attach_pager(ckpt, memory_budget, pager, False, json_out, context=settings.max_prompt + max_tokens,
-                                 prefill_chunk=512, kv_mode=kv)
+                                 prefill_chunk=512, kv_mode=kv, edge_layers=kvs.edge_layers)
     live = Live(console=console, auto_refresh=False, transient=False) if console.is_terminal else None
 
     def on_sample(rep: dict) -> None:

@@ -109,7 +109,8 @@ def rotation_of(kv: KVSettings) -> Optional[str]:
 
 def label(kv: KVSettings) -> str:
     """A short name: fp16, turbo3, or isoquant3/<rotation>; "+w<N>" with an fp16 window of N tokens, "+p<K>x<V>"
-    with pair codebooks, "+k<B>" with keys at B bits, "+nogain" without kv.value_gain."""
+    with pair codebooks, "+k<B>" with keys at B bits, "+e<N>" with N edge layers at each end (kv.edge_layers),
+    "+nogain" without kv.value_gain."""
     name = f"isoquant3/{kv.rotation}" if kv.mode == "isoquant3" else kv.mode
     if kv.mode == "fp16":
         return name
@@ -118,6 +119,8 @@ def label(kv: KVSettings) -> str:
         name = f"{name}+p{kv.pairs[0]}x{kv.pairs[1]}"
     elif kv.key_bits not in (None, kv.bits):
         name = f"{name}+k{kv.key_bits}"
+    if kv.edge_layers:
+        name = f"{name}+e{kv.edge_layers}" if kv.edge_bits == 4 else f"{name}+e{kv.edge_layers}b{kv.edge_bits}"
     return name if kv.value_gain else f"{name}+nogain"
 
 
@@ -179,13 +182,16 @@ class PPLResult:
     prefill_fp16: Optional[int] = None  # kv.prefill_fp16 (None: the whole prefill in fp16)
     prefill_chunk: int = 512
     value_gain: Optional[bool] = None  # kv.value_gain (None for fp16)
+    edge_layers: Optional[int] = None  # kv.edge_layers (None for fp16)
+    edge_bits: Optional[int] = None  # kv.edge_bits where edge_layers > 0
 
     def as_dict(self) -> dict:
         return {"ppl": self.ppl, "tokens": self.tokens, "kv_mode": self.kv_mode, "rotation": self.rotation,
                 "context": self.context, "windows": self.windows, "prefill": self.prefill, "nll": self.nll,
                 "fp16_window": self.fp16_window, "key_bits": self.key_bits,
                 "pair_points": list(self.pair_points) if self.pair_points else None,
-                "prefill_fp16": self.prefill_fp16, "prefill_chunk": self.prefill_chunk, "value_gain": self.value_gain}
+                "prefill_fp16": self.prefill_fp16, "prefill_chunk": self.prefill_chunk, "value_gain": self.value_gain,
+                "edge_layers": self.edge_layers, "edge_bits": self.edge_bits}
 
 
 def check_context(context: int, em_context: int) -> int:
@@ -214,7 +220,9 @@ def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, pre
                      fp16_window=kv.fp16_window if kv.mode != "fp16" else 0,
                      key_bits=kv.key_bits if kv.mode != "fp16" else None,
                      pair_points=kv.pairs, prefill_fp16=kv.prefill_fp16 if kv.mode != "fp16" else None,
-                     prefill_chunk=prefill_chunk, value_gain=kv.value_gain if kv.mode != "fp16" else None)
+                     prefill_chunk=prefill_chunk, value_gain=kv.value_gain if kv.mode != "fp16" else None,
+                     edge_layers=kv.edge_layers if kv.mode != "fp16" else None,
+                     edge_bits=kv.edge_bits if kv.mode != "fp16" and kv.edge_layers else None)
 
 
 @dataclass

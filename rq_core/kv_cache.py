@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, Union
 
 import mlx.core as mx
@@ -24,6 +24,12 @@ Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask
 # 32 brought IsoQuant-3 wht_so4 from +2.24% to -0.30% ΔPPL (3 seeds; 16: +0.20%, 8: +2.44%) for ~0.013 of
 # fp16's bytes (benchmarks/README.md, kv-study); on a GPU it is one more split of the attention launch (attn_v5w).
 DEFAULT_FP16_WINDOW = 32
+
+# Compressed layers kept at kv.edge_bits at each end of the model (the first and last full-attention layers) unless a
+# recipe or flag says otherwise. Bundled model, 8 windows of 1,024 against fp16 (benchmarks/README.md, "First and last
+# layers"): those two layers made 0.0124 of the default cache's 0.0136 mean KL; at 4 bits the total is 0.0071, for
+# 0.020 more of fp16's bytes on its 6 layers (48 layers: 0.003).
+DEFAULT_EDGE_LAYERS = 1
 
 
 # isoquant3's codebooks: keys' 128 and values' 32 points a pair of rotated coordinates (7 + 5 bits a pair: 3 bits a
@@ -92,6 +98,14 @@ class KVSettings:
     # codebooks; (): scalar codebooks (the paper's). (128, 32) has IsoQuant-3's bytes and kept needles level with
     # fp16 on the bundled model where the scalar codebook lost them (README, "Needles and bits").
     pair_points: tuple[int, int] | tuple[()] | None = None
+    # the first and last `edge_layers` compressed layers store keys and values with scalar codebooks of `edge_bits`
+    # (the dataclass default is the bare cache; recipes, `rq run` and `rq eval` default to DEFAULT_EDGE_LAYERS)
+    edge_layers: int = 0
+    edge_bits: int = 4
+
+    def edge_settings(self) -> "KVSettings":
+        """The settings of an edge layer's cache: this mode, rotation, window and gain at edge_bits, scalar codebooks."""
+        return replace(self, bits=self.edge_bits, key_bits=None, pair_points=(), edge_layers=0)
 
     @property
     def pairs(self) -> tuple[int, int] | None:
@@ -292,6 +306,7 @@ class IsoQuantCache:
             raise RQError(f"prefill_fp16 must be >= 0 (got {prefill_fp16})")
         self.prefill_fp16 = None if prefill_fp16 is None else int(prefill_fp16)
         self.n_kv_heads = n_kv_heads
+        self.layer = layer
         self.rotation = Rotation(head_dim, n_kv_heads, variant=rotation, seed=seed, layer=layer)
         self.codebook = get_codebook(codebook, self.bits, head_dim)
         self.levels = mx.array(self.codebook.levels.astype("float32"))
@@ -594,6 +609,31 @@ class TurboQuantCache(IsoQuantCache):
 
 
 KV_MODES = ("fp16", "isoquant3", "turbo3")
+
+
+def check_edges(edge_layers: object, edge_bits: object, where: str = "kv") -> None:
+    """One error line for an edge_layers / edge_bits pair that no cache can take."""
+    for name, v in (("edge_layers", edge_layers), ("edge_bits", edge_bits)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise RQError(f"{where}.{name} must be an integer (got {v!r})")
+    if edge_layers < 0:
+        raise RQError(f"{where}.edge_layers must be >= 0 (got {edge_layers})")
+    if not 2 <= edge_bits <= 4:
+        raise RQError(f"{where}.edge_bits must be 2, 3 or 4 (got {edge_bits})")
+
+
+def with_edge_layers(caches: list, settings: KVSettings) -> list:
+    """caches with the first and last `settings.edge_layers` compressed ones (full-attention layers; sliding-window and
+    Mamba caches are not counted) rebuilt at settings.edge_settings(). Models' make_cache ends with this."""
+    n = settings.edge_layers
+    idx = [i for i, c in enumerate(caches) if isinstance(c, IsoQuantCache)]
+    if n <= 0 or not idx:
+        return caches
+    edge = settings.edge_settings()
+    for i in sorted(set(idx[:n] + idx[-n:])):
+        c = caches[i]
+        caches[i] = make_kv_cache(edge, layer=c.layer, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    return caches
 
 
 def make_kv_cache(settings: KVSettings, *, layer: int, n_kv_heads: int, head_dim: int) -> KVCache:

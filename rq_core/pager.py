@@ -232,7 +232,7 @@ def _patch(module: Any, layer: _Layer) -> None:
 
 def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, prefill_chunk: int,
                      kv_mode: str = "fp16", kv_bits: int = 3, index: Optional[dict] = None,
-                     prefill_fp16: Optional[int] = None) -> dict[str, Any]:
+                     prefill_fp16: Optional[int] = None, edge_layers: int = 0) -> dict[str, Any]:
     """How many expert slots per MoE layer fit `budget` bytes next to the resident weights (measured
     from the loaded model's arrays), the KV cache for `context` tokens, a compressing cache's fp16 prompt while it
     prefills (planner.prefill_fp16_bytes; `prefill_fp16`: kv.prefill_fp16) and a prefill working reserve."""
@@ -243,7 +243,7 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     banks = expert_banks(model)
     bank_ids = {id(v) for m in banks.values() for _, v in tree_flatten(m.parameters())}
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if id(v) not in bank_ids)
-    per_tok, fixed = kv_bytes(config, kv_mode, kv_bits)
+    per_tok, fixed = kv_bytes(config, kv_mode, kv_bits, edge_layers)
     kvb = per_tok * cache_tokens(context) + fixed
     pre = prefill_fp16_bytes(config, kv_mode, context, prefill_fp16, prefill_chunk)
     act = activation_bytes(config, min(prefill_chunk, max(context, 1)))

@@ -99,20 +99,23 @@ def _moe_info(config: dict) -> tuple[int, int, int]:
     return n, E, tc.get("num_experts_per_tok", 0)
 
 
-def kv_bytes(config: dict, kv_mode: str = "fp16", kv_bits: int = 3) -> tuple[int, int]:
-    """(bytes per token of context over full-attention layers, fixed bytes of sliding/Mamba caches)."""
+def kv_bytes(config: dict, kv_mode: str = "fp16", kv_bits: int = 3, edge_layers: int = 0,
+             edge_bits: int = 4) -> tuple[int, int]:
+    """(bytes per token of context over full-attention layers, fixed bytes of sliding/Mamba caches). A compressed
+    mode's first and last `edge_layers` full-attention layers hold `edge_bits` codes (kv.edge_layers)."""
     fam, tc = family_of(config), text_config(config)
 
-    def per_vec(d: int) -> int:
+    def per_vec(d: int, bits: int) -> int:
         if kv_mode == "fp16":
             return 2 * d
-        return -(-d * kv_bits // 32) * 4 + 2  # packed codes (uint32 words) + fp16 norm
+        return -(-d * bits // 32) * 4 + 2  # packed codes (uint32 words) + fp16 norm
 
-    per_tok = fixed = 0
+    attn: list[tuple[int, int]] = []  # (kv heads, head dim) of each full-attention layer, in order
+    fixed = 0
     if fam == "nemotron_h":
         pat = tc.get("hybrid_override_pattern", "")
         hd = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
-        per_tok = pat.count("*") * 2 * tc["num_key_value_heads"] * per_vec(hd)
+        attn = [(tc["num_key_value_heads"], hd)] * pat.count("*")
         nh, mhd, st = tc["mamba_num_heads"], tc["mamba_head_dim"], tc["ssm_state_size"]
         conv_dim = nh * mhd + 2 * tc["n_groups"] * st
         fixed = pat.count("M") * (nh * mhd * st * 4 + conv_dim * (tc["conv_kernel"] - 1) * DTYPE_BYTES)
@@ -123,7 +126,7 @@ def kv_bytes(config: dict, kv_mode: str = "fp16", kv_bits: int = 3) -> tuple[int
         gkv = tc.get("num_global_key_value_heads") or tc["num_key_value_heads"]
         for t in types:
             if t == "full_attention":
-                per_tok += 2 * gkv * per_vec(ghd)
+                attn.append((gkv, ghd))
             else:
                 fixed += window * 2 * tc["num_key_value_heads"] * 2 * hd
     else:
@@ -133,7 +136,10 @@ def kv_bytes(config: dict, kv_mode: str = "fp16", kv_bits: int = 3) -> tuple[int
             if t == "sliding_attention" and tc.get("sliding_window"):
                 fixed += tc["sliding_window"] * 2 * tc["num_key_value_heads"] * 2 * hd
             else:
-                per_tok += 2 * tc["num_key_value_heads"] * per_vec(hd)
+                attn.append((tc["num_key_value_heads"], hd))
+    n = len(attn)
+    edge = set(range(min(edge_layers, n))) | set(range(max(n - edge_layers, 0), n))
+    per_tok = sum(2 * h * per_vec(d, edge_bits if i in edge else kv_bits) for i, (h, d) in enumerate(attn))
     return per_tok, fixed
 
 
@@ -213,7 +219,7 @@ def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context:
     routed_bytes = role_bytes[ROUTED_EXPERT]
     per_expert = routed_bytes // max(n_moe * E, 1) if n_moe else 0
     resident = sum(role_bytes.values()) - routed_bytes
-    per_tok, fixed = kv_bytes(config, recipe.kv.mode, recipe.kv.bits)
+    per_tok, fixed = kv_bytes(config, recipe.kv.mode, recipe.kv.bits, recipe.kv.edge_layers, recipe.kv.edge_bits)
     ctx = recipe.pager.context if context is None else context
     kvb = per_tok * cache_tokens(ctx) + fixed
     pre = prefill_fp16_bytes(config, recipe.kv.mode, ctx, recipe.kv.prefill_fp16, prefill_chunk)

@@ -582,6 +582,7 @@ def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill
         "key_bits": getattr(kv, "key_bits", None) if kv.mode != "fp16" else None,
         "pair_points": list(kv.pairs) if kv.pairs else None,
         "fp16_window": getattr(kv, "fp16_window", 0) if kv.mode != "fp16" else None,
+        "edge_layers": kv.edge_layers if kv.mode != "fp16" else None,
         "attention_path": paths[0] if len(paths) == 1 else (paths or None),
         "threshold": threshold,
         "warmup": warmup,

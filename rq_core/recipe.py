@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings, prefill_fp16_value
+from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KVSettings, check_edges, prefill_fp16_value
 from rq_core.roles import FAMILIES, ROLES
 
 VERSION = 1
@@ -193,7 +193,7 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
         roles[role] = _role_spec(src, role, roles_t.get(role, {}), base)
 
     kv_t = _check_keys("kv", data.get("kv", {}), tuple(f.name for f in dataclasses.fields(KVSettings)), src)
-    kv = KVSettings(**{"fp16_window": DEFAULT_FP16_WINDOW, **kv_t})
+    kv = KVSettings(**{"fp16_window": DEFAULT_FP16_WINDOW, "edge_layers": DEFAULT_EDGE_LAYERS, **kv_t})
     if kv.mode not in KV_MODES:
         raise RQError(f"{src}: kv.mode = {kv.mode!r} is not one of {', '.join(KV_MODES)}")
     if kv.rotation not in ROTATIONS:
@@ -222,6 +222,7 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
                 raise RQError(f"{src}: kv.key_bits and kv.pair_points cannot both be set")
             kv.pair_points = (pp[0], pp[1])
     _typed(src, "kv.fp16_window", kv.fp16_window, int)
+    check_edges(kv.edge_layers, kv.edge_bits, f"{src}: kv")
     kv.prefill_fp16 = prefill_fp16_value(kv.prefill_fp16, f"{src}: kv.prefill_fp16")
     _typed(src, "kv.seed", kv.seed, int)
     _typed(src, "kv.norm_correction", kv.norm_correction, bool)

@@ -167,6 +167,11 @@ def test_cli_ppl_fp16_window():
     # kv.value_gain changes what decode reads, and the JSON says which was measured
     gain, plain = _iso_ppl(), _iso_ppl("--no-value-gain")
     assert gain["value_gain"] is True and plain["value_gain"] is False and gain["ppl"] != plain["ppl"]
+    # kv.edge_layers: on by default (one layer at each end at 4 bits), measured, reported and labelled
+    none = _iso_ppl("--edge-layers", "0")
+    assert (gain["edge_layers"], gain["edge_bits"]) == (1, 4) and (none["edge_layers"], none["edge_bits"]) == (0, None)
+    assert gain["ppl"] != none["ppl"]
+    assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, edge_layers=1)) == "isoquant3/wht_so4+w32+p128x32+e1"
 
 
 def _iso_ppl(*extra) -> dict:

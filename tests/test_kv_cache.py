@@ -265,6 +265,54 @@ def test_value_gain_unshrinks_attention_over_many_tokens(pair_points):
     assert abs(ratios[True] - 1) < 0.01 < 1 - ratios[False]
 
 
+def test_edge_layers_are_the_first_and_last_compressed_ones():
+    """with_edge_layers: the first and last `edge_layers` compressed caches (sliding-window and other caches not
+    counted) become scalar caches at edge_bits; the middle ones are the same objects as before."""
+    from rq_core.kv_cache import with_edge_layers
+    from rq_core.models.base import SlidingWindowCache
+
+    kv = KVSettings(mode="isoquant3", fp16_window=4, edge_layers=1)
+    caches = [SlidingWindowCache(8)] + [make_kv_cache(kv, layer=i, n_kv_heads=2, head_dim=128) for i in range(1, 5)]
+    caches.append(SlidingWindowCache(8))
+    before = list(caches)
+    out = with_edge_layers(caches, kv)
+    assert [type(c).__name__ for c in out] == [type(c).__name__ for c in before]
+    assert out[0] is before[0] and out[5] is before[5] and out[2] is before[2] and out[3] is before[3]
+    for i in (1, 4):
+        c = out[i]
+        assert c is not before[i] and c.layer == i and c.bits == 4 and c.key_bits is None and c.pair_points is None
+        assert c.fp16_window == 4 and c.v_gain > 1.0  # the window and the gain are kept
+    assert before[2].pair_points == (128, 32)  # the middle ones keep the default pair codebooks
+    # two edge layers at each end of four: all of them; none: nothing changes
+    assert all(c.bits == 4 for c in with_edge_layers(list(before), KVSettings(mode="isoquant3", edge_layers=2))[1:5])
+    assert with_edge_layers(list(before), KVSettings(mode="isoquant3")) == before
+    # turbo3 keeps its dense rotation at the edges
+    t = with_edge_layers([make_kv_cache(KVSettings(mode="turbo3"), layer=0, n_kv_heads=2, head_dim=64)],
+                         KVSettings(mode="turbo3", edge_layers=1))[0]
+    assert isinstance(t, TurboQuantCache) and t.bits == 4 and t.rotation.variant == "dense"
+
+
+def test_edge_layers_bits_lower_the_attention_error():
+    """An edge layer's 4-bit cache attends closer to fp16 than a 3-bit one on the same keys and values (what
+    kv.edge_layers is for), and holds more bytes."""
+    rng = np.random.default_rng(3)
+    B, H, T, D = 1, 2, 300, 128
+    k = mx.array(rng.standard_normal((B, H, T, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, H, T, D)).astype(np.float32))
+    q = mx.array(rng.standard_normal((B, 4, 1, D)).astype(np.float32))
+    ref = reference_attention(q, k, v, scale=D ** -0.5)
+    kv = KVSettings(mode="isoquant3", edge_layers=1)
+    errs, sizes = [], []
+    for s in (kv, kv.edge_settings()):
+        c = make_kv_cache(s, layer=0, n_kv_heads=H, head_dim=D)
+        c.attend(q[:, :, :0], k[:, :, :-1], v[:, :, :-1], scale=D ** -0.5)
+        c.end_prefill()
+        out = c.attend(q, k[:, :, -1:], v[:, :, -1:], scale=D ** -0.5)
+        errs.append(float(mx.linalg.norm(out - ref) / mx.linalg.norm(ref)))
+        sizes.append(c.nbytes)
+    assert errs[1] < 0.7 * errs[0] and sizes[1] > sizes[0]
+
+
 def test_trim_and_bytes():
     c = _mk()
     q, k, v = _qkv(10, 0)

@@ -34,7 +34,8 @@ def test_qwen3_real_config_plan(monkeypatch):
     assert 30.0e9 < sum(p.role_params.values()) < 31.0e9
     # per expert: 3 projections of 768x2048 at 2 bits, group 64 (bf16 scale+bias)
     assert p.bytes_per_expert == 3 * (768 * 2048 // 4 + 768 * 2048 // 64 * 4)
-    assert p.kv_bytes_per_token == 48 * 2 * 4 * (12 * 4 + 2)  # isoquant3: 12 words + fp16 norm per vector
+    # isoquant3: 12 words + fp16 norm per vector; the first and last layers (kv.edge_layers 1) 16 words
+    assert p.kv_bytes_per_token == 46 * 2 * 4 * (12 * 4 + 2) + 2 * 2 * 4 * (16 * 4 + 2)
     assert p.fits and p.budget_bytes == 16 * 10**9
     # the prompt's fp16 K/V while it is prefilled, counted in the peak: by default kv.prefill_fp16's 4,096 tokens (the
     # recipe's context is 8,192) and two layers' decoded context; "all" (None) the whole prompt; an fp16 cache has no
@@ -82,6 +83,19 @@ def test_gemma4_kv_counts_only_global_layers_per_token():
     per_tok, fixed = kv_bytes(cfg, "fp16")
     assert per_tok == 5 * 2 * 2 * 512 * 2  # 5 full layers, 2 global kv heads, head_dim 512
     assert fixed == 25 * 1024 * 2 * 8 * 2 * 256  # 25 sliding layers at a 1024 window
+
+
+def test_edge_layers_count_their_own_bits():
+    """kv.edge_layers: the first and last full-attention layers at edge_bits, the rest at kv_bits; sliding layers are
+    not counted (gemma4: 5 full layers of 2 global kv heads at head dim 512)."""
+    cfg = _cfg("gemma4-26b-a4b.json")
+    base, fixed = kv_bytes(cfg, "isoquant3", 3)
+    one, fixed1 = kv_bytes(cfg, "isoquant3", 3, edge_layers=1)
+    vec3, vec4 = 512 * 3 // 32 * 4 + 2, 512 * 4 // 32 * 4 + 2
+    assert base == 5 * 2 * 2 * vec3 and fixed1 == fixed
+    assert one - base == 2 * 2 * 2 * (vec4 - vec3)  # two layers, K and V, two kv heads
+    assert kv_bytes(cfg, "isoquant3", 3, edge_layers=3)[0] == 5 * 2 * 2 * vec4  # every layer is an edge
+    assert kv_bytes(cfg, "fp16", 3, edge_layers=1)[0] == kv_bytes(cfg, "fp16")[0]
 
 
 @pytest.mark.parametrize("family", list(TINY))

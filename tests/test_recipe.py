@@ -43,6 +43,9 @@ def test_resolved_round_trip():
     (BASE + "[kv]\nprefill_fp16 = -1\n", "kv.prefill_fp16 = -1 must be >= 0"),
     (BASE + "[kv]\nprefill_fp16 = \"most\"\n", "kv.prefill_fp16 must be a token count or 'all'"),
     (BASE + "[kv]\nprefill_fp16 = 1.5\n", "kv.prefill_fp16 must be a token count or 'all'"),
+    (BASE + "[kv]\nedge_layers = -1\n", "kv.edge_layers must be >= 0"),
+    (BASE + "[kv]\nedge_layers = true\n", "kv.edge_layers must be an integer"),
+    (BASE + "[kv]\nedge_bits = 5\n", "kv.edge_bits must be 2, 3 or 4"),
     (BASE + "[pager]\npolicy = \"fifo\"\n", "pager.policy"),
     (BASE + "[pager]\nmemory_budget = \"lots\"\n", "cannot read 'lots'"),
     ('version = 2\n', "'version' must be 1"),
@@ -80,6 +83,12 @@ def test_kv_settings_and_sizes():
     ra = recipe.loads(BASE + '[kv]\nmode = "isoquant3"\nprefill_fp16 = "all"\n')
     assert ra.kv.prefill_fp16 is None and recipe.loads(ra.dumps()).kv.prefill_fp16 is None
     assert recipe.loads(BASE + '[kv]\nprefill_fp16 = 0\n').kv.prefill_fp16 == 0
+    # kv.edge_layers: the default where a recipe leaves it out, written back and read again
+    from rq_core.kv_cache import DEFAULT_EDGE_LAYERS
+
+    assert r.kv.edge_layers == DEFAULT_EDGE_LAYERS == 1 and r.kv.edge_bits == 4
+    r0 = recipe.loads(BASE + '[kv]\nedge_layers = 0\n')
+    assert r0.kv.edge_layers == 0 and recipe.loads(r0.dumps()).kv.edge_layers == 0
     assert recipe.parse_size("16GB") == 16 * 10**9
     assert recipe.parse_size("512MiB") == 512 * 2**20
     assert recipe.parse_size("1.5G") == 1.5e9

@@ -201,11 +201,31 @@ def test_bad_recipe_in_checkpoint_is_one_line(tmp_path: Path) -> None:
     assert "isoquant9" in _error_line(_rq(str(d), "--prompt", "hello"))
 
 
+def test_edge_layers_flag_and_recipe(tmp_path: Path) -> None:
+    """kv.edge_layers (default 1): the first and last compressed layers hold 4-bit codes, so more bytes than without;
+    --edge-layers overrides the recipe's; JSON and the stats line say so; a negative count is one error line."""
+    d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\n')
+    runs = {}
+    for extra in ((), ("--edge-layers", "0")):
+        r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--json", *extra)
+        assert r.exit_code == 0, r.output
+        runs[extra] = json.loads(r.output)
+    edges, none = runs[()], runs[("--edge-layers", "0")]
+    assert (edges["kv_edge_layers"], edges["kv_edge_bits"]) == (1, 4) and none["kv_edge_layers"] == 0
+    assert edges["kv_bytes"] > none["kv_bytes"]
+    d0 = _with_recipe(tmp_path / "z", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nedge_layers = 0\n')
+    assert json.loads(_rq(str(d0), "--prompt", "hi", "--max-tokens", "2", "--json").output)["kv_edge_layers"] == 0
+    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "2")
+    assert r.exit_code == 0 and "1 edge layer(s) at 4 bits" in r.output, r.output
+    assert "--edge-layers" in _error_line(_rq(str(d), "--prompt", "hello", "--edge-layers", "-1"))
+
+
 def test_pair_points_flag_and_recipe(tmp_path: Path) -> None:
     """isoquant3 takes pair codebooks (128, 32) by default at head dim 128; --pair-points (or the recipe's
     kv.pair_points) sets them, 'off' (or []) gives scalar codebooks at the same bytes; JSON reports what the caches
-    took; bad values and a recipe with kv.key_bits fail with one line."""
-    d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\n')
+    took; bad values and a recipe with kv.key_bits fail with one line. (No edge layers: the tiny model's two layers
+    would both be edges.)"""
+    d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\nedge_layers = 0\n')
     r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--pair-points", "64,64", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
@@ -218,10 +238,10 @@ def test_pair_points_flag_and_recipe(tmp_path: Path) -> None:
     assert scalar["kv_pair_points"] is None and scalar["kv_bytes"] == default["kv_bytes"]
     r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "2")
     assert r.exit_code == 0 and "KV isoquant3 (pair codebooks 128/32)" in r.output, r.output
-    d0 = _with_recipe(tmp_path / "s", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = []\n')
+    d0 = _with_recipe(tmp_path / "s", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = []\nedge_layers = 0\n')
     assert json.loads(_rq(str(d0), "--prompt", "hi", "--max-tokens", "2", "--json").output)["kv_pair_points"] is None
     assert "pair" in _error_line(_rq(str(d), "--prompt", "hello", "--pair-points", "128,33"))
-    d2 = _with_recipe(tmp_path / "b", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = [64, 64]\n')
+    d2 = _with_recipe(tmp_path / "b", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = [64, 64]\nedge_layers = 0\n')
     r = _rq(str(d2), "--prompt", "hello there", "--max-tokens", "4", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["kv_pair_points"] == [64, 64]

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, make_kv_cache
+from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
 from rq_core.models.base import (
     BaseModelArgs,
     RotatingWindowCache,
@@ -348,7 +348,7 @@ class Model(nn.Module):
                 caches.append(RotatingWindowCache(self.args.sliding_window))
             else:
                 caches.append(make_kv_cache(kv, layer=i, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim))
-        return caches
+        return with_edge_layers(caches, kv)
 
     def sanitize(self, weights: dict) -> dict:
         """transformers / hub names → ours: drops vision/audio towers and rotary buffers, splits the fused

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, make_kv_cache
+from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
 from rq_core.models.base import (
     BaseModelArgs,
     SwitchGLU,
@@ -276,7 +276,7 @@ class Model(nn.Module):
                 caches.append(MambaCache())
             else:
                 caches.append(NoCache())
-        return caches
+        return with_edge_layers(caches, kv)
 
     def sanitize(self, weights: dict) -> dict:
         """Hub names (`backbone.…`, per-expert `experts.<e>.{up,down}_proj`, conv weight [C, 1, K]),

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, make_kv_cache
+from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
 from rq_core.models.base import (BaseModelArgs, SlidingWindowCache, SwitchGLU, attend, combine_experts,
                                  make_rope, rope_params, route_softmax_topk, stack_experts)
 
@@ -164,9 +164,9 @@ class Model(nn.Module):
     def make_cache(self, kv: Optional[KVSettings] = None) -> list:
         kv = kv or KVSettings()
         a = self.args
-        return [SlidingWindowCache(a.sliding_window) if t == "sliding_attention"
-                else make_kv_cache(kv, layer=i, n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim)
-                for i, t in enumerate(a.layer_types)]
+        return with_edge_layers([SlidingWindowCache(a.sliding_window) if t == "sliding_attention"
+                                 else make_kv_cache(kv, layer=i, n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim)
+                                 for i, t in enumerate(a.layer_types)], kv)
 
     def sanitize(self, weights: dict) -> dict:
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}

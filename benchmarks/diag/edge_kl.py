@@ -1,0 +1,89 @@
+"""The first and last layers' K/V at more bits (session 18 study; CPU, bundled model): KL against fp16 and bytes.
+
+    python benchmarks/diag/edge_kl.py [--windows 8] [--out JSON] [--only NAME,...]
+
+benchmarks/diag/layer_kl.py found layers 0 and 5 (the first and last) make 0.0124 of the default cache's 0.0136 mean
+KL. Rows: the default cache with those two layers' caches replaced by other real caches (rq_core.kv_cache). Same
+windows, tokens and scoring as benchmarks/kv_study.py, so rows are paired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.kv_study import Setting, paired_stats, token_logprobs  # noqa: E402
+from rq_core import eval as ev  # noqa: E402
+from rq_core.kv_cache import KVSettings  # noqa: E402
+
+DEFAULT = KVSettings(mode="isoquant3", fp16_window=32)
+
+
+@dataclass
+class EdgeSetting:
+    name: str
+    edge: KVSettings  # the first and last layers' settings
+    edges: tuple = (0, -1)
+    kv: KVSettings = field(default_factory=lambda: DEFAULT)
+
+    def make_cache(self, model):
+        caches = model.make_cache(self.kv)
+        n = len(caches)
+        edge = model.make_cache(self.edge)
+        for i in self.edges:
+            caches[i % n] = edge[i % n]
+        return caches
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--step", type=int, default=32)
+    ap.add_argument("--only", default="")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/s18_2026-12-01/edge_kl.json"))
+    args = ap.parse_args()
+    em = ev.load_eval_model(None)
+    ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
+    ctx = ev.check_context(args.context, em.context)
+    prefill = ctx // 2
+    wins = ev.windows(ids, ctx, args.windows)
+    t = time.time()
+    ref_lp, _, ref_full = token_logprobs(em.model, wins, Setting("fp16", KVSettings(mode="fp16")),
+                                         prefill=prefill, step=args.step)
+    print(f"fp16 ppl {math.exp(-ref_lp.mean()):.3f} [{time.time() - t:.0f} s]", flush=True)
+    rows = [
+        EdgeSetting("edges fp16", KVSettings(mode="fp16")),
+        EdgeSetting("edges K4V4 scalar", KVSettings(mode="isoquant3", bits=4, fp16_window=32)),
+        EdgeSetting("edges K4V3 scalar", KVSettings(mode="isoquant3", bits=3, key_bits=4, fp16_window=32)),
+        EdgeSetting("edges K3V4 scalar", KVSettings(mode="isoquant3", bits=4, key_bits=3, fp16_window=32)),
+        EdgeSetting("first fp16", KVSettings(mode="fp16"), edges=(0,)),
+        EdgeSetting("last fp16", KVSettings(mode="fp16"), edges=(-1,)),
+    ]
+    only = [s for s in args.only.split(",") if s]
+    rows = [r for r in rows if not only or r.name in only]
+    out = {"windows": args.windows, "context": ctx, "step": args.step, "ppl_fp16": math.exp(-ref_lp.mean()), "rows": []}
+    for s in rows:
+        t = time.time()
+        lp, kl, _ = token_logprobs(em.model, wins, s, prefill=prefill, step=args.step, ref_full=ref_full)
+        st = paired_stats(ref_lp - lp)
+        r = {"name": s.name, "mean_kl": float(kl.mean()), "p99_kl": float(np.quantile(kl, 0.99)),
+             "window_kl": [float(x) for x in kl.mean(axis=1)], **st, "seconds": round(time.time() - t, 1)}
+        out["rows"].append(r)
+        print(f"{s.name:28s} KL {r['mean_kl']:.4f} p99 {r['p99_kl']:.3f} dNLL {st['d_nll']:+.4f} ± "
+              f"{1.96 * st['se']:.4f} [{r['seconds']} s]", flush=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

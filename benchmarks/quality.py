@@ -93,8 +93,19 @@ def main() -> None:
     ap.add_argument("--merge", default=None, metavar="JSON",
                     help="add the rows run into this earlier results file (same model and settings required), "
                          "replacing rows of the same label, instead of writing a new one")
+    ap.add_argument("--combine", nargs="+", default=None, metavar="FILE[:LABEL,...]",
+                    help="run nothing: one table from earlier results files of the same model and settings (each "
+                         "file's rows, or only the labels named; a later file's row replaces one of the same label), "
+                         "written to benchmarks/results/quality-combined-<date>.json")
     ap.add_argument("--readme", action="store_true", help="write the section of benchmarks/README.md")
     args = ap.parse_args()
+    if args.combine:
+        out = combine(args.combine)
+        table = render(out)
+        print(table)
+        if args.readme:
+            write_section("quality", table)
+        return
 
     t0 = time.time()
     em = ev.load_eval_model(args.model)
@@ -177,16 +188,52 @@ def main() -> None:
         write_section("quality", table)
 
 
+def combine(specs: list[str]) -> dict:
+    """One results dict from FILE[:LABEL,...] specs of the same model, settings and held-out text (rows in the order
+    given; a later row replaces an earlier one of the same label); written atomically beside the others."""
+    out: dict | None = None
+    rows: dict[str, dict] = {}
+    for spec in specs:
+        path, _, labels = spec.partition(":")
+        d = json.loads(Path(path).read_text())
+        keep = [x for x in labels.split(",") if x]
+        if out is None:
+            out = dict(d, merged=[])
+        elif d["settings"] != out["settings"] or abs(d["heldout"]["ppl"] / out["heldout"]["ppl"] - 1) > 1e-6:
+            raise SystemExit(f"--combine: {path} was measured with other settings or another model")
+        missing = set(keep) - {r["kv"] for r in d["modes"]}
+        if missing:
+            raise SystemExit(f"--combine: {path} has no rows {sorted(missing)}")
+        for r in d["modes"]:
+            if not keep or r["kv"] in keep:
+                rows.pop(r["kv"], None)
+                rows[r["kv"]] = dict(r, measured=r.get("measured") or d["date"])
+        out["merged"].append(d["date"])
+    assert out is not None
+    modes = list(rows.values())
+    modes.sort(key=lambda r: r["kv"] != "fp16")  # the reference first (render reads its details)
+    now = datetime.now(timezone.utc)
+    out.update(modes=modes, date=now.strftime("%Y-%m-%d %H:%M UTC"), combined=specs)
+    path = ROOT / "benchmarks" / "results" / f"quality-combined-{now.strftime('%Y-%m-%d')}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    os.replace(tmp, path)
+    return out
+
+
 def render(out: dict) -> str:
     b, s = out["heldout"], out["settings"]
     modes = out["modes"]
     ref = modes[0]["details"]
     lines = [
         f"## KV cache quality on the bundled model (`python benchmarks/quality.py --readme`)", "",
-        f"Measured {out['date']} on {out['device']} (MLX {out['mlx']}), model `{Path(out['model']).name}` "
+        (f"Rows measured {min(r['measured'] for r in modes)} to {max(r['measured'] for r in modes)} (combined "
+         f"{out['date']})" if out.get("combined") else f"Measured {out['date']}")
+        + f" on {out['device']} (MLX {out['mlx']}), model `{Path(out['model']).name}` "
         f"(the shipped role-quantized qwen2_moe trained on Shakespeare). Held-out plays (Macbeth, Julius Caesar, "
         f"Twelfth Night; never trained on): perplexity **{b['ppl']:.2f}** against **{b['unigram_ppl']:.1f}** for an "
-        f"add-one unigram model ({b['tokens']:,} tokens, windows of {b['context']}, no KV cache).", "",
+        f"add-one unigram model (counts from the {b.get('unigram_counts', 'training corpus')}; {b['tokens']:,} tokens, "
+        f"windows of {b['context']}, no KV cache).", "",
         f"Each KV row: windows of {ref['context']} tokens ({s.get('windows')} windows, {ref['tokens']:,} scored tokens) "
         f"and of the full {ref['full_context']} ({s.get('full_windows')} windows); the first half of a window is "
         f"prefilled, `end_prefill()` compresses it, the second half is scored in decode steps that read the "
@@ -206,7 +253,14 @@ def render(out: dict) -> str:
             f"| {d['needle_accuracy']:.2f} ({d['needle_accuracy_fp16']:.2f}) | {g['kv_bytes_ratio']['value']:.3f} "
             f"| {r['passed']}/{r['total']} | {failed} |")
     lines.append("")
-    if out.get("merged"):
+    if out.get("combined"):
+        lines.append("Combined from earlier runs of the same model, settings and sample (`--combine`), each row as "
+                     "measured: " + ", ".join(f"`{r['kv']}` {r['measured']}" for r in modes) + ". `+wN`: the cache "
+                     "keeps its newest N tokens in fp16; `+pKxV`: pair codebooks of K (keys) and V (values) points; "
+                     "`+eN`: the first and last N compressed layers at 4 bits (`kv.edge_layers`). Rows without "
+                     "`+nogain` have the values' reconstruction gain where measured after 2026-12-01 03:00 UTC.")
+        lines.append("")
+    elif out.get("merged"):
         lines.append(f"Rows added later with the same model and settings ({', '.join(out['merged'])}): "
                      + ", ".join(f"`{r['kv']}` {r['measured']}" for r in modes if r.get("measured"))
                      + ". `+wN`: the cache keeps its newest N tokens in fp16."

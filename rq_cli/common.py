@@ -104,26 +104,23 @@ EDGE_LAYERS = typer.Option(None, "--edge-layers",
                                 "0 = none): on the bundled model they made 90% of the 3-bit cache's KL against fp16.")
 
 
-def edge_layers_arg(n: Optional[int]) -> int:
-    """--edge-layers: the default (as `rq run`'s) when not given."""
+def _count_arg(n: Optional[int], flag: str, default: str) -> int:
+    """A non-negative count flag: rq_core.kv_cache's `default` (as `rq run`'s) when not given."""
     if n is None:
-        from rq_core.kv_cache import DEFAULT_EDGE_LAYERS
+        from rq_core import kv_cache
 
-        return DEFAULT_EDGE_LAYERS
+        return getattr(kv_cache, default)
     if n < 0:
-        raise RQError(f"--edge-layers must be >= 0 (got {n})")
+        raise RQError(f"{flag} must be >= 0 (got {n})")
     return n
+
+
+def edge_layers_arg(n: Optional[int]) -> int:
+    return _count_arg(n, "--edge-layers", "DEFAULT_EDGE_LAYERS")
 
 
 def fp16_window_arg(n: Optional[int]) -> int:
-    """--fp16-window: the default window (as `rq run`'s) when not given."""
-    if n is None:
-        from rq_core.kv_cache import DEFAULT_FP16_WINDOW
-
-        return DEFAULT_FP16_WINDOW
-    if n < 0:
-        raise RQError(f"--fp16-window must be >= 0 (got {n})")
-    return n
+    return _count_arg(n, "--fp16-window", "DEFAULT_FP16_WINDOW")
 
 
 KEY_BITS = typer.Option(None, "--key-bits", help="Keys at this many bits, values at the mode's 3 (e.g. 4: needles "

@@ -400,11 +400,12 @@ class _CacheModel:
 
 
 def token_logprobs(model: Any, wins: list, setting: Setting, *, prefill: int, step: int,
-                   ref_full: Optional[list] = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per window: target log-probs [n_scored] (stacked [W, n]), KL(ref ‖ setting) per token [W, n], and
-    full log-probs (only for the fp16 reference, else empty)."""
+                   ref_full: Optional[list] = None) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
+    """Per window: target log-probs [n_scored] (stacked [W, n]), KL(ref ‖ setting) per token [W, n], full log-probs
+    (only for the fp16 reference, else empty) and whether the setting's top token is the reference's [W, n] (empty for
+    the reference)."""
     m = _CacheModel(model, setting)
-    lps, kls, fulls = [], [], []
+    lps, kls, fulls, top1 = [], [], [], []
     for wi, w in enumerate(wins):
         lp = ev.window_logprobs(m, w, setting.kv, prefill=prefill, step=step)
         tgt = mx.array(w[prefill + 1 :].astype(np.int32))[:, None]
@@ -414,7 +415,8 @@ def token_logprobs(model: Any, wins: list, setting: Setting, *, prefill: int, st
         else:
             lr = ref_full[wi]
             kls.append(np.array((mx.exp(lr) * (lr - lp)).sum(axis=-1)))
-    return np.stack(lps), (np.stack(kls) if kls else np.zeros(0)), fulls
+            top1.append(np.array(mx.argmax(lr, axis=-1) == mx.argmax(lp, axis=-1)))
+    return np.stack(lps), (np.stack(kls) if kls else np.zeros(0)), fulls, (np.stack(top1) if top1 else np.zeros(0))
 
 
 def paired_stats(d: np.ndarray) -> dict:
@@ -541,7 +543,7 @@ def main() -> None:
 
     ref_set = Setting("fp16", KVSettings(mode="fp16"))
     t = time.time()
-    ref_lp, _, ref_full = token_logprobs(em.model, wins, ref_set, prefill=prefill, step=args.step)
+    ref_lp, _, ref_full, _ = token_logprobs(em.model, wins, ref_set, prefill=prefill, step=args.step)
     print(f"fp16: ppl {math.exp(-ref_lp.mean()):.3f} on {ref_lp.size} tokens [{time.time() - t:.0f} s]", flush=True)
 
     # rows from an earlier run are reused only for the same windows AND the same model: the fp16
@@ -560,7 +562,7 @@ def main() -> None:
     settings = [known[n] for n in only] if only else list(known.values())  # --only runs in the given order
     for s in settings:
         t = time.time()
-        lp, kl, _ = token_logprobs(em.model, wins, s, prefill=prefill, step=args.step, ref_full=ref_full)
+        lp, kl, _, top1 = token_logprobs(em.model, wins, s, prefill=prefill, step=args.step, ref_full=ref_full)
         st = paired_stats(ref_lp - lp)
         rows[s.name] = {"name": s.name, "mode": s.kv.mode, "rotation": ev.rotation_of(s.kv), "seed": s.kv.seed,
                         "bits": s.kv.bits, "key_bits": s.key_bits or s.kv.bits, "value_bits": s.value_bits or s.kv.bits,
@@ -569,7 +571,8 @@ def main() -> None:
                         "emulated": s.emulated, "sink": s.sink, "center": s.center, "signs": s.signs,
                         "note": s.note,
                         "bytes_ratio": s.bytes_ratio(n_layers, d, ctx), "ppl": math.exp(-lp.mean()),
-                        "mean_kl": float(kl.mean()), "seconds": round(time.time() - t, 1), **st,
+                        "mean_kl": float(kl.mean()), "top1_agreement": float(top1.mean()),
+                        "seconds": round(time.time() - t, 1), **st,
                         "window_d_nll": [float(x) for x in (ref_lp - lp).mean(axis=1)],
                         "window_kl": [float(x) for x in kl.mean(axis=1)]}
         r = rows[s.name]

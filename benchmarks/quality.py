@@ -188,22 +188,22 @@ def main() -> None:
         write_section("quality", table)
 
 
-def combine(specs: list[str]) -> dict:
+def combine(specs: list[str], path: Path | None = None) -> dict:
     """One results dict from FILE[:LABEL,...] specs of the same model, settings and held-out text (rows in the order
     given; a later row replaces an earlier one of the same label); written atomically beside the others."""
     out: dict | None = None
     rows: dict[str, dict] = {}
     for spec in specs:
-        path, _, labels = spec.partition(":")
-        d = json.loads(Path(path).read_text())
+        src, _, labels = spec.partition(":")
+        d = json.loads(Path(src).read_text())
         keep = [x for x in labels.split(",") if x]
         if out is None:
             out = dict(d, merged=[])
         elif d["settings"] != out["settings"] or abs(d["heldout"]["ppl"] / out["heldout"]["ppl"] - 1) > 1e-6:
-            raise SystemExit(f"--combine: {path} was measured with other settings or another model")
+            raise SystemExit(f"--combine: {src} was measured with other settings or another model")
         missing = set(keep) - {r["kv"] for r in d["modes"]}
         if missing:
-            raise SystemExit(f"--combine: {path} has no rows {sorted(missing)}")
+            raise SystemExit(f"--combine: {src} has no rows {sorted(missing)}")
         for r in d["modes"]:
             if not keep or r["kv"] in keep:
                 rows.pop(r["kv"], None)
@@ -214,7 +214,7 @@ def combine(specs: list[str]) -> dict:
     modes.sort(key=lambda r: r["kv"] != "fp16")  # the reference first (render reads its details)
     now = datetime.now(timezone.utc)
     out.update(modes=modes, date=now.strftime("%Y-%m-%d %H:%M UTC"), combined=specs)
-    path = ROOT / "benchmarks" / "results" / f"quality-combined-{now.strftime('%Y-%m-%d')}.json"
+    path = path or ROOT / "benchmarks" / "results" / f"quality-combined-{now.strftime('%Y-%m-%d')}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")
     os.replace(tmp, path)

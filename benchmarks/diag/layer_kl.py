@@ -17,7 +17,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,12 +62,16 @@ def studies(n_layers: int) -> dict[str, list]:
             EdgeSetting("first fp16", KVSettings(mode="fp16"), edges=(0,)),
             EdgeSetting("last fp16", KVSettings(mode="fp16"), edges=(-1,)),
         ],
+        # the shipped defaults (kv.edge_layers 1) beside the study's default, and turbo3 with the same settings
+        "defaults": [Setting("isoquant3 default", replace(DEFAULT, edge_layers=1)),
+                     Setting("isoquant3 default, no edge layers", DEFAULT),
+                     Setting("turbo3 default", KVSettings(mode="turbo3", fp16_window=32, edge_layers=1))],
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--study", choices=("layers", "edges"), required=True)
+    ap.add_argument("--study", choices=("layers", "edges", "defaults"), required=True)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--step", type=int, default=32)
@@ -75,14 +79,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out_path = Path(args.out or ROOT / "benchmarks/results/s18_2026-12-01" /
-                    ("layer_kl.json" if args.study == "layers" else "edge_kl.json"))
+                    {"layers": "layer_kl.json", "edges": "edge_kl.json", "defaults": "defaults_kl.json"}[args.study])
     em = ev.load_eval_model(None)
     ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
     ctx = ev.check_context(args.context, em.context)
     prefill = ctx // 2
     wins = ev.windows(ids, ctx, args.windows)
     t = time.time()
-    ref_lp, _, ref_full = token_logprobs(em.model, wins, Setting("fp16", KVSettings(mode="fp16")),
+    ref_lp, _, ref_full, _ = token_logprobs(em.model, wins, Setting("fp16", KVSettings(mode="fp16")),
                                          prefill=prefill, step=args.step)
     print(f"fp16 ppl {math.exp(-ref_lp.mean()):.3f} [{time.time() - t:.0f} s]", flush=True)
     only = [s for s in args.only.split(",") if s]
@@ -90,12 +94,16 @@ def main() -> None:
     out = {"windows": args.windows, "context": ctx, "step": args.step, "ppl_fp16": math.exp(-ref_lp.mean()), "rows": []}
     for s in rows:
         t = time.time()
-        lp, kl, _ = token_logprobs(em.model, wins, s, prefill=prefill, step=args.step, ref_full=ref_full)
+        lp, kl, _, top1 = token_logprobs(em.model, wins, s, prefill=prefill, step=args.step, ref_full=ref_full)
         st = paired_stats(ref_lp - lp)
+        wt = top1.mean(axis=1)  # top-1 agreement per window: its SE over windows, as the KL's
         r = {"name": s.name, "mean_kl": float(kl.mean()), "p99_kl": float(np.quantile(kl, 0.99)),
-             "window_kl": [float(x) for x in kl.mean(axis=1)], **st, "seconds": round(time.time() - t, 1)}
+             "top1_agreement": float(top1.mean()), "top1_se": float(wt.std(ddof=1) / math.sqrt(len(wt))),
+             "window_kl": [float(x) for x in kl.mean(axis=1)], "window_top1": [float(x) for x in wt], **st,
+             "seconds": round(time.time() - t, 1)}
         out["rows"].append(r)
-        print(f"{s.name:28s} KL {r['mean_kl']:.4f} p99 {r['p99_kl']:.3f} dNLL {st['d_nll']:+.4f} ± "
+        print(f"{s.name:28s} KL {r['mean_kl']:.4f} p99 {r['p99_kl']:.3f} top-1 {r['top1_agreement']:.4f} ± "
+              f"{1.96 * r['top1_se']:.4f} dNLL {st['d_nll']:+.4f} ± "
               f"{1.96 * st['se']:.4f} [{r['seconds']} s]", flush=True)
         out_path.write_text(json.dumps(out, indent=1) + "\n")
 

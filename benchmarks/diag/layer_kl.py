@@ -99,7 +99,8 @@ def main() -> None:
         wt = top1.mean(axis=1)  # top-1 agreement per window: its SE over windows, as the KL's
         r = {"name": s.name, "mean_kl": float(kl.mean()), "p99_kl": float(np.quantile(kl, 0.99)),
              "top1_agreement": float(top1.mean()), "top1_se": float(wt.std(ddof=1) / math.sqrt(len(wt))),
-             "window_kl": [float(x) for x in kl.mean(axis=1)], "window_top1": [float(x) for x in wt], **st,
+             "window_kl": [float(x) for x in kl.mean(axis=1)], "window_top1": [float(x) for x in wt],
+             "window_d_nll": [float(x) for x in (ref_lp - lp).mean(axis=1)], **st,
              "seconds": round(time.time() - t, 1)}
         out["rows"].append(r)
         print(f"{s.name:28s} KL {r['mean_kl']:.4f} p99 {r['p99_kl']:.3f} top-1 {r['top1_agreement']:.4f} ± "

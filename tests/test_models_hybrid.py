@@ -404,3 +404,36 @@ def test_gemma4_kv_sharing_layers() -> None:
     kinds = [type(c).__name__ for c in cache]
     assert kinds == ["RotatingWindowCache", "IsoQuantCache", "RotatingWindowCache", "IsoQuantCache"]
     assert (out.argmax(-1) == ref.argmax(-1)).mean() > 0.5
+
+
+@pytest.mark.parametrize("family,layers", [("qwen3_moe", 5), ("qwen2_moe", 4), ("nemotron_h", None), ("gemma4", None)])
+def test_every_family_gives_its_edge_layers_their_bits(family, layers) -> None:
+    """Each model's make_cache ends with with_edge_layers: the first and last compressed caches are scalar 4-bit
+    (kv.edge_layers), the others the mode's own; sliding-window and Mamba layers are not counted."""
+    import copy
+
+    from tests._tiny_models import TINY
+    from rq_core.kv_cache import IsoQuantCache
+
+    cfg = copy.deepcopy(TINY[family])
+    if layers:
+        cfg["num_hidden_layers"] = layers
+    if family == "nemotron_h":
+        cfg["hybrid_override_pattern"] = "M*E*M*E-"
+        cfg["num_hidden_layers"] = 8
+    if family == "gemma4":
+        tc = cfg["text_config"]
+        tc["layer_types"] = ["sliding_attention", "full_attention", "full_attention", "sliding_attention",
+                             "full_attention"]
+        tc["num_hidden_layers"] = 5
+    model = build_model(cfg)
+    kv = KVSettings(mode="isoquant3", edge_layers=1)
+    caches = model.make_cache(kv)
+    comp = [i for i, c in enumerate(caches) if isinstance(c, IsoQuantCache)]
+    assert len(comp) >= 3
+    for i in comp:
+        c = caches[i]
+        edge = i in (comp[0], comp[-1])
+        assert (c.bits == 4 and c.pair_points is None) == edge, (family, i, c.bits, c.pair_points)
+    plain = model.make_cache(KVSettings(mode="isoquant3"))
+    assert all(plain[i].bits != 4 for i in comp)

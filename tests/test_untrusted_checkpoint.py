@@ -111,17 +111,11 @@ def test_non_finite_weights_stop_generation_with_an_error(tmp_path):
     for bad in (mx.nan, mx.inf):
         _save_tensors(ck, **{"model.norm.weight": mx.full(norm.shape, bad, dtype=norm.dtype)})
         _one_line_error(_run(ck), "not finite")
-    with pytest.raises(RQError, match="not finite"):  # the same in the library, sampled or greedy
+    with pytest.raises(RQError, match="not finite"):  # the library raises the same, when sampling too
         generate(checkpoint.load(ck, tokenizer=False).model, [5, 6, 7], max_tokens=3, temp=0.7, seed=1)
 
 
 # ----------------------------------------------------------------------------------- tracebacks → one line
-def _mutate_header(ck: Path, fn) -> None:
-    header, data = _header(ck / ST)
-    fn(header, data)
-    _write_st(ck / ST, header, data)
-
-
 def _some_tensor(header: dict) -> str:
     return sorted(k for k in header if k != "__metadata__")[0]
 
@@ -130,37 +124,36 @@ def _last_tensor(header: dict) -> str:
     return max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
 
 
+def _shifted(h: dict, by: int) -> dict:
+    last = _last_tensor(h)
+    h[last]["data_offsets"] = [o + by for o in h[last]["data_offsets"]]
+    return h
+
+
+# mx.load itself refuses, in one line, dtype names it does not know and offsets that do not match the
+# shape; these are the cases it does not catch
 HEADER_CASES = {
-    "a JSON list": (lambda h, d: None, "not a JSON object"),
-    "no data_offsets": (lambda h, d: h[_some_tensor(h)].pop("data_offsets"), "data_offsets"),
-    "offsets past the end": (lambda h, d: h[_last_tensor(h)].update(
-        data_offsets=[h[_last_tensor(h)]["data_offsets"][0] + 8, h[_last_tensor(h)]["data_offsets"][1] + 8]),
-        "truncated"),
-    "overlapping": (lambda h, d: h[_last_tensor(h)].update(
-        data_offsets=[h[_last_tensor(h)]["data_offsets"][0] - 4, h[_last_tensor(h)]["data_offsets"][1] - 4]),
-        "overlap"),
-    "a dtype name": (lambda h, d: h[_some_tensor(h)].update(dtype="F128"), "dtype"),
-    "shape vs offsets": (lambda h, d: h[_some_tensor(h)].update(shape=[3, 5]), "data_offsets"),
-    "offsets of strings": (lambda h, d: h[_some_tensor(h)].update(data_offsets=["0", "8"]), "data_offsets"),
+    "a JSON list": (lambda h: [1, 2], "not a JSON object"),
+    "no data_offsets": (lambda h: {**h, _some_tensor(h): {"dtype": "F16", "shape": [2]}}, "data_offsets"),
+    "overlapping": (lambda h: _shifted(h, -4), "overlap"),
+    "offsets of strings": (lambda h: {**h, _some_tensor(h): {"dtype": "U8", "shape": [8], "data_offsets": ["0", "8"]}},
+                           "data_offsets"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(HEADER_CASES))
 def test_malformed_safetensors_header_is_one_line(tmp_path, case):
     ck = _copy(tmp_path)
-    fn, needle = HEADER_CASES[case]
-    if case == "a JSON list":
-        _write_st(ck / ST, [1, 2], _header(ck / ST)[1])
-    else:
-        _mutate_header(ck, fn)
+    edit, needle = HEADER_CASES[case]
+    header, data = _header(ck / ST)
+    _write_st(ck / ST, edit(header), data)
     _one_line_error(_run(ck), needle)
 
 
 @pytest.mark.parametrize("file,key,value,needle", [
     ("config.json", "num_experts_per_tok", 9, "num_experts_per_tok"),
     ("config.json", "vocab_size", 10 ** 12, "vocab_size"),
-    ("config.json", "hidden_size", "256", "hidden_size"),
-    ("config.json", "num_key_value_heads", 3, "key/value heads"),
+    ("config.json", "hidden_size", True, "hidden_size"),
     ("config.json", "eos_token_id", "0", "eos_token_id"),
     ("config.json", "max_position_embeddings", 2048.5, "max_position_embeddings"),
     ("generation_config.json", "eos_token_id", 2.0, "eos_token_id"),
@@ -260,7 +253,7 @@ def fuzz_dirs(tmp_path_factory):
 _SRC_HEADER, _SRC_DATA = _header(SRC / ST)
 
 
-@settings(max_examples=int(os.environ.get("FUZZ_N", 40)), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(data=st.data())
 def test_loader_refuses_or_loads_and_stays_inside(fuzz_dirs, data):

@@ -253,6 +253,10 @@ def _quant_predicate(qcfg: dict, weights: dict) -> Any:
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
+def _dtype(d: mx.Dtype) -> str:
+    return str(d).removeprefix("mlx.core.")
+
+
 def _check_raw_dtypes(weights: dict[str, mx.array]) -> None:
     """Before sanitize (which stacks experts, so promotes dtypes): floats, or packed quantized codes and
     uint8 scales (mxfp/nvfp modes), and only a quantized layer's `weight` (it has `scales`) may be packed."""
@@ -260,7 +264,7 @@ def _check_raw_dtypes(weights: dict[str, mx.array]) -> None:
         packed = k.endswith(".weight") and f"{k[:-len('weight')]}scales" in weights
         if v.dtype not in _FLOATS and not (packed and v.dtype == mx.uint32) and not (
                 k.endswith(".scales") and v.dtype == mx.uint8):
-            raise RQError(f"tensor {k} has dtype {v.dtype} (float16, bfloat16 or float32 expected"
+            raise RQError(f"tensor {k} has dtype {_dtype(v.dtype)} (float16, bfloat16 or float32 expected"
                           f"{'; a quantized weight is uint32' if packed else ''})")
 
 
@@ -278,8 +282,8 @@ def _check_tensors(model: nn.Module, weights: dict[str, mx.array], model_type: s
                           f"the config implies {tuple(p.shape)}")
         ok = w.dtype in _FLOATS if mx.issubdtype(p.dtype, mx.floating) else w.dtype == p.dtype
         if not ok:
-            want = "float16, bfloat16 or float32" if mx.issubdtype(p.dtype, mx.floating) else str(p.dtype)
-            raise RQError(f"tensor {k} has dtype {w.dtype} ({want} expected)")
+            want = "float16, bfloat16 or float32" if mx.issubdtype(p.dtype, mx.floating) else _dtype(p.dtype)
+            raise RQError(f"tensor {k} has dtype {_dtype(w.dtype)} ({want} expected)")
 
 
 def _check_quantization(qcfg: Any) -> None:

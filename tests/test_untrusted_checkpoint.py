@@ -95,14 +95,38 @@ def test_bad_tensors_and_config_values_are_refused(tmp_path):
     ck = _copy(tmp_path)
     good = dict(mx.load(str(SRC / ST)))
     _save_tensors(ck, **{"lm_head.scales": good["lm_head.scales"].astype(mx.int32)})
-    _one_line_error(_run(ck), "lm_head.scales", "int32")
+    _one_line_error(_run(ck), "lm_head.scales has dtype int32")
     _save_tensors(ck, **{"lm_head.scales": good["lm_head.scales"],
                          "model.norm.weight": good["model.norm.weight"].astype(mx.int32)})
-    _one_line_error(_run(ck), "model.norm.weight", "int32")
+    _one_line_error(_run(ck), "model.norm.weight has dtype int32")
 
     ck2 = _copy(tmp_path, "k0")
     _edit_json(ck2 / "config.json", num_experts_per_tok=0)
     _one_line_error(_run(ck2), "num_experts_per_tok")
+
+
+GOLDEN = Path(__file__).parent / "golden"
+# model_type -> (config key of the experts chosen per token, ModelArgs field of the expert count)
+TOP_K = {"qwen2_moe": ("num_experts_per_tok", "num_experts"), "qwen3_moe": ("num_experts_per_tok", "num_experts"),
+         "nemotron_h": ("num_experts_per_tok", "n_routed_experts"), "gemma4": ("top_k_experts", "num_experts")}
+
+
+@pytest.mark.parametrize("family", sorted(TOP_K))
+def test_every_family_checks_experts_per_token_and_dtypes(tmp_path, family):
+    ck = Path(shutil.copytree(GOLDEN / family / "model", tmp_path / "m"))
+    cfg = json.loads((ck / "config.json").read_text())
+    top_k, count = TOP_K[family]
+    experts = getattr(checkpoint.build_model(cfg).args, count)
+    (cfg.get("text_config") or cfg)[top_k] = experts + 1
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RQError, match=top_k):
+        checkpoint.load(ck, tokenizer=False)
+    shutil.copy(GOLDEN / family / "model" / "config.json", ck / "config.json")
+    w = dict(mx.load(str(ck / ST)))
+    norm = sorted(k for k in w if k.endswith("norm.weight"))[0]
+    _save_tensors(ck, **{norm: w[norm].astype(mx.int32)})
+    with pytest.raises(RQError, match=f"{norm} has dtype int32"):
+        checkpoint.load(ck, tokenizer=False)
 
 
 def test_non_finite_weights_stop_generation_with_an_error(tmp_path):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from rq_core import checkpoint
 from rq_core.errors import RQError
-from rq_core.generate import generate
+from rq_core.generate import decode_steps, generate
 from test_bad_input import _invoke, _one_line_error
 
 SRC = checkpoint.DEFAULT_MODEL
@@ -137,6 +137,47 @@ def test_non_finite_weights_stop_generation_with_an_error(tmp_path):
         _one_line_error(_run(ck), "not finite")
     with pytest.raises(RQError, match="not finite"):  # the library raises the same, when sampling too
         generate(checkpoint.load(ck, tokenizer=False).model, [5, 6, 7], max_tokens=3, temp=0.7, seed=1)
+
+
+class _CountingModel:
+    """Logits that pick (input + 1) mod 8; NaN logits from the call `nan_at` on; records each call."""
+
+    def __init__(self, events: list, nan_at: int = 0):
+        self.events, self.calls, self.nan_at = events, 0, nan_at
+
+    def __call__(self, tokens: mx.array, cache=None) -> mx.array:
+        self.calls += 1
+        self.events.append("step")
+        logits = (mx.arange(8) == (tokens[..., None] + 1) % 8).astype(mx.float32)
+        return logits * mx.nan if self.nan_at and self.calls >= self.nan_at else logits
+
+
+class _FirstRead:
+    """The read array of the prompt's token, recording when it is read."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    def tolist(self) -> list[int]:
+        self.events.append("read")
+        return [0, 1]
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_decode_queues_the_next_step_before_it_reads_a_token(pipeline):
+    events: list = []
+    toks = []
+    for t in decode_steps(_CountingModel(events), [], mx.array([0]), _FirstRead(events), 4, temp=0.0, top_p=1.0,
+                          pipeline=pipeline):
+        toks.append(t)
+        events.append("token")
+    assert toks == [0, 1, 2, 3]
+    # pipelined: step 1 is built and queued before token 0 is read; an expert pager reads first
+    assert events[:3] == (["step", "read", "token"] if pipeline else ["read", "token", "step"])
+    assert events.count("step") == 3  # no step past the last token
+    with pytest.raises(RQError, match="not finite"):
+        list(decode_steps(_CountingModel([], nan_at=2), [], mx.array([0]), _FirstRead([]), 4, temp=0.0,
+                          top_p=1.0, pipeline=pipeline))
 
 
 # ----------------------------------------------------------------------------------- tracebacks → one line

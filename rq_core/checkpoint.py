@@ -70,12 +70,21 @@ def _first_line(e: BaseException) -> str:
     return s.splitlines()[0] if s else type(e).__name__
 
 
+# JSON files of a checkpoint are small (a 1T-parameter model's shard index is a few MB); a bigger one is not
+# read (it could be a link to anything).
+_MAX_JSON_BYTES = 64 << 20
+
+
 def _read_json(path: Path) -> dict:
+    if path.stat().st_size > _MAX_JSON_BYTES:
+        raise RQError(f"{path} is too large for a checkpoint JSON file (over {_MAX_JSON_BYTES >> 20} MB)")
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
     except json.JSONDecodeError as e:
         raise RQError(f"{path} is not valid JSON: {e}")
+    except (UnicodeDecodeError, ValueError, RecursionError):  # binary data, a huge number, deep nesting
+        raise RQError(f"{path} is not valid JSON (not UTF-8 text, or nested or sized beyond reason)")
     if not isinstance(obj, dict):
         raise RQError(f"{path} should hold a JSON object")
     return obj
@@ -101,26 +110,96 @@ def text_config(config: dict) -> dict:
 def context_length(config: dict) -> Optional[int]:
     """The model's context (max_position_embeddings), if the config states it."""
     n = text_config(config).get("max_position_embeddings")
-    return int(n) if n else None
+    if n is None:
+        return None
+    if not _is_int(n) or n < 1:
+        raise RQError(f"config.json: max_position_embeddings must be a positive integer (got {_short(n)})")
+    return n
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+# safetensors dtype names mx.load reads, and their element sizes
+_ST_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2, "U32": 4,
+              "I32": 4, "F32": 4, "U64": 8, "I64": 8, "C64": 8}
+_MAX_HEADER_BYTES = 100_000_000
+
+
+def _unique_keys(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise ValueError("duplicate key")
+    return d
 
 
 def _check_safetensors(path: Path) -> None:
-    """Validate the header and the file length without reading tensor data (catches truncation)."""
+    """Validate the header (JSON object, dtype names, shapes, in-file non-overlapping offsets) and the file
+    length without reading tensor data. Messages never quote the file's bytes: it may be any file."""
     size = path.stat().st_size
+    bad = f"{path} is not a valid safetensors file"
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise RQError(f"{path} is truncated or not a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n < 2 or n > _MAX_HEADER_BYTES or 8 + n > size:
+            raise RQError(f"{path} is truncated or not a safetensors file (its header length is out of range)")
+        text = f.read(n)
     try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise RQError(f"{path} is truncated or not a safetensors file ({size} bytes)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > 100_000_000 or 8 + n > size:
-                raise RQError(f"{path} is truncated or not a safetensors file (header of {n} bytes, file {size})")
-            header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise RQError(f"{path} is not a valid safetensors file (bad header)")
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise RQError(f"{path} is truncated: its header describes {8 + n + end} bytes but the file has {size}")
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise RQError(f"{bad} (its header is not a JSON object)")
+    if not isinstance(header, dict):
+        raise RQError(f"{bad} (its header is not a JSON object)")
+    data_size = size - 8 - n
+    spans = []
+    for name, v in header.items():
+        if name == "__metadata__":
+            if v is not None and not isinstance(v, dict):  # some writers store null
+                raise RQError(f"{bad} (__metadata__ is not an object)")
+            continue
+        what = f"{bad}: tensor {_short(name)}"
+        if not isinstance(v, dict) or set(v) - {"dtype", "shape", "data_offsets"}:
+            raise RQError(f"{what} is not an object of dtype, shape and data_offsets")
+        dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+            raise RQError(f"{what} has dtype {_short(dtype)} (readable: {', '.join(_ST_DTYPES)})")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise RQError(f"{what} has no valid shape (a list of sizes)")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise RQError(f"{what} has no valid data_offsets (begin and end byte)")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if offsets[1] - offsets[0] != numel * _ST_DTYPES[dtype]:
+            raise RQError(f"{what}: its data_offsets span {offsets[1] - offsets[0]} bytes, its shape and dtype "
+                          f"need {numel * _ST_DTYPES[dtype]}")
+        if offsets[1] > data_size:
+            raise RQError(f"{path} is truncated: its header describes {8 + n + offsets[1]} bytes but the file "
+                          f"has {size}")
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise RQError(f"{bad}: tensors {_short(a)} and {_short(b)} overlap")
+
+
+def _shard_name(name: Any, index: Path) -> str:
+    """A shard named by the index: a plain file name in the checkpoint folder (the file itself may be a link,
+    as in a hub snapshot; the name may not lead elsewhere)."""
+    if (not isinstance(name, str) or not name.endswith(".safetensors") or Path(name).name != name
+            or any(c in name for c in "/\\\0")):
+        raise RQError(f"{index}: weight_map names {_short(name)}, not a .safetensors file name in the "
+                      "checkpoint folder (no paths)")
+    return name
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -128,13 +207,15 @@ def weight_files(path: Path) -> list[Path]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        wm = _read_json(index).get("weight_map", {})
-        files = [path / f for f in sorted(set(wm.values()))]
+        wm = _read_json(index).get("weight_map")
+        if not isinstance(wm, dict):
+            raise RQError(f"{index}: weight_map should be an object of tensor name -> shard file name")
+        files = [path / f for f in sorted({_shard_name(v, index) for v in wm.values()})]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise RQError(f"{path}: shard(s) named in model.safetensors.index.json are missing: {', '.join(missing[:3])}")
     else:
-        files = sorted(path.glob("*.safetensors"))
+        files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if not files:
         raise RQError(f"{path} has no *.safetensors weights")
     return files
@@ -169,32 +250,91 @@ def _quant_predicate(qcfg: dict, weights: dict) -> Any:
     return predicate
 
 
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def _dtype(d: mx.Dtype) -> str:
+    return str(d).removeprefix("mlx.core.")
+
+
+def _check_raw_dtypes(weights: dict[str, mx.array]) -> None:
+    """Before sanitize (which stacks experts, so promotes dtypes): floats, or packed quantized codes and
+    uint8 scales (mxfp/nvfp modes), and only a quantized layer's `weight` (it has `scales`) may be packed."""
+    for k, v in weights.items():
+        packed = k.endswith(".weight") and f"{k[:-len('weight')]}scales" in weights
+        if v.dtype not in _FLOATS and not (packed and v.dtype == mx.uint32) and not (
+                k.endswith(".scales") and v.dtype == mx.uint8):
+            raise RQError(f"tensor {k} has dtype {_dtype(v.dtype)} (float16, bfloat16 or float32 expected"
+                          f"{'; a quantized weight is uint32' if packed else ''})")
+
+
+def _check_tensors(model: nn.Module, weights: dict[str, mx.array], model_type: str) -> None:
+    """Each tensor has the shape and dtype kind of the parameter it loads into: a float parameter takes
+    float16/bfloat16/float32, anything else (uint32 codes, uint8 scales) exactly its own dtype."""
+    from mlx.utils import tree_flatten
+
+    for k, p in tree_flatten(model.parameters()):
+        w = weights.get(k)
+        if w is None:
+            continue  # load_weights(strict=True) names what is missing
+        if w.shape != p.shape:
+            raise RQError(f"checkpoint does not match its config ({model_type}): {k} has shape {tuple(w.shape)}, "
+                          f"the config implies {tuple(p.shape)}")
+        ok = w.dtype in _FLOATS if mx.issubdtype(p.dtype, mx.floating) else w.dtype == p.dtype
+        if not ok:
+            want = "float16, bfloat16 or float32" if mx.issubdtype(p.dtype, mx.floating) else _dtype(p.dtype)
+            raise RQError(f"tensor {k} has dtype {_dtype(w.dtype)} ({want} expected)")
+
+
+def _check_quantization(qcfg: Any) -> None:
+    if qcfg is None:
+        return
+    if not isinstance(qcfg, dict):
+        raise RQError("config.json: quantization should be an object (group_size, bits, mode, per-layer overrides)")
+    for where, spec in [("", qcfg)] + [(f" of {k}", v) for k, v in qcfg.items() if isinstance(v, dict)]:
+        for key in ("group_size", "bits"):
+            if key in spec and (not _is_int(spec[key]) or spec[key] < 1):
+                raise RQError(f"config.json: quantization {key}{where} must be a positive integer "
+                              f"(got {_short(spec[key])})")
+        if "mode" in spec and not isinstance(spec["mode"], str):
+            raise RQError(f"config.json: quantization mode{where} must be a string (got {_short(spec['mode'])})")
+
+
 def build_model(config: dict, weights: Optional[dict[str, mx.array]] = None) -> nn.Module:
-    """Instantiate the family's Model for `config`; with `weights`, sanitize, quantize as stored and load them."""
-    module = get_model_module(config.get("model_type"))
+    """Instantiate the family's Model for `config`; with `weights`, sanitize, quantize as stored and load them.
+    Config values (ModelArgs.from_dict) and tensor dtypes and shapes are validated: RQError when bad."""
+    model_type = config.get("model_type")
+    module = get_model_module(model_type)
     try:
         model = module.Model(module.ModelArgs.from_dict(config))
     except RQError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, AssertionError) as e:
+    except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError, AssertionError, AttributeError,
+            OverflowError) as e:
         # A config.json the family cannot be built from (missing/contradictory fields) is bad input.
-        raise RQError(f"config.json cannot be used for {config.get('model_type')}: "
+        raise RQError(f"config.json cannot be used for {model_type}: "
                       f"{type(e).__name__}: {_first_line(e)[:200]}")
     if weights is None:
         return model
+    _check_raw_dtypes(weights)
     try:
         weights = model.sanitize(dict(weights))
     except (KeyError, ValueError, IndexError) as e:  # tensors the config promises are not in the files
-        raise RQError(f"checkpoint does not match its config ({config.get('model_type')}): "
+        raise RQError(f"checkpoint does not match its config ({model_type}): "
                       f"{type(e).__name__}: {_first_line(e)[:200]}")
     qcfg = config.get("quantization") or config.get("quantization_config")
+    _check_quantization(qcfg)
     if isinstance(qcfg, dict) and "bits" in qcfg and any(k.endswith(".scales") for k in weights):
-        nn.quantize(model, group_size=qcfg.get("group_size", 64), bits=qcfg["bits"],
-                    mode=qcfg.get("mode", "affine"), class_predicate=_quant_predicate(qcfg, weights))
+        try:
+            nn.quantize(model, group_size=qcfg.get("group_size", 64), bits=qcfg["bits"],
+                        mode=qcfg.get("mode", "affine"), class_predicate=_quant_predicate(qcfg, weights))
+        except (ValueError, TypeError) as e:  # bits / group size / mode MLX does not support
+            raise RQError(f"config.json: quantization cannot be used: {_first_line(e)[:200]}")
+    _check_tensors(model, weights, model_type)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise RQError(f"checkpoint does not match its config ({config.get('model_type')}): {_first_line(e)[:300]}")
+        raise RQError(f"checkpoint does not match its config ({model_type}): {_first_line(e)[:300]}")
     return model
 
 
@@ -217,13 +357,22 @@ class Checkpoint:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (self.generation_config, text_config(self.config)):
-            e = src.get("eos_token_id")
-            ids.update([e] if isinstance(e, int) else (e or []))
+        ids = config_eos_token_ids(self.config, self.generation_config)
         if self.tokenizer is not None:
             ids.update(self.tokenizer.eos_token_ids)
         return ids
+
+
+def config_eos_token_ids(config: dict, generation_config: dict) -> set[int]:
+    """The eos_token_id of generation_config.json and config.json: a token id or a list of them."""
+    ids: set[int] = set()
+    for name, src in (("generation_config.json", generation_config), ("config.json", text_config(config))):
+        e = src.get("eos_token_id")
+        es = [] if e is None else e if isinstance(e, list) else [e]
+        if not all(_is_int(t) and t >= 0 for t in es):
+            raise RQError(f"{name}: eos_token_id must be a token id or a list of token ids (got {_short(e)})")
+        ids.update(es)
+    return ids
 
 
 # On the CPU, MLX's quantized matmuls run several times faster on float32 activations than on
@@ -245,6 +394,7 @@ def load(path_or_id: Optional[str | os.PathLike] = None, *, tokenizer: bool = Tr
             model.set_dtype(mx.float32)
     gen = path / "generation_config.json"
     generation_config = _read_json(gen) if gen.is_file() else {}
+    config_eos_token_ids(config, generation_config)  # a malformed eos_token_id fails here, in one line
     tok = None
     if tokenizer:
         from rq_core.tokenizer import load_tokenizer

@@ -6,7 +6,7 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,6 +80,38 @@ def _peak_rss() -> int:
     return int(r if sys.platform == "darwin" else r * 1024)  # bytes on macOS, KiB on Linux
 
 
+def _read_array(y: mx.array, logits: mx.array) -> mx.array:
+    """[sampled id, 1 if every logit is finite]: what a step reads, in one transfer."""
+    return mx.stack([y[0].astype(mx.int32), mx.isfinite(logits).all().astype(mx.int32)])
+
+
+def _queue_step(model: nn.Module, cache: list, y: mx.array, temp: float, top_p: float) -> tuple[mx.array, mx.array]:
+    """Build the step after token `y` and queue it (mx.async_eval): (its sampled id [1], its read array)."""
+    logits = model(y.reshape(1, 1).astype(mx.int32), cache=cache)[:, -1, :]
+    nxt = sample(logits, temp, top_p)
+    read = _read_array(nxt, logits)
+    mx.async_eval(read)
+    return nxt, read
+
+
+def decode_steps(model: nn.Module, cache: list, y: mx.array, read: mx.array, max_tokens: int, *, temp: float,
+                 top_p: float, pipeline: bool = True) -> Iterator[int]:
+    """The id of `y` (its read array `read`, queued or evaluated), then the ids of the decode steps after it,
+    `max_tokens` in all. With `pipeline`, step t+1 is built and queued before token t is read, so the device
+    does not wait while the host builds a graph; without it (an expert pager), step t+1 is built after token
+    t is read. RQError when a step's logits are not finite."""
+    for n in range(max_tokens):
+        more = n + 1 < max_tokens
+        queued = _queue_step(model, cache, y, temp, top_p) if pipeline and more else None
+        tok, finite = read.tolist()  # the one host sync of a step
+        if not finite:
+            raise RQError(f"the model's logits are not finite (NaN or Inf) at generated token {n + 1}: its "
+                          "weights are broken, or overflow in this dtype")
+        yield tok
+        if more:
+            y, read = queued or _queue_step(model, cache, y, temp, top_p)
+
+
 def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp: float = 0.0,
              top_p: float = 1.0, seed: Optional[int] = None, kv: Optional[KVSettings] = None,
              eos_token_ids: Iterable[int] = (), prefill_chunk: int = 512,
@@ -88,7 +120,8 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     """Generate up to `max_tokens` tokens after `prompt`; `on_token(id)` is called as each is produced.
 
     The prompt runs in chunks of `prefill_chunk` tokens; then every cache gets `end_prefill()` (compressed
-    caches compress the prompt's K/V there) and decoding proceeds one token at a time.
+    caches compress the prompt's K/V there) and decoding proceeds one token at a time (`decode_steps`).
+    RQError when the logits are not finite (broken weights), instead of whatever token NaN logits sample.
     """
     if not prompt:
         raise RQError("the prompt is empty (it encodes to zero tokens)")
@@ -119,41 +152,29 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     for c in cache:
         c.end_prefill()
     y = sample(logits, temp, top_p)
-    mx.eval(y)
+    read = _read_array(y, logits)
+    mx.eval(read)
     res.prefill_s = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    steps = 0
-
-    def step(prev: mx.array) -> mx.array:
-        logits = model(prev.reshape(1, 1).astype(mx.int32), cache=cache)[:, -1, :]
-        nxt = sample(logits, temp, top_p)
-        if pipeline:
-            mx.async_eval(nxt)  # queue step t+1 while the host handles token t
-        return nxt
 
     # With an expert pager, a step in flight would still hold the slot banks that the next step's
     # misses overwrite, turning each in-place slot write into a copy of the bank (10x the peak).
     pipeline = getattr(model, "expert_pager", None) is None
-
-    while max_tokens > 0:
-        tok = int(y.item())
-        if steps == 1 and not res.first_step_s:
+    t1 = time.perf_counter()
+    steps = 0  # decode steps whose token was read
+    for steps, tok in enumerate(decode_steps(model, cache, y, read, max_tokens, temp=temp, top_p=top_p,
+                                             pipeline=pipeline)):
+        if steps == 1:
             res.first_step_s = time.perf_counter() - t1
         if tok in eos:
             res.stop_reason = "eos"
             break
         res.tokens.append(tok)
-        done = len(res.tokens) >= max_tokens
-        nxt = None if done else step(y)
         if on_token is not None:
             on_token(tok)
-        if done:
+    else:
+        if res.tokens:
             res.stop_reason = "context" if context_length and len(prompt) + len(res.tokens) >= context_length \
                 else "length"
-            break
-        y = nxt
-        steps += 1
     res.decode_s = time.perf_counter() - t1 if steps else 0.0
 
     res.generated_tokens = len(res.tokens)

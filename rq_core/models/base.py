@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import typing
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -21,9 +22,142 @@ from rq_core.kv_cache import Mask
 class BaseModelArgs:
     @classmethod
     def from_dict(cls, params: dict[str, Any]):
-        """Build from a config.json dict, ignoring keys the dataclass does not name."""
+        """Build from a config.json dict, ignoring keys the dataclass does not name; the values are
+        validated (types from the field annotations, then ranges: `validate_args`)."""
         names = inspect.signature(cls).parameters
-        return cls(**{k: v for k, v in params.items() if k in names})
+        given = {k: v for k, v in params.items() if k in names}
+        _check_types(cls, given)
+        args = cls(**given)
+        validate_args(args)
+        return args
+
+
+# ------------------------------------------------------------------------------------- validation
+# config.json is untrusted: every family's ModelArgs passes through these checks, so a bad value is one
+# clear line at load instead of a traceback, a hang (a billion layers) or a silently wrong model.
+_MAX_INT = 1 << 26  # no size, count or context in a config is larger
+_MAX = {"vocab_size": 1 << 21, "vocab_size_per_layer_input": 1 << 21, "num_hidden_layers": 1024,
+        "num_experts": 1 << 14, "n_routed_experts": 1 << 14, "num_local_experts": 1 << 14}
+# sizes that must be >= 1 when present (None = unset is allowed for Optional fields)
+_POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "vocab_size", "max_position_embeddings", "intermediate_size", "decoder_sparse_step",
+             "moe_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
+             "global_head_dim", "num_global_key_value_heads", "moe_latent_size", "vocab_size_per_layer_input",
+             "ssm_state_size", "mamba_num_heads", "mamba_head_dim", "n_groups", "conv_kernel", "chunk_size",
+             "n_group", "topk_group")
+# (experts chosen per token, experts): 1 <= k <= E whenever the model has experts
+_TOP_K = (("num_experts_per_tok", "num_experts"), ("num_experts_per_tok", "n_routed_experts"),
+          ("top_k_experts", "num_experts"))
+
+
+def _bad(msg: str):
+    from rq_core.errors import RQError
+
+    return RQError(f"config.json: {msg}")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _type_ok(v: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is typing.Union:
+        return any(_type_ok(v, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return v is None
+    if hint is bool:
+        return isinstance(v, bool)
+    if hint is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if hint is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if hint in (str, list, dict):
+        return isinstance(v, hint)
+    if origin in (list, dict):
+        return isinstance(v, origin)
+    return True  # Any
+
+
+def _check_types(cls: type, given: dict[str, Any]) -> None:
+    hints = typing.get_type_hints(cls)
+    for k, v in given.items():
+        hint = hints.get(k, Any)
+        if not _type_ok(v, hint):
+            want = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+            raise _bad(f"{k} should be {want} (got {_short(v)})")
+        if isinstance(v, int) and not isinstance(v, bool) and not int(k in _POSITIVE) <= v <= _MAX.get(k, _MAX_INT):
+            raise _bad(f"{k} = {v} is out of range ({int(k in _POSITIVE)}..{_MAX.get(k, _MAX_INT)})")
+
+
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_rope(dims: int, base: Any, scaling: Any) -> None:
+    """The RoPE settings of a config (rope_theta, rope_scaling / rope_parameters) are numbers in range."""
+    if not (_num(base) and base > 0):
+        raise _bad(f"rope_theta must be a number > 0 (got {_short(base)})")
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise _bad(f"rope_scaling / rope_parameters should be an object (got {_short(scaling)})")
+    positive = ["factor", "partial_rotary_factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings", "beta_fast", "beta_slow"]
+    finite = ["attention_factor", "mscale", "mscale_all_dim"]
+    for k in positive + finite:
+        v = scaling.get(k)
+        if v is not None and not (_num(v) and (k in finite or v > 0)):
+            raise _bad(f"rope {k} must be a {'positive ' if k in positive else ''}number (got {_short(v)})")
+    partial = scaling.get("partial_rotary_factor", 1.0)
+    if partial > 1 or int(dims * partial) < 2:
+        raise _bad(f"rope partial_rotary_factor = {partial} leaves no dims to rotate, or more than a head has")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("linear", "llama3", "yarn") and "factor" not in scaling:
+        raise _bad(f"rope type {_short(kind)} needs a factor")
+    if kind == "llama3" and scaling.get("low_freq_factor", 1.0) == scaling.get("high_freq_factor", 4.0):
+        raise _bad("rope low_freq_factor and high_freq_factor must differ")
+
+
+def validate_args(a: Any) -> None:
+    """Ranges and relations of a family's ModelArgs (after its __post_init__ derived the rest)."""
+    for k in _POSITIVE:
+        v = getattr(a, k, None)
+        if v is not None and not (isinstance(v, int) and 1 <= v <= _MAX.get(k, _MAX_INT)):
+            raise _bad(f"{k} must be a positive integer (got {_short(v)})")
+    for k_name, e_name in _TOP_K:
+        k, e = getattr(a, k_name, None), getattr(a, e_name, None)
+        if k is None or not e:
+            continue  # no experts (a dense model), or this family names them otherwise
+        if not (isinstance(k, int) and 1 <= k <= e):
+            raise _bad(f"{k_name} = {_short(k)} must be between 1 and {e_name} = {e}")
+    heads = getattr(a, "num_attention_heads", None)
+    for kv in set(getattr(a, "layer_kv_heads", None) or [getattr(a, "num_key_value_heads", None)]):
+        if kv is not None and (not isinstance(kv, int) or kv < 1 or heads % kv):
+            raise _bad(f"num_attention_heads = {heads} is not a multiple of the key/value heads ({_short(kv)})")
+    for hd in set(getattr(a, "layer_head_dim", None) or []):
+        if not isinstance(hd, int) or not 1 <= hd <= _MAX_INT:
+            raise _bad(f"a layer's head_dim must be a positive integer (got {_short(hd)})")
+    for k in ("rms_norm_eps", "layer_norm_epsilon", "rope_theta", "time_step_min"):
+        v = getattr(a, k, None)
+        if v is not None and not v > 0:
+            raise _bad(f"{k} must be > 0 (got {_short(v)})")
+    cap = getattr(a, "final_logit_softcapping", None)
+    if cap is not None and cap < 0:
+        raise _bad(f"final_logit_softcapping must be >= 0 (got {_short(cap)})")
+    types = getattr(a, "layer_types", None)
+    if hasattr(a, "sliding_window") and isinstance(types, list) and "sliding_attention" in types:
+        w = getattr(a, "sliding_window", None)
+        if not (isinstance(w, int) and w >= 1):
+            raise _bad(f"sliding layers need sliding_window >= 1 (got {_short(w)})")
+    experts, groups, top_groups = (getattr(a, k, None) for k in ("n_routed_experts", "n_group", "topk_group"))
+    if experts and groups and (experts % groups or not 1 <= (top_groups or 0) <= groups):
+        raise _bad(f"n_group = {groups} must divide n_routed_experts = {experts} and topk_group = "
+                   f"{_short(top_groups)} be between 1 and n_group")
+    mh, ng = getattr(a, "mamba_num_heads", None), getattr(a, "n_groups", None)
+    if mh and ng and mh % ng:
+        raise _bad(f"n_groups = {ng} must divide mamba_num_heads = {mh}")
 
 
 # --------------------------------------------------------------------------------------------- RoPE
@@ -110,6 +244,7 @@ def make_rope(dims: int, base: float, scaling: Optional[dict] = None, *, traditi
     Supports rope types default, linear, llama3, yarn, proportional (Gemma: partial rotation
     inside a full head) and `partial_rotary_factor`. The module is called as rope(x, offset).
     """
+    check_rope(dims, base, scaling)
     kind = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
     partial = float(scaling.get("partial_rotary_factor", 1.0)) if scaling else 1.0
     if kind == "proportional":

@@ -1,15 +1,14 @@
-"""Where a chained decode layer's time goes on the GPU: kernel durations and the gaps between them.
+"""GPU busy time of a decode layer's attention, apart from the host's launch cost (CUDA; needs torch for CUPTI).
 
-attention.py --chain measures µs a layer from the host (build the 64-layer graph, then time mx.eval +
-synchronize). At 128K v5's kernel alone takes ~69 µs (ncu) but a chained layer ~96 µs, while fp16's chain
-(80 µs) is close to its kernel. This runs the same chains under torch.profiler: CUPTI records every kernel
-in the process, MLX's included (launched from CUDA graphs), and the CUDA runtime calls MLX makes
-(cudaGraphLaunch, cudaGraphExecUpdate, ...). Per method it reports: wall µs a layer, the GPU busy time a
-layer (kernels, by name), the idle gaps between kernels (mean, the total before the first kernel), and
-the runtime calls' host time a layer.
+attention.py times a chained decode layer from the host; this runs the same 64-layer chains under torch.profiler:
+CUPTI records every kernel in the process, MLX's included, and the CUDA runtime calls MLX makes. Per method it reports
+the wall µs a layer, the GPU busy time a layer (kernels, by name), the idle gaps between kernels, and the runtime
+calls' host time a layer.
 
-    python3 benchmarks/diag/chain_timeline.py [--contexts 131072,32768] [--layers 64] [--methods fp16,v5,v5w]
-    (methods: fp16, qmm8, qmm4, turbo3, four, v5, v5w, "v5 as written", v5pair: pair codebooks (128, 32))
+    python3 benchmarks/gpu_busy.py --contexts 131072,32768 --layers 64 --reps 3 --methods fp16,fused,fused-pair
+    (methods: fp16, qmm8, qmm4, turbo3, four, fused, fused-window, fused-pair: pair codebooks (128, 32))
+
+Writes benchmarks/results/gpu_busy.json.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -96,43 +95,60 @@ def profile_chain(L, f, nl: int, reps: int) -> dict:
     }
 
 
+def table(runs: list[dict]) -> str:
+    """GPU busy µs a layer by context and method, with the ratio to fp16's."""
+    out = ["| context | method | GPU busy µs / layer | x fp16 | wall µs / layer | kernels / layer |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for run in runs:
+        fp16 = run["methods"].get("fp16", {}).get("gpu_busy_us_layer")
+        for m, r in run["methods"].items():
+            if r.get("gpu_busy_us_layer") is None:
+                continue
+            ratio = f"{fp16 / r['gpu_busy_us_layer']:.2f}x" if fp16 else "-"
+            out.append(f"| {run['context'] // 1024}K | {m} | {r['gpu_busy_us_layer']:.1f} | {ratio} | "
+                       f"{r['wall_us_layer']:.1f} | {r['kernels_per_layer']:.0f} |")
+    return "\n".join(out)
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="131072", help="comma-separated contexts, one after another")
     ap.add_argument("--layers", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--methods", default="fp16,v5,v5w")
-    ap.add_argument("--out", default=None, help="JSON path per context; {T} is replaced by the context")
+    ap.add_argument("--methods", default="fp16,fused,fused-pair")
     a = ap.parse_args()
     import numpy as np
 
+    runs = []
     for T in [int(t) for t in a.contexts.split(",")]:
         L = A.build(T, a.layers, np.random.default_rng(0), qmm="qmm" in a.methods)
-        table = {"fp16": lambda i: A.fp16_sdpa(L, i), "v5": lambda i: A.iso_v5(L, i),
-                 "qmm8": lambda i: A.qmm(L, i, 8), "qmm4": lambda i: A.qmm(L, i, 4),
-                 "turbo3": lambda i: A.turbo3(L, i), "four": lambda i: A.iso_four(L, i),
-                 "v5w": lambda i: A.iso_v4_window(L, i, version="v5"),
-                 "v5 as written": lambda i: A.iso_v5_unminified(L, i), "v5pair": lambda i: A.iso_v5_pair(L, i)}
-        if "v5pair" in a.methods.split(","):
+        table_ = {"fp16": lambda i: A.fp16_sdpa(L, i), "fused": lambda i: A.iso_v5(L, i),
+                  "qmm8": lambda i: A.qmm(L, i, 8), "qmm4": lambda i: A.qmm(L, i, 4),
+                  "turbo3": lambda i: A.turbo3(L, i), "four": lambda i: A.iso_four(L, i),
+                  "fused-window": lambda i: A.iso_v5_window(L, i), "fused-pair": lambda i: A.iso_v5_pair(L, i)}
+        if "fused-pair" in a.methods.split(","):
             A.pair_inputs(L)
         res = {}
         for m in a.methods.split(","):
             try:
-                res[m] = profile_chain(L, table[m], a.layers, a.reps)
+                res[m] = profile_chain(L, table_[m], a.layers, a.reps)
             except Exception as e:  # report and go on
                 res[m] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             print(f"== {m} (context {T}, {a.layers} chained layers)")
             print(json.dumps(res[m], indent=1)[:3000], flush=True)
-        for m, r in res.items():  # one line a method (the device scripts grep these)
+        for m, r in res.items():
             if "error" not in r:
                 print(f"summary {T} {m:14s} wall {r['wall_us_layer']:.1f} span {r['gpu_span_us_layer']:.1f} "
                       f"busy {r['gpu_busy_us_layer']:.1f} k/layer {r['kernels_per_layer']:.2f} gap mean "
                       f"{r['gap_mean_us']:.2f} max {r['gap_max_us']:.1f} lead {r['lead_us_before_first_kernel']:.0f}")
-        if a.out:
-            Path(a.out.replace("{T}", str(T))).write_text(
-                json.dumps(dict(context=T, layers=a.layers, mlx=mx.__version__, methods=res), indent=1))
-        del L, table
+        runs.append(dict(context=T, layers=a.layers, methods=res))
+        del L, table_
         mx.clear_cache()
+    body = table(runs)
+    print(body)
+    from _readme import save
+
+    save("gpu_busy", {"runs": runs}, body)
     return 0
 
 

@@ -41,8 +41,8 @@ def main() -> int:
     ap.add_argument("--skip-fp16", action="store_true", help="the compressed caches only")
     ap.add_argument("--prefill-fp16", type=int, default=4096, help="kv.prefill_fp16 of the bounded row")
     ap.add_argument("--inflight", default="", help="also the bounded row with its decoded attention queued this many "
-                    "layers ahead of the one waited for (IsoQuantCache.prefill_inflight; 0, the default, waits for each "
-                    "layer), comma-separated")
+                    "layers ahead of the one waited for (IsoQuantCache.prefill_inflight; 0 waits for each layer), "
+                    "comma-separated")
     a = ap.parse_args()
     import profile_gpu
 
@@ -53,10 +53,12 @@ def main() -> int:
     for T in (int(x) for x in a.contexts.split(",")):
         prompt = mx.random.randint(0, cfg["vocab_size"], (T,), key=mx.random.key(T)).tolist()
         bound = f"isoquant3, prefill_fp16 {a.prefill_fp16}"
-        settings = {"fp16": (KVSettings(mode="fp16"), 0),
-                    bound: (KVSettings(mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=a.prefill_fp16), 0),
+        default_inflight = IsoQuantCache.prefill_inflight
+        settings = {"fp16": (KVSettings(mode="fp16"), default_inflight),
+                    bound: (KVSettings(mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=a.prefill_fp16),
+                            default_inflight),
                     "isoquant3, whole prompt in fp16 (\"all\")": (KVSettings(
-                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=None), 0)}
+                        mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=None), default_inflight)}
         for n in (int(x) for x in a.inflight.split(",") if x):
             settings[f"{bound}, {n} layers in flight"] = (KVSettings(
                 mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW, prefill_fp16=a.prefill_fp16), n)
@@ -71,7 +73,7 @@ def main() -> int:
             try:
                 res = generate(model, prompt, max_tokens=1, kv=kv)
             finally:
-                IsoQuantCache.prefill_inflight = 0
+                IsoQuantCache.prefill_inflight = default_inflight
             dt = time.perf_counter() - t0
             rows.append({"context": T, "cache": name, "prefill_s": res.prefill_s, "wall_s": dt,
                          "prefill_tok_per_s": res.prefill_tok_per_s,

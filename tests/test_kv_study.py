@@ -1,4 +1,4 @@
-"""benchmarks/kv_study.py: the split-bits emulation cache matches the real packed cache, bytes, paired statistics."""
+"""tools/kv_study.py: the split-bits emulation cache matches the real packed cache, bytes, paired statistics."""
 
 import math
 import sys
@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kv_study import (PairVQCache, PairVQKeysCache, pair_codebook_points, QJLKeysCache, SplitBitsCache, Setting, StudyCache, all_settings,  # noqa: E402
+from tools.kv_study import (PairVQCache, PairVQKeysCache, pair_codebook_points, QJLKeysCache, SplitBitsCache, Setting, StudyCache, all_settings,  # noqa: E402
                                  packed_bytes, paired_stats, pairwise)
 from rq_core.errors import RQError  # noqa: E402
 from rq_core.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, dequantize_kv, make_kv_cache,  # noqa: E402

@@ -1,9 +1,10 @@
-"""Paired study of IsoQuant-3 KV-cache settings on the bundled model (issue 6): is `wht_so4` within 1% ΔPPL and
-level with turbo3, and does a measured choice (norm correction, an fp16 window, codebook, 4-bit keys or values,
-first/last layer in fp16, the first tokens ("sinks") in fp16, keys/values mean-centered before quantizing) change
-that, at what bytes?
+"""Paired study of KV-cache settings on the bundled model: ΔPPL and KL against fp16 on the same tokens, with standard
+errors, for settings the cache has and for ones it does not (emulated here): norm correction, an fp16 window,
+codebooks, keys and values at their own widths, one layer in fp16, the first tokens ("sinks") in fp16, keys/values
+mean-centered before quantizing, random signs before the WHT, 2-D codebooks, a residual sketch for the keys.
 
-    python benchmarks/kv_study.py [--windows 8] [--context 1024] [--only NAME,...] [--readme]
+    python3 tools/kv_study.py [--windows 8] [--context 1024] [--only NAME,...] [--out FILE]
+    python3 tools/kv_study.py --render FILE     # the table of an earlier results file
 
 Every setting is scored on the SAME tokens as the fp16 reference (the decode-scored half of each window, exactly as
 `rq eval ppl` does), so ΔNLL is a mean of per-token differences d_i = nll_i(setting) - nll_i(fp16) and its standard
@@ -17,7 +18,8 @@ attention as the packed path up to float rounding (checked in tests/test_kv_stud
 3/3 bits), so it measures quality, not speed. `StudyCache` (same emulation) adds fp16 sink tokens and K/V
 mean-centering (mu fixed at end_prefill from the prompt; exact for attention, only the quantization error changes).
 
-Writes benchmarks/results/kv-study-<date>.json; with --readme the `kv-study` section of benchmarks/README.md.
+Writes kv-study.json in the current directory unless --out (rows already there for the same windows and model are
+kept: a run can be resumed).
 """
 
 from __future__ import annotations
@@ -44,7 +46,6 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._readme import write_section  # noqa: E402
 from rq_core import eval as ev  # noqa: E402
 from rq_core.kv_cache import FP16Cache, IsoQuantCache, KVSettings, dequantize_kv  # noqa: E402
 
@@ -433,8 +434,8 @@ def paired_stats(d: np.ndarray) -> dict:
 
 # ----------------------------------------------------------------------------------------- settings
 def iso(**kw: Any) -> KVSettings:
-    """IsoQuant-3 with scalar codebooks (the study's baseline; the cache's default became pair codebooks in session
-    14, the study's PP128x32 rows)."""
+    """IsoQuant-3 with scalar codebooks (the study's baseline; the cache's default is the pair codebooks of the
+    PP128x32 rows)."""
     return KVSettings(mode="isoquant3", **{"pair_points": ()} | kw)
 
 
@@ -465,7 +466,7 @@ def all_settings(n_layers: int) -> list[Setting]:
         Setting("wht_so4 norm_corr s1", iso(norm_correction=True, seed=1)),
         Setting("wht_so4 K4V3 s1", iso(seed=1), key_bits=4, value_bits=3),
         Setting("wht_so4 K3V3-emul s0", iso(), key_bits=3, value_bits=3, note="emulation check"),
-        # cheap exact-or-nearly-free changes (issue 6, ≤ 1% ΔPPL): smaller windows, sink tokens, mean-centering
+        # cheap exact-or-nearly-free changes: smaller windows, sink tokens, mean-centering
         Setting("wht_so4 win16 s0", iso(fp16_window=16)),
         Setting("wht_so4 win8 s0", iso(fp16_window=8)),
         Setting("wht_so4 kcenter s0", iso(), center="k"),
@@ -490,19 +491,19 @@ def all_settings(n_layers: int) -> list[Setting]:
         S.append(Setting(f"wht_so4 signs win32 s{seed}", iso(fp16_window=32, seed=seed), signs=True))
     for seed in range(6):  # the same through the real cache: the rwht_so4 rotation (rq_core.rotation)
         S.append(Setting(f"rwht_so4 win32 s{seed}", iso(rotation="rwht_so4", fp16_window=32, seed=seed)))
-    for seed in (3, 4, 5):  # more rotation draws of the two default configurations (session 6)
+    for seed in (3, 4, 5):  # more rotation draws of the two default configurations
         S += [Setting(f"wht_so4 win32 s{seed}", iso(fp16_window=32, seed=seed)),
               Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]
-    for seed in range(3):  # keys at 4 bits, values at 2: the same bytes as IsoQuant-3 (session 7, needles)
+    for seed in range(3):  # keys at 4 bits, values at 2: the same bytes as IsoQuant-3
         S.append(Setting(f"wht_so4 K4V2 win32 s{seed}", iso(fp16_window=32, seed=seed), key_bits=4, value_bits=2))
         S.append(Setting(f"wht_so4 K4V3 win32 s{seed}", iso(fp16_window=32, seed=seed), key_bits=4, value_bits=3))
-    for seed in range(3):  # keys with a 2-D codebook a coordinate pair, same bytes (session 11, needles)
+    for seed in range(3):  # keys with a 2-D codebook a coordinate pair, same bytes
         S.append(Setting(f"wht_so4 pairvq win32 s{seed}", iso(fp16_window=32, seed=seed), pairvq=True))
-    for seed in range(3):  # keys and values with 2-D codebooks of 128 and 32 points: 3.5 + 2.5 bits (session 12)
+    for seed in range(3):  # keys and values with 2-D codebooks of 128 and 32 points: 3.5 + 2.5 bits
         S.append(Setting(f"wht_so4 PP128x32 win32 s{seed}", iso(fp16_window=32, seed=seed), pair_points=(128, 32)))
-    for seed in (3, 4, 5):  # the same through the real cache, isoquant3's default since session 14
+    for seed in (3, 4, 5):  # the same through the real cache (isoquant3's default)
         S.append(Setting(f"wht_so4 PP128x32 win32 s{seed}", iso(fp16_window=32, seed=seed, pair_points=(128, 32))))
-    for seed in range(3):  # keys 256 points (4 bits a coordinate), values 16 (2): the same bytes again (session 14)
+    for seed in range(3):  # keys 256 points (4 bits a coordinate), values 16 (2): the same bytes again
         S.append(Setting(f"wht_so4 PP256x16 win32 s{seed}", iso(fp16_window=32, seed=seed, pair_points=(256, 16))))
     S = [s for s in S if s is not None]
     return S
@@ -516,17 +517,12 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--step", type=int, default=32)
     ap.add_argument("--only", default="", help="comma-separated setting names (default: all)")
-    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/kv-study-<date>.json); "
-                                                "rows already there for the same windows are kept (resumable)")
-    ap.add_argument("--readme", action="store_true")
-    ap.add_argument("--render", metavar="JSON", default=None,
-                    help="only render a results JSON (with --readme: into the README); runs nothing")
+    ap.add_argument("--out", default="kv-study.json", help="results JSON (default %(default)s); rows already there "
+                                                             "for the same windows are kept (resumable)")
+    ap.add_argument("--render", metavar="JSON", default=None, help="only print the table of a results JSON")
     args = ap.parse_args()
     if args.render:
-        table = render(json.loads(Path(args.render).read_text()))
-        print(table)
-        if args.readme:
-            write_section("kv-study", table)
+        print(render(json.loads(Path(args.render).read_text())))
         return
 
     t0 = time.time()
@@ -538,7 +534,7 @@ def main() -> None:
     n_layers = int(em.config["num_hidden_layers"])
     d = int(em.config.get("head_dim") or em.config["hidden_size"] // em.config["num_attention_heads"])
     now = datetime.now(timezone.utc)
-    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"kv-study-{now.strftime('%Y-%m-%d')}.json"
+    path = Path(args.out)
     tag = f"c{ctx}w{len(wins)}s{args.step}"
 
     ref_set = Setting("fp16", KVSettings(mode="fp16"))
@@ -581,10 +577,7 @@ def main() -> None:
         _write(path, tag, args, em, ref_lp, rows, t0, now)
 
     out = _write(path, tag, args, em, ref_lp, rows, t0, now)
-    table = render(out)
-    print(table)
-    if args.readme:
-        write_section("kv-study", table)
+    print(render(out))
 
 
 def _write(path: Path, tag: str, args: Any, em: Any, ref_lp: np.ndarray, rows: dict, t0: float, now) -> dict:
@@ -644,7 +637,7 @@ def render(out: dict) -> str:
     n_layers, full = int(cfg["num_hidden_layers"]), int(cfg.get("max_position_embeddings", 2048))
     d = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     lines = [
-        "## IsoQuant-3 settings study (`python benchmarks/kv_study.py --readme`)", "",
+        "## IsoQuant-3 settings study (`python3 tools/kv_study.py`)", "",
         f"Measured {out['date']} on {out['device']} (MLX {out['mlx']}), bundled model, held-out text; "
         f"{out['windows']} windows of {out['context']} tokens, first {out['prefill']} prefilled then compressed, "
         f"the rest scored in decode steps of {out['step']} (as `rq eval ppl`): **{out['tokens']:,} scored tokens**, "

@@ -1,9 +1,9 @@
 """Check rq_core.kernel_cache on a CUDA machine: two processes, the second loads what the first wrote.
 
-    python3 benchmarks/diag/kernel_cache_check.py --phase write --out DIR   # process 1
-    python3 benchmarks/diag/kernel_cache_check.py --phase read --out DIR    # process 2
+    python3 tools/kernel_cache_check.py --phase write --out DIR   # process 1
+    python3 tools/kernel_cache_check.py --phase read --out DIR    # process 2
 
-write: v5 + window 32 at 4,096 tokens (the default decode path) compiled by MLX as usual (its first launch
+write: the fused kernel + window 32 at 4,096 tokens (the default decode path) compiled by MLX as usual (its first launch
 timed), outputs saved; then the same launch through kernel_cache, which compiles the generated source with
 NVRTC and writes it into MLX's PTX cache. read: a new process, the same inputs: the first launch must be
 fast (MLX found the module) and its outputs equal to MLX's own compile's.
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -31,7 +31,7 @@ from rq_core import kernel_cache  # noqa: E402
 
 def run_once(L) -> tuple[np.ndarray, float]:
     t0 = time.perf_counter()
-    out = A.iso_v4_window(L, 0, version="v5")
+    out = A.iso_v5_window(L, 0)
     mx.eval(out)
     mx.synchronize()
     return np.array(out.astype(mx.float32)), time.perf_counter() - t0

@@ -2,7 +2,7 @@
 `rq calibrate-codebook --from-samples`: the fp16 cache's keys (after RoPE) and values of every layer and kv head,
 as [N, d] float32 tensors `keys` and `values` in one .safetensors file.
 
-    python3 benchmarks/diag/kv_samples.py --out kv.safetensors [--windows 4 --context 1024]
+    python3 tools/kv_samples.py --out kv.safetensors [--windows 4 --context 1024]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402

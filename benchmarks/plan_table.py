@@ -57,6 +57,9 @@ def main() -> None:
                      "experts_per_layer": p.experts_per_layer, "planned_peak_bytes": p.planned_peak_bytes,
                      "role_bytes": dict(p.role_bytes),
                      "slots_at_paper_peak": ap.slots_per_layer, "fits_at_paper_peak": ap.fits})
+    lines += ["", "No weights read: the planner's count from each config and shipped recipe. Resident: everything but the "
+              "routed experts. Prompt's fp16 K/V: held while a compressing cache prefills (kv.prefill_fp16). "
+              "Paper's peak: the paper's measured peak for the model, with its own quantization."]
     body = "\n".join(lines)
     print(body)
     from _readme import save

@@ -1,5 +1,5 @@
 """What kv.prefill_fp16 costs in quality: the bundled model's held-out text in windows whose first half is prefilled in
-chunks, with the whole prefill kept in fp16 until it ends (the default) or at most N prefilled tokens in fp16 (the
+chunks, with the whole prefill kept in fp16 until it ends (kv.prefill_fp16 = all) or at most N prefilled tokens in fp16 (the
 bound: later chunks attend to the older tokens compressed, so the prompt's own hidden states change). The second half
 is scored in decode steps, as `rq eval ppl` scores it; every mode against fp16 on the same tokens.
 
@@ -47,7 +47,8 @@ def main() -> int:
     wins = windows(ids, a.context, a.windows)
     prefill = a.context // 2
     modes = {"fp16": KVSettings(mode="fp16"),
-             "isoquant3 (whole prefill in fp16)": KVSettings(mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW),
+             "isoquant3 (whole prefill in fp16)": KVSettings(mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW,
+                                                             prefill_fp16=None),
              f"isoquant3, prefill_fp16 {a.bound}": KVSettings(mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW,
                                                               prefill_fp16=a.bound)}
     nll: dict[str, list[float]] = {m: [] for m in modes}

@@ -61,17 +61,16 @@ def save(name: str, data: dict, table: str, path: Path | None = None) -> Path:
     path = Path(path) if path else RESULTS / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    tmp.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
     print(f"wrote {path}", file=sys.stderr)
     return path
 
 
 def write_section(name: str, body: str) -> None:
-    """Set the table of benchmarks/results/<name>.json (the run's metadata refreshed, its other fields kept)."""
-    path = RESULTS / f"{name}.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    save(name, {k: v for k, v in data.items() if k not in ("date", "machine", "mlx", "command", "table")}, body)
+    """benchmarks/results/<name>.json with this run's metadata and `body` as its table only (for a script that keeps
+    its data elsewhere)."""
+    save(name, {}, body)
 
 
 def block(name: str) -> str:

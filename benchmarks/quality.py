@@ -160,7 +160,9 @@ def main() -> None:
                 print(f"    FAIL {g['name']}: {g['value']:.4g} ({g['threshold']})", flush=True)
 
     now = datetime.now(timezone.utc)
-    out = {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "model": str(em.path), "device": str(mx.default_device()),
+    model = Path(em.path).resolve()
+    out = {"date": now.strftime("%Y-%m-%d %H:%M UTC"),
+           "model": str(model.relative_to(ROOT)) if model.is_relative_to(ROOT) else str(model), "device": str(mx.default_device()),
            "heldout": base, "settings": cfg.get("settings", {}), "thresholds": cfg["gates"], "modes": rows,
            "seconds": round(time.time() - t0, 1)}
     path = args.out

@@ -1,6 +1,10 @@
 """kv_decode on the GPU against float64 math on fresh random inputs, outputs poisoned (NaN) before each run: random code
 words and norms, scalar 3-bit and pair (128, 32) codebooks, head dims 64 / 128 / 256, f32 / f16 / bf16 outputs, rows
-1 .. 4096 of a larger buffer. Prints one line a case and the worst relative error; exit 1 on any failure."""
+1 .. 4096 of a larger buffer. Prints one line a case and the worst relative error; exit 1 on any failure, 2 without a
+GPU backend.
+
+    python3 tools/decode_check.py
+"""
 from __future__ import annotations
 
 import sys
@@ -16,6 +20,9 @@ from rq_core.packing import unpack_np  # noqa: E402
 
 
 def main() -> int:
+    if not K.available():
+        print("decode_check: needs MLX's Metal or CUDA backend (kv_decode runs on a GPU)", file=sys.stderr)
+        return 2
     K.POISON = True
     rng = np.random.default_rng(int.from_bytes(np.random.bytes(4), "little"))  # fresh inputs every run
     fails, worst = 0, 0.0

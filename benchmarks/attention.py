@@ -312,6 +312,9 @@ def table(rows: list[dict]) -> str:
     for n in names:
         cells = [f"{by[n, t]['us']:.1f} ({by[n, t]['ratio_vs_fp16']:.2f}x)" if (n, t) in by else "-" for t in ctx]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
+    out += ["", "qmm: mlx-lm's quantized attention (two `mx.quantized_matmul`, group 64). four-kernel: the pipeline "
+            "`rq profile` times. fused: one launch a layer, as the compressed caches attend on a GPU (isoquant3's "
+            "default: pair codebooks with the fp16 window)."]
     return "\n".join(out)
 
 

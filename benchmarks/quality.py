@@ -217,7 +217,8 @@ def render(out: dict) -> str:
     lines = [
         (f"Rows measured {min(r['measured'] for r in modes)} to {max(r['measured'] for r in modes)}"
          if out.get("combined") or out.get("merged") else f"Measured {out['date']}")
-        + f", model `{Path(out['model']).name}`. Held-out plays (never trained on): perplexity **{b['ppl']:.2f}** "
+        + (", the bundled model" if Path(out["model"]).name == "default_model" else f", model `{out['model']}`")
+        + f". Held-out plays (never trained on): perplexity **{b['ppl']:.2f}** "
         f"against **{b['unigram_ppl']:.1f}** for an add-one unigram model ({b['tokens']:,} tokens, no KV cache). "
         f"KV rows: {s.get('windows')} windows of {ref['context']} tokens ({ref['tokens']:,} scored) and "
         f"{s.get('full_windows')} of the full {ref['full_context']}; the first half of a window is prefilled and "

@@ -1,22 +1,21 @@
-"""Per-layer decode attention, side by side in one process (issue 4, item 4).
+"""Decode attention a layer on the GPU, every method side by side in one process.
 
 Shape: Qwen3-30B-A3B attention, batch 1, one new token: 32 query heads, 4 kv heads, head_dim 128.
-Methods: fp16 mx.fast.scaled_dot_product_attention; mlx-lm-style quantized attention (two
-mx.quantized_matmul, 8-bit and 4-bit, group 64); TurboQuant-3 (dense rotation as matmuls around our
-packed-attention kernels); IsoQuant-3 four-kernel pipeline (query rotation, A, B, C, D); IsoQuant-3
-fused split-context kernels (v1 fp32, v2 mma, v3 default); v4, the single-launch kernel (rotation,
-split-context attention, merge and inverse rotation in one launch; IsoQuant-3 and TurboQuant-3); v5, the
-same contract with warp-level streaming (--v5-configs adds thread/launch-bound/grid variants). GPU time of
-the kernels alone (MLX's per-op cost overlaps it): benchmarks/kernel_time.py under ncu.
-Also: per-stage times of the four-kernel pipeline, and Kernel C's word-parallel vs
-dimension-parallel times over context (the switch threshold).
+Methods: fp16 mx.fast.scaled_dot_product_attention; mlx-lm-style quantized attention (two mx.quantized_matmul, 8-bit
+and 4-bit, group 64); TurboQuant-3 (a dense rotation as matmuls around the packed-attention kernel); IsoQuant-3
+through the four-kernel pipeline (query rotation, scores, softmax, values, inverse rotation: what `rq profile` times)
+and through the fused single-launch kernel (scalar codebooks, the cache's 32-token fp16 window, and the pair
+codebooks (128, 32) that isoquant3 uses by default). Also the four-kernel pipeline stage by stage.
 
-Timing: each evaluation runs NL layers (each with its own K/V, so L2 never holds the context),
-median over repetitions of (wall time of mx.eval) / NL. Copy bandwidth is measured in the same run
-(MLX elementwise copy, and torch's device-to-device copy when torch is importable).
+Timing: each evaluation runs NL layers (each with its own K/V, so L2 never holds the context); with --chain layer
+i+1's query is layer i's output, and with --pipeline N the chained decode steps are queued while the GPU runs the
+previous one, host time included, as `rq run` decodes. Copy bandwidth is measured in the same run (MLX elementwise
+copy, and torch's device-to-device copy when torch is importable).
 
-    python3 benchmarks/attention.py [--contexts 4096,32768,131072] [--layers 16] [--reps 30] [--out DIR]
-        [--methods v4,=IsoQuant-3 fused] [--v4-blocks 132,528] [--v5-configs 256:2:264,512:1:132]
+    python3 benchmarks/attention.py --chain --pipeline 4 --layers 64 --reps 5 --skip-stages   # the README's table
+    python3 benchmarks/attention.py [--contexts 4096,32768,131072] [--methods SUBSTR,=EXACT] [--fused-configs ...]
+
+Writes benchmarks/results/attention.json.
 """
 
 from __future__ import annotations
@@ -109,6 +108,20 @@ def copy_bandwidth(reps: int = 20) -> dict:
     return res
 
 
+def quat_L(q: np.ndarray) -> np.ndarray:
+    """Matrix of v -> q * v (Hamilton product), q = (w, x, y, z) along the last axis."""
+    w, x, y, z = np.moveaxis(q, -1, 0)
+    return np.stack([np.stack([w, -x, -y, -z], -1), np.stack([x, w, -z, y], -1),
+                     np.stack([y, z, w, -x], -1), np.stack([z, -y, x, w], -1)], -2)
+
+
+def quat_R(p: np.ndarray) -> np.ndarray:
+    """Matrix of v -> v * p."""
+    w, x, y, z = np.moveaxis(p, -1, 0)
+    return np.stack([np.stack([w, -x, -y, -z], -1), np.stack([x, w, z, -y], -1),
+                     np.stack([y, -z, w, x], -1), np.stack([z, y, -x, w], -1)], -2)
+
+
 def dense_rotations(rng: np.random.Generator) -> np.ndarray:
     out = []
     for _ in range(HKV):
@@ -138,9 +151,6 @@ def build(T: int, nl: int, rng: np.random.Generator, qmm: bool = True) -> dict:
         L["vn"].append(mx.random.uniform(0.5, 2.0, (1, HKV, T)).astype(mx.float16))
         g = rng.standard_normal((HKV, D // 4, 2, 4))
         g /= np.linalg.norm(g, axis=-1, keepdims=True)
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from kernels_check import quat_L, quat_R
-
         conj = g[..., 1, :] * np.array([1.0, -1.0, -1.0, -1.0])
         L["mats"].append(mx.array((quat_L(g[..., 0, :]) @ quat_R(conj)).astype(np.float32)))
         L["dense"].append(mx.array(dense_rotations(rng)))
@@ -164,54 +174,41 @@ def qmm(L, i, bits):
 
 
 def turbo3(L, i):
-    """TurboQuant-3: dense per-head rotation as matmuls, then our packed kernels with no built-in rotation."""
+    """TurboQuant-3: a dense per-head rotation as matmuls around the packed-attention kernel (no rotation in it)."""
     T = L["kc"][i].shape[2]
     Pi = L["dense"][i]  # [Hkv, D, D]
     q = L["q"][i].astype(mx.float32).reshape(1, HKV, G, D)
     qr = (q @ Pi.swapaxes(-1, -2)[None]).reshape(1, HQ, 1, D)
-    o, _ = K.attention_split(qr, None, L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"], bits=BITS,
-                             scale=SCALE, valid_len=T, rot=0)
-    return (o.reshape(1, HKV, G, D) @ Pi[None]).reshape(1, HQ, 1, D)
+    o = K.attention_v5(qr, None, L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"], bits=BITS, scale=SCALE,
+                       valid_len=T, rot=0, want_lse=False)[0]
+    return (o.astype(mx.float32).reshape(1, HKV, G, D) @ Pi[None]).reshape(1, HQ, 1, D)
 
 
-def iso_v4(L, i, blocks=None):
-    """v4: one launch (rotation + split attention + merge + inverse rotation); output fp16 like the query."""
+def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=None):
+    """The fused kernel (rotation, split-context attention, merge and inverse rotation in one launch); the launch
+    configuration as given (threads per block, launch bound, block target, load-ahead depth, value decode, copy-ring
+    stages), else rq_core.kernels' defaults."""
     T = L["kc"][i].shape[2]
-    old = K.V4_BLOCKS
-    K.V4_BLOCKS = blocks or old  # read while the graph is built
-    try:
-        return K.attention_v4(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-                              bits=BITS, scale=SCALE, valid_len=T)[0]
-    finally:
-        K.V4_BLOCKS = old
+    return K.attention_v5(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+                          bits=BITS, scale=SCALE, valid_len=T, nth=nth, minb=minb, blocks=blocks, pf=pf, vdec=vdec,
+                          stage=stage, want_lse=False)[0]
 
 
-def iso_v4_window(L, i, nw=32, version="v4", key="win"):
-    """v4 (or v5) with the cache's fp16 window (the newest nw tokens unquantized) as one more split of the
+def iso_v5_window(L, i, nw=32, key="win"):
+    """The fused kernel with the cache's fp16 window (the newest nw tokens unquantized) as one more split of the
     same launch."""
     T = L["kc"][i].shape[2]
     if key not in L:  # one fp16 window per layer, built outside the timed region
         L[key] = [(mx.random.normal((1, HKV, nw, D)).astype(mx.float16),
                    mx.random.normal((1, HKV, nw, D)).astype(mx.float16)) for _ in range(len(L["kc"]))]
         mx.eval(L[key])
-    f = K.attention_v5 if version == "v5" else K.attention_v4
-    lse = {"want_lse": False} if version == "v5" else {}  # as the cache calls it
-    return f(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-             bits=BITS, scale=SCALE, valid_len=T, window=L[key][i], **lse)[0]
-
-
-def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=None):
-    """v5: v4's single launch with warp-level streaming (threads per block, launch bound, block target,
-    load-ahead depth, value decode, copy-ring stages)."""
-    T = L["kc"][i].shape[2]
     return K.attention_v5(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-                          bits=BITS, scale=SCALE, valid_len=T, nth=nth, minb=minb, blocks=blocks, pf=pf, vdec=vdec, stage=stage,
-                          want_lse=False)[0]
+                          bits=BITS, scale=SCALE, valid_len=T, window=L[key][i], want_lse=False)[0]
 
 
 def pair_inputs(L) -> None:
-    """Pair codebooks (kv.pair_points (128, 32)) for iso_v5_pair: random 7-bit key fields (14 words a row) and 5-bit
-    value fields (10 words), IsoQuant-3's bytes; random points. Built and evaluated once, before any timing."""
+    """Pair codebooks (kv.pair_points (128, 32)): random 7-bit key fields (14 words a row) and 5-bit value fields
+    (10 words), IsoQuant-3's bytes; random points. Built and evaluated once, before any timing."""
     if "kcp" in L:
         return
     T = L["kc"][0].shape[2]
@@ -222,41 +219,10 @@ def pair_inputs(L) -> None:
 
 
 def iso_v5_pair(L, i):
-    """v5 with pair codebooks (kv.pair_points (128, 32)); pair_inputs(L) first."""
+    """The fused kernel with pair codebooks (kv.pair_points (128, 32)); pair_inputs(L) first."""
     T = L["kcp"][i].shape[2]
     return K.attention_v5(L["q"][i], L["mats"][i], L["kcp"][i], L["kn"][i], L["vcp"][i], L["vn"][i], L["pv"], bits=5,
                           key_bits=7, key_levels=L["pk"], scale=SCALE, valid_len=T, want_lse=False)[0]
-
-
-def iso_v5_unminified(L, i):
-    """v5 (defaults) compiled from the source as written (RQ_KERNEL_MINIFY=0): MLX hashes the whole source
-    at every launch, so this row against v5's shows what the minified source saves a layer."""
-    old = os.environ.get("RQ_KERNEL_MINIFY")
-    os.environ["RQ_KERNEL_MINIFY"] = "0"
-    try:
-        return iso_v5(L, i)
-    finally:
-        if old is None:
-            del os.environ["RQ_KERNEL_MINIFY"]
-        else:
-            os.environ["RQ_KERNEL_MINIFY"] = old
-
-
-def iso_v5_sacc(L, i, sacc: int):
-    """v5 (defaults) with SACC score accumulators per warp step (read while the graph is built)."""
-    old = K.V5_SACC
-    K.V5_SACC = sacc
-    try:
-        return iso_v5(L, i)
-    finally:
-        K.V5_SACC = old
-
-
-def turbo_v4(L, i):
-    """TurboQuant-3 through v4: the dense rotation applied in-kernel (ROT_DENSE), one launch."""
-    T = L["kc"][i].shape[2]
-    return K.attention_v4(L["q"][i], L["dense"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-                          bits=BITS, scale=SCALE, valid_len=T, rot=K.ROT_DENSE)[0]
 
 
 def iso_four(L, i, strategy="auto"):
@@ -266,16 +232,10 @@ def iso_four(L, i, strategy="auto"):
 
 
 def iso_four_pair(L, i):
-    """The four kernels with pair codebooks (isoquant3's default, kv.pair_points (128, 32)); pair_inputs(L) first."""
+    """The four kernels with pair codebooks (kv.pair_points (128, 32)); pair_inputs(L) first."""
     T = L["kcp"][i].shape[2]
     return K.attention_four(L["q"][i], L["mats"][i], L["kcp"][i], L["kn"][i], L["vcp"][i], L["vn"][i], L["pv"], bits=5,
                             key_bits=7, key_levels=L["pk"], scale=SCALE, valid_len=T)
-
-
-def iso_fused(L, i, variant=None):
-    T = L["kc"][i].shape[2]
-    return K.attention_split(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-                             bits=BITS, scale=SCALE, valid_len=T, variant=variant)[0]
 
 
 def chained(L, f, nl: int, prev: mx.array | None = None) -> list:
@@ -329,8 +289,37 @@ def bytes_read(method: str, T: int) -> int:
     return rows * (D * BITS // 8 + 2)  # packed codes + fp16 norm
 
 
+METHODS = {  # name -> fn(L, i); the README's table runs all of them
+    "fp16 SDPA": fp16_sdpa,
+    "qmm 8-bit": lambda L, i: qmm(L, i, 8),
+    "qmm 4-bit": lambda L, i: qmm(L, i, 4),
+    "TurboQuant-3 (dense)": turbo3,
+    "IsoQuant-3 four-kernel": iso_four,
+    "IsoQuant-3 four-kernel pair codebooks": iso_four_pair,
+    "IsoQuant-3 fused": iso_v5,
+    "IsoQuant-3 fused + fp16 window 32": iso_v5_window,
+    "IsoQuant-3 fused pair codebooks": iso_v5_pair,
+}
+
+
+def table(rows: list[dict]) -> str:
+    """µs a layer, method by context, and the ratio to fp16 SDPA's time at the same context."""
+    ctx = sorted({r["context"] for r in rows})
+    by = {(r["method"], r["context"]): r for r in rows}
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    out = ["| method | " + " | ".join(f"{t // 1024 if t >= 1024 else t}{'K' if t >= 1024 else ''} µs (x fp16)" for t in ctx) + " |",
+           "| --- |" + " --- |" * len(ctx)]
+    for n in names:
+        cells = [f"{by[n, t]['us']:.1f} ({by[n, t]['ratio_vs_fp16']:.2f}x)" if (n, t) in by else "-" for t in ctx]
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    out += ["", "qmm: mlx-lm's quantized attention (two `mx.quantized_matmul`, group 64). four-kernel: the pipeline "
+            "`rq profile` times. fused: one launch a layer, as the compressed caches attend on a GPU (isoquant3's "
+            "default: pair codebooks with the fp16 window)."]
+    return "\n".join(out)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="4096,32768,131072")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--chain", action="store_true", help="layer i+1's query is layer i's output (as in a model's "
@@ -338,32 +327,22 @@ def main() -> None:
     ap.add_argument("--pipeline", type=int, default=0, help="with --chain: time this many decode steps of the "
                     "chained layers, each queued while the previous runs (rq generate's loop), host time included")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--skip-threshold", action="store_true")
-    ap.add_argument("--skip-stages", action="store_true")
+    ap.add_argument("--skip-stages", action="store_true", help="no stage-by-stage times of the four kernels")
     ap.add_argument("--methods", default="", help="comma-separated substrings (or =exact names): time only "
                     "matching methods (fp16 SDPA always runs: it is the baseline)")
-    ap.add_argument("--v4-blocks", default="", help="comma-separated block targets: extra v4 rows "
-                    "(default target: rq_core.kernels.V4_BLOCKS)")
-    ap.add_argument("--v5-configs", default="", help="comma-separated NTH:MINB:BLOCKS[:PF[:VDEC[:STAGE]]]: "
-                    "extra v5 rows (threads per block, launch bound, block target, load-ahead depth, value decode, "
-                    "copy-ring stages; default row: "
-                    "rq_core.kernels.V5_*)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--fused-configs", default="", help="comma-separated NTH:MINB:BLOCKS[:PF[:VDEC[:STAGE]]]: "
+                    "extra rows of the fused kernel (threads per block, launch bound, block target, load-ahead depth, "
+                    "value decode, copy-ring stages; default: rq_core.kernels' V5_* settings)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
-    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "mlx": mx.__version__,
-            "device": str(mx.default_device()), "backend": K.backend(), "layers": a.layers, "chain": a.chain,
+    info = {"device": str(mx.default_device()), "backend": K.backend(), "layers": a.layers, "chain": a.chain,
             "pipeline_steps": a.pipeline if a.chain else 0,
             "mlx_env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")}}
-    try:
-        info["gpu"] = mx.device_info().get("device_name", "")
-    except Exception:
-        pass
     print("attention benchmark:", info, flush=True)
     bw = copy_bandwidth()
     print("copy bandwidth:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in bw.items()}, flush=True)
     copy = bw["copy_TBps"]
-    rows, stage_rows, thr_rows = [], [], []
+    rows, stage_rows = [], []
     nl = a.layers
     keep = [m.strip() for m in a.methods.split(",")] if a.methods else []
 
@@ -372,30 +351,9 @@ def main() -> None:
 
     for T in [int(x) for x in a.contexts.split(",")]:
         L = build(T, nl, rng, qmm=wanted("qmm 8-bit") or wanted("qmm 4-bit"))
-        methods = {
-            "fp16 SDPA": lambda i: fp16_sdpa(L, i),
-            "qmm 8-bit": lambda i: qmm(L, i, 8),
-            "qmm 4-bit": lambda i: qmm(L, i, 4),
-            "TurboQuant-3 (dense)": lambda i: turbo3(L, i),
-            "IsoQuant-3 four-kernel": lambda i: iso_four(L, i),
-            "IsoQuant-3 fused fp32": lambda i: iso_fused(L, i, variant="fp32"),
-            "IsoQuant-3 fused mma": lambda i: iso_fused(L, i, variant="mma"),
-            "IsoQuant-3 fused": lambda i: iso_fused(L, i),
-            "IsoQuant-3 v4 (one launch)": lambda i: iso_v4(L, i),
-            "IsoQuant-3 v4 + fp16 window 32 (one launch)": lambda i: iso_v4_window(L, i),
-            "IsoQuant-3 v5 + fp16 window 32 (one launch)": lambda i: iso_v4_window(L, i, version="v5"),
-            "TurboQuant-3 v4 (dense, one launch)": lambda i: turbo_v4(L, i),
-        }
-        for nb in [int(x) for x in a.v4_blocks.split(",") if x]:
-            methods[f"IsoQuant-3 v4 {nb} blocks"] = lambda i, nb=nb: iso_v4(L, i, nb)
-        methods["IsoQuant-3 v5 (one launch)"] = lambda i: iso_v5(L, i)
-        # isoquant3's default codebooks since session 14: pairs of coordinates, 128 / 32 points (IsoQuant-3's bytes)
-        methods["IsoQuant-3 v5 pair codebooks (one launch)"] = lambda i: iso_v5_pair(L, i)
-        methods["IsoQuant-3 four-kernel pair codebooks"] = lambda i: iso_four_pair(L, i)
-        methods["IsoQuant-3 v5, one score accumulator"] = lambda i: iso_v5_sacc(L, i, 1)
-        methods["IsoQuant-3 v5, source as written"] = lambda i: iso_v5_unminified(L, i)
-        for cfg in [tuple(int(v) for v in x.split(":")) for x in a.v5_configs.split(",") if x]:
-            methods["IsoQuant-3 v5 " + "/".join(map(str, cfg))] = lambda i, cfg=cfg: iso_v5(L, i, *cfg)
+        methods = {name: (lambda i, f=f: f(L, i)) for name, f in METHODS.items()}
+        for cfg in [tuple(int(v) for v in x.split(":")) for x in a.fused_configs.split(",") if x]:
+            methods["IsoQuant-3 fused " + "/".join(map(str, cfg))] = lambda i, cfg=cfg: iso_v5(L, i, *cfg)
         methods = {k: f for k, f in methods.items() if wanted(k)}
         if any("pair codebooks" in k for k in methods):
             pair_inputs(L)
@@ -440,10 +398,8 @@ def main() -> None:
             "A qk_dot": lambda: [K.qk_dot(qr[j], L["kc"][j], L["kn"][j], L["levels"], bits=BITS, scale=SCALE,
                                           valid_len=T) for j in range(nl)],
             "B softmax": lambda: [K.softmax(sc[j]) for j in range(nl)],
-            "C value (word)": lambda: [K.value_accum(pr[j], L["vc"][j], L["vn"][j], L["levels"], bits=BITS,
-                                                     strategy="word") for j in range(nl)],
-            "C value (dim)": lambda: [K.value_accum(pr[j], L["vc"][j], L["vn"][j], L["levels"], bits=BITS,
-                                                    strategy="dim") for j in range(nl)],
+            "C value_accum": lambda: [K.value_accum(pr[j], L["vc"][j], L["vn"][j], L["levels"], bits=BITS)
+                                      for j in range(nl)],
             "D rotate_inverse": lambda: [K.rotate_inverse(ov[j], L["mats"][j], HKV) for j in range(nl)],
         }
         for name, f in stages.items():
@@ -452,27 +408,12 @@ def main() -> None:
             print(f"T={T:6d}   stage {name:18s} {us:8.1f} us", flush=True)
         del L, qr, sc, pr, ov
         mx.clear_cache()
-    if not a.skip_threshold:
-        L = build(8192, nl, rng)
-        for T in (64, 128, 256, 512, 1024, 2048, 4096, 8192):
-            pr = [K.softmax(mx.random.normal((1, HQ, 1, T))) for _ in range(nl)]
-            mx.eval(pr)
-            row = {"context": T}
-            for strat in ("word", "dim"):
-                row[strat] = statistics.median(timeit(
-                    lambda: [K.value_accum(pr[j], L["vc"][j], L["vn"][j], L["levels"], bits=BITS, strategy=strat)
-                             for j in range(nl)], nl, a.reps))
-            thr_rows.append(row)
-            print(f"Kernel C T={T:5d}: word {row['word']:7.1f} us  dim {row['dim']:7.1f} us", flush=True)
-    print("\n| context | method | us/layer | vs fp16 | TB/s | % copy | extra peak MiB |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['context'] // 1024}K | {r['method']} | {r['us']:.1f} | {r['ratio_vs_fp16']:.2f}x | "
-              f"{r['TBps']:.2f} | {100 * r['frac_copy']:.0f}% | {r['extra_peak_bytes'] / 2**20:.2f} |")
-    if a.out:
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        (Path(a.out) / "attention.json").write_text(json.dumps(
-            dict(info=info, copy=bw, rows=rows, stages=stage_rows, threshold=thr_rows), indent=1))
+    body = table(rows)
+    print("\n" + body)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _readme import save
+
+    save("attention", dict(info=info, copy=bw, rows=rows, stages=stage_rows), body)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,16 @@ Two comparisons, both with the shakespeare-moe recipe's group sizes:
   * "full recipe": the whole shakespeare-moe recipe (2-bit routed experts, 8-bit shared expert, ...),
     with the 4-bit roles RTN or GPTQ.
 Calibration text: the model's training text (never the held-out plays), or --calib FILE.
-Writes benchmarks/results/calib-ppl-<date>.json and the `calib-ppl` section of benchmarks/README.md.
 
-    python benchmarks/calib_ppl.py [MODEL] [--calib FILE] [--eval-tokens 16384] [--seq 512]
+    python3 benchmarks/calib_ppl.py [MODEL] [--calib FILE] [--eval-tokens 16384] [--seq 512] [--only dense|full]
+
+Writes benchmarks/results/calib_ppl.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import math
-import platform
 import shutil
 import sys
 import tempfile
@@ -51,7 +49,6 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=16384)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--calib-tokens", type=int, default=4096)
-    ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--only", choices=("dense", "full"), default=None,
                     help="run one comparison (the other's rows are left out of the JSON and table)")
     a = ap.parse_args()
@@ -99,18 +96,11 @@ def main() -> None:
                 print(key, results[key], flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__} ({mx.default_device()})",
-            "model": str(src), "eval_tokens": len(ids) - 1, "seq": a.seq, "calib": a.calib or ".train/train.txt[:200000]",
-            "calib_tokens": a.calib_tokens}
-    tag = f"-{a.only}" if a.only else ""
-    (ROOT / "benchmarks" / "results" / f"calib-ppl-{dt.date.today().isoformat()}{tag}.json").write_text(
-        json.dumps({"meta": meta, "results": results}, indent=1))
+    meta = {"model": str(src), "eval_tokens": len(ids) - 1, "seq": a.seq,
+            "calib": a.calib or ".train/train.txt[:200000]", "calib_tokens": a.calib_tokens}
     f = results["float"]
-    lines = ["## Calibrated 4-bit (GPTQ) against round-to-nearest (`python benchmarks/calib_ppl.py`)", "",
-             f"{meta['date']}, {meta['machine']}. Model {Path(meta['model']).name} (qwen2_moe), held-out plays "
-             f"({meta['eval_tokens']} tokens, windows of {a.seq}); GPTQ calibrated on {a.calib_tokens} tokens of "
-             "training text (no held-out play).", "",
+    lines = [f"Model {Path(meta['model']).name}, held-out plays ({meta['eval_tokens']:,} tokens, windows of {a.seq}); "
+             f"GPTQ calibrated on {a.calib_tokens:,} tokens of training text.", "",
              "| variant | 4-bit method | perplexity | vs float | weights MB |", "| --- | --- | --- | --- | --- |",
              f"| float (bf16) | - | {f:.3f} | - | - |"]
     for dense_only in halves:
@@ -120,10 +110,9 @@ def main() -> None:
                          f"{results[key] - f:+.3f} | {results[key + ' bytes'] / 1e6:.1f} |")
     body = "\n".join(lines)
     print(body)
-    if not a.no_readme:
-        from _readme import write_section
+    from _readme import save
 
-        write_section("calib-ppl", body)
+    save("calib_ppl", {"meta": meta, "results": results}, body)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""The memory planner on the real configs (tests/data/configs) with the shipped recipes, next to the
-paper's measured peaks. No weights are read. Writes the `plan` section of benchmarks/README.md.
+"""The memory planner on the real configs (tests/data/configs) with the shipped recipes, next to the paper's measured
+peaks. No weights are read, so it runs anywhere in a second.
 
-    python benchmarks/plan_table.py [--no-readme]
+    python3 benchmarks/plan_table.py
+
+Writes benchmarks/results/plan_table.json.
 """
 
 from __future__ import annotations
@@ -37,56 +39,32 @@ def main() -> None:
         at_paper = plan(cfg, r, budget=int(paper * 1e9))
         rows.append((cfg_name.removesuffix(".json"), rec_name, p, paper, at_paper))
     lines = [
-        "## Memory plans for the real configs (`python benchmarks/plan_table.py`)",
-        "",
-        "From each config and shipped recipe, without weights: bytes of the quantized weights, what stays",
-        "resident (everything but routed experts), KV cache at the recipe's context, the prompt's fp16 K/V",
-        "while a compressing cache prefills it (kv.prefill_fp16's 4,096 tokens and two layers' decoded context), a prefill",
-        "working reserve (512-token chunk), and how many expert slots per MoE layer then fit the budget.",
-        "The paper's peaks are its measured numbers (its own quantization, not ours).",
-        "",
-        "| model | recipe | weights GB | resident GB | routed GB | per expert MB | KV GB (ctx) | prefill fp16 KV GB "
-        "| reserve GB | budget GB | slots / experts | planned peak GB | paper peak GB "
-        "| slots with the paper's peak as budget |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| model | recipe | weights GB | resident GB | KV GB (context) | prompt's fp16 K/V GB | budget GB "
+        "| expert slots / layer | planned peak GB | paper's peak GB |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    data = []
     for name, rec, p, paper, ap in rows:
         lines.append(
-            f"| {name} | {rec} | {gb(p.total_bytes)} | {gb(p.resident_bytes)} | {gb(p.routed_bytes)} | "
-            f"{p.bytes_per_expert / 1e6:.2f} | {gb(p.kv_bytes)} ({p.context}) | {gb(p.prefill_fp16_bytes)} | "
-            f"{gb(p.activation_bytes)} | "
-            f"{gb(p.budget_bytes)} | {p.slots_per_layer} / {p.experts_per_layer} ({100 * p.expert_fraction:.0f}%) | "
-            f"{gb(p.planned_peak_bytes)} | {paper} | {ap.slots_per_layer} / {ap.experts_per_layer} "
-            f"({'fits' if ap.fits else 'does not fit'}) |")
-    lines += ["", "Long prompts: the prompt's fp16 K/V while a compressing cache prefills it, and the planned peak, with",
-              "kv.prefill_fp16 = 4096 (the default since session 17: its 4,096 tokens in fp16 plus two layers' decoded",
-              "context, the one waited for and the one queued ahead; benchmarks/README.md \"Long-prompt prefill\")",
-              "against \"all\" (the whole prompt in fp16 until it is done). Counted by the planner.", "",
-              "| model | recipe | context | prefill fp16 KV GB (bound 4096, default) | planned peak GB "
-              "| prefill fp16 KV GB (\"all\") | planned peak GB | slots / experts (default / \"all\") |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for cfg_name, rec_name, _ in CASES:
-        cfg = json.loads((ROOT / "tests" / "data" / "configs" / cfg_name).read_text())
-        for ctx in (32768, 131072):
-            r = recipe.load(rec_name)
-            r.kv.prefill_fp16 = 4096
-            b = plan(cfg, r, context=ctx)
-            r.kv.prefill_fp16 = None
-            w = plan(cfg, r, context=ctx)
-            lines.append(f"| {cfg_name.removesuffix('.json')} | {rec_name} | {ctx} | {gb(b.prefill_fp16_bytes)} | "
-                         f"{gb(b.planned_peak_bytes)} | {gb(w.prefill_fp16_bytes)} | {gb(w.planned_peak_bytes)} | "
-                         f"{b.slots_per_layer} / {w.slots_per_layer} of {b.experts_per_layer} |")
-    lines += ["", "Per-role bytes (GB):", "",
-              "| model | " + " | ".join(k for k in rows[0][2].role_bytes) + " |",
-              "| --- |" + " --- |" * len(rows[0][2].role_bytes)]
-    for name, _, p, _, _ in rows:
-        lines.append(f"| {name} | " + " | ".join(gb(v) for v in p.role_bytes.values()) + " |")
+            f"| {name} | {rec} | {gb(p.total_bytes)} | {gb(p.resident_bytes)} | {gb(p.kv_bytes)} ({p.context:,}) | "
+            f"{gb(p.prefill_fp16_bytes)} | {gb(p.budget_bytes)} | {p.slots_per_layer} / {p.experts_per_layer} | "
+            f"{gb(p.planned_peak_bytes)} | {paper} |")
+        data.append({"config": name, "recipe": rec, "paper_peak_gb": paper, "total_bytes": p.total_bytes,
+                     "resident_bytes": p.resident_bytes, "routed_bytes": p.routed_bytes,
+                     "bytes_per_expert": p.bytes_per_expert, "kv_bytes": p.kv_bytes, "context": p.context,
+                     "prefill_fp16_bytes": p.prefill_fp16_bytes, "activation_bytes": p.activation_bytes,
+                     "budget_bytes": p.budget_bytes, "slots_per_layer": p.slots_per_layer,
+                     "experts_per_layer": p.experts_per_layer, "planned_peak_bytes": p.planned_peak_bytes,
+                     "role_bytes": dict(p.role_bytes),
+                     "slots_at_paper_peak": ap.slots_per_layer, "fits_at_paper_peak": ap.fits})
+    lines += ["", "No weights read: the planner's count from each config and shipped recipe. Resident: everything but the "
+              "routed experts. Prompt's fp16 K/V: held while a compressing cache prefills (kv.prefill_fp16). "
+              "Paper's peak: the paper's measured peak for the model, with its own quantization."]
     body = "\n".join(lines)
     print(body)
-    if "--no-readme" not in sys.argv:
-        from _readme import write_section
+    from _readme import save
 
-        write_section("plan", body)
+    save("plan_table", {"rows": data}, body)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """What kv.prefill_fp16 costs in quality: the bundled model's held-out text in windows whose first half is prefilled in
-chunks, with the whole prefill kept in fp16 until it ends (the default) or at most N prefilled tokens in fp16 (the
+chunks, with the whole prefill kept in fp16 until it ends (kv.prefill_fp16 = all) or at most N prefilled tokens in fp16 (the
 bound: later chunks attend to the older tokens compressed, so the prompt's own hidden states change). The second half
 is scored in decode steps, as `rq eval ppl` scores it; every mode against fp16 on the same tokens.
 
-    python benchmarks/prefill_quality.py [--context 2048] [--windows 4] [--chunk 128] [--bound 128] [--json OUT]
+    python3 benchmarks/prefill_quality.py [--context 2048] [--windows 4] [--chunk 128] [--bound 128]
+
+Writes benchmarks/results/prefill_quality.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -23,20 +24,31 @@ from rq_core.eval import encode_ids, load_eval_model, load_heldout_text, window_
 from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
 
 
+def table(out: dict) -> str:
+    lines = ["| prefill | ΔPPL vs fp16 | ΔNLL ± 1.96 SE | mean KL | top-1 agreement |", "| --- | --- | --- | --- | --- |"]
+    for r in out["rows"]:
+        lines.append(f"| {r['mode']} | {100 * r['delta_ppl']:+.2f}% | {r['delta_nll']:+.4f} ± "
+                     f"{1.96 * r['delta_nll_se']:.4f} | {r['mean_kl']:.4f} | {r['top1_agreement']:.3f} |")
+    p = out["paired"]
+    lines.append(f"\n{p['a']} against {p['b']}: ΔNLL {p['delta_nll']:+.4f} ± {1.96 * p['se']:.4f} (1.96 SE over "
+                 f"{out['windows']} windows, {out['scored_tokens']} scored tokens)")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--chunk", type=int, default=128, help="prefill chunk (tokens)")
     ap.add_argument("--bound", type=int, default=128, help="kv.prefill_fp16 of the bounded row")
-    ap.add_argument("--json", default=None, help="write the result here")
     a = ap.parse_args()
     em = load_eval_model(None)
     ids = encode_ids(em.tokenizer, load_heldout_text())
     wins = windows(ids, a.context, a.windows)
     prefill = a.context // 2
     modes = {"fp16": KVSettings(mode="fp16"),
-             "isoquant3 (whole prefill in fp16)": KVSettings(mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW),
+             "isoquant3 (whole prefill in fp16)": KVSettings(mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW,
+                                                             prefill_fp16=None),
              f"isoquant3, prefill_fp16 {a.bound}": KVSettings(mode="isoquant3", fp16_window=DEFAULT_FP16_WINDOW,
                                                               prefill_fp16=a.bound)}
     nll: dict[str, list[float]] = {m: [] for m in modes}
@@ -70,18 +82,15 @@ def main() -> int:
     paired = {"a": names[2], "b": names[1], "delta_nll": float(diff.mean()),
               "se": float(diff.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan"),
               "per_window": [float(x) for x in diff]}
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": str(mx.default_device()),
-           "mlx": mx.__version__, "context": a.context, "prefill": prefill, "prefill_chunk": a.chunk,
+    out = {"device": str(mx.default_device()), "context": a.context, "prefill": prefill, "prefill_chunk": a.chunk,
            "windows": n, "scored_tokens": count, "bound": a.bound, "rows": rows, "paired": paired,
            "seconds": time.perf_counter() - t0}
-    for r in rows:
-        print(f"{r['mode']:<36} ppl {r['ppl']:8.3f}  ΔPPL {100 * r['delta_ppl']:+6.2f}% "
-              f"(ΔNLL {r['delta_nll']:+.4f} ± {1.96 * r['delta_nll_se']:.4f})  KL {r['mean_kl']:.4f}  "
-              f"top-1 {r['top1_agreement']:.3f}")
-    print(f"{paired['a']} − {paired['b']}: ΔNLL {paired['delta_nll']:+.4f} ± {1.96 * paired['se']:.4f} (1.96 SE over "
-          f"{n} windows)")
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    body = table(out)
+    print(body)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _readme import save
+
+    save("prefill_quality", out, body)
     return 0
 
 

@@ -5,25 +5,25 @@ quantized by role as recipes/qwen3-16gb.toml does (attention 4-bit, routed exper
 8-bit, embeddings and head 6-bit; round-to-nearest: timing does not depend on the method). With
 --layers below 48 the per-layer parts are scaled to 48 (`layer_scale`). Context by synthetic fill.
 
-    python benchmarks/profile_gpu.py --layers 48 --contexts 2048,8192,32768 --kv isoquant3,fp16 --out DIR
+    python3 benchmarks/profile_gpu.py --layers 48 --contexts 2048,8192,32768 --kv isoquant3,fp16
 
 Compressed caches are as `rq run` makes them: the 32-token fp16 window (--window) and isoquant3's defaults (pair
-codebooks (128, 32) since session 14).
+codebooks (128, 32)). The paper measured a 45% KV-attention share of decode time for this model.
 
-Writes DIR/profile_gpu.json and DIR/profile_gpu.md (the table for benchmarks/README.md).
+Writes benchmarks/results/profile_gpu.json (after every context, so a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
@@ -32,6 +32,8 @@ from rq_core.checkpoint import build_model  # noqa: E402
 from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
 from rq_core.models.base import SwitchLinear  # noqa: E402
 from rq_core.profile import STAGES, backend, profile_model  # noqa: E402
+
+import _readme as results  # noqa: E402
 
 CONFIG = ROOT / "tests" / "data" / "configs" / "qwen3-30b-a3b.json"
 PAPER_SHARE = 0.45  # the paper's KV-attention share of decode time for Qwen3-30B-A3B
@@ -102,24 +104,6 @@ def table(reports: list[dict], layers: int) -> str:
     return "\n".join(lines)
 
 
-def readme_section(saved: dict) -> None:
-    from benchmarks._readme import write_section
-
-    m = saved["meta"]
-    body = (f"## Where decode time goes: Qwen3-30B-A3B shape (`python benchmarks/profile_gpu.py`)\n\n"
-            f"{m['date']}, {m['device']} ({m['backend']}), MLX {m['mlx']}. Random weights in the real config, "
-            f"quantized as recipes/qwen3-16gb.toml (attention 4-bit, experts 2-bit, router 8-bit, embeddings and "
-            f"head 6-bit), {m['layers_timed']} layers timed"
-            + ("" if m["layers_timed"] == 48 else f" and per-layer parts scaled to 48")
-            + (f"; compressed caches as `rq run` makes them (a {m['fp16_window']}-token fp16 window, isoquant3's pair "
-               "codebooks)" if m.get("fp16_window") else "")
-            + ". Context by synthetic fill (random K/V appended to every layer's cache, then compressed). "
-            "One decode step = one evaluation of the whole model; the parts are each kind of call replayed "
-            "alone for all layers (medians of repeats, in turns). The paper measured a 45% KV-attention share "
-            "for Qwen3-30B-A3B (on an Apple GPU, its own kernels).\n" + table(saved["reports"], m["layers_timed"]))
-    write_section("profile", body)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=48)
@@ -129,22 +113,13 @@ def main() -> None:
                     help="compressed caches' fp16 window (rq run's default; 0: the bare cache)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--out", default=".")
-    ap.add_argument("--readme-from", help="Write the README section from a saved profile_gpu.json and exit.")
     args = ap.parse_args()
-    if args.readme_from:
-        readme_section(json.loads(Path(args.readme_from).read_text()))
-        return
     t0 = time.time()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     model, cfg = build(args.layers)
     print(f"built {args.layers} layers in {time.time() - t0:.1f} s; device {mx.default_device()}; "
           f"active {mx.get_active_memory() / 2**30:.2f} GiB", flush=True)
     contexts = [int(c) for c in args.contexts.split(",")]
-    meta = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "machine": platform.node(),
-            "device": str(mx.default_device()), "backend": backend(), "mlx": mx.__version__,
-            "layers_timed": args.layers, "config": "qwen3-30b-a3b", "paper_share": PAPER_SHARE,
+    meta = {"device": str(mx.default_device()), "backend": backend(), "layers_timed": args.layers, "config": "qwen3-30b-a3b", "paper_share": PAPER_SHARE,
             "repeats": args.repeats, "warmup": args.warmup, "fp16_window": args.window}
     reports: list[dict] = []
 
@@ -152,7 +127,7 @@ def main() -> None:
         # Written after every context, so a run cut short still leaves what it measured.
         meta["peak_memory_bytes"] = int(mx.get_peak_memory())
         done = reports + ([partial] if partial else [])
-        (out / "profile_gpu.json").write_text(json.dumps({"meta": meta, "reports": done}, indent=1))
+        results.save("profile_gpu", {"meta": meta, "reports": done}, table(done, args.layers))
 
     for mode in args.kv.split(","):
         t1 = time.time()
@@ -173,9 +148,7 @@ def main() -> None:
         print(f"{mode}: {time.time() - t1:.1f} s", flush=True)
         reports.append(rep)
         save()
-    md = table(reports, args.layers)
-    (out / "profile_gpu.md").write_text(md + "\n")
-    print(md)
+    print(table(reports, args.layers))
 
 
 if __name__ == "__main__":

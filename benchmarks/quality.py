@@ -1,11 +1,12 @@
-"""The README's quality table on the bundled model: held-out perplexity against a unigram model, then
-for each KV cache (fp16, turbo3, IsoQuant-3 with every rotation) ΔPPL, needle retrieval and the
-twelve gates of `rq eval gates` (thresholds: rq_core/assets/gates.toml).
+"""The README's quality table on the bundled model: held-out perplexity against a unigram model, then for each KV
+cache (fp16, turbo3, IsoQuant-3 with every rotation; --window-row adds the default configuration) ΔPPL, needle
+retrieval and the twelve gates of `rq eval gates` (thresholds: rq_core/assets/gates.toml).
 
-    python benchmarks/quality.py [--model DIR] [--readme]
+    python3 benchmarks/quality.py --window-row 32          # the README's table
+    python3 benchmarks/quality.py --only turbo3 --merge    # rerun some rows into the results file
+    python3 benchmarks/quality.py --combine a.json b.json:fp16,turbo3 --out c.json   # one table from earlier files
 
-Writes benchmarks/results/quality-<date>.json; with --readme also the `quality` section of
-benchmarks/README.md. On a CPU this takes tens of minutes (the gates' settings decide).
+Writes benchmarks/results/quality.json (or --out). On a CPU this takes tens of minutes (the gates' settings decide).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's QR (turbo3's dense
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 
@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._readme import write_section  # noqa: E402
+from benchmarks._readme import RESULTS, save  # noqa: E402
 from rq_core import eval as ev  # noqa: E402
 from rq_core.kv_cache import DEFAULT_EDGE_LAYERS  # noqa: E402
 
@@ -90,21 +90,17 @@ def main() -> None:
                     help="the windowed rows' first and last N compressed layers at 4 bits (kv.edge_layers; default "
                          f"{DEFAULT_EDGE_LAYERS}, as rq run; labels end in +eN). The bare rows have none, as the paper")
     ap.add_argument("--only", default="", help="comma-separated row labels to run (e.g. isoquant3/wht_so4+w32)")
-    ap.add_argument("--merge", default=None, metavar="JSON",
-                    help="add the rows run into this earlier results file (same model and settings required), "
-                         "replacing rows of the same label, instead of writing a new one")
+    ap.add_argument("--out", type=Path, default=RESULTS / "quality.json", help="results file (default %(default)s)")
+    ap.add_argument("--merge", action="store_true",
+                    help="add the rows run into the results file (same model and settings required), replacing rows "
+                         "of the same label, instead of overwriting it")
     ap.add_argument("--combine", nargs="+", default=None, metavar="FILE[:LABEL,...]",
                     help="run nothing: one table from earlier results files of the same model and settings (each "
                          "file's rows, or only the labels named; a later file's row replaces one of the same label), "
-                         "written to benchmarks/results/quality-combined-<date>.json")
-    ap.add_argument("--readme", action="store_true", help="write the section of benchmarks/README.md")
+                         "written to --out")
     args = ap.parse_args()
     if args.combine:
-        out = combine(args.combine)
-        table = render(out)
-        print(table)
-        if args.readme:
-            write_section("quality", table)
+        print(render(combine(args.combine, args.out)))
         return
 
     t0 = time.time()
@@ -164,33 +160,28 @@ def main() -> None:
                 print(f"    FAIL {g['name']}: {g['value']:.4g} ({g['threshold']})", flush=True)
 
     now = datetime.now(timezone.utc)
-    out = {"date": now.strftime("%Y-%m-%d %H:%M UTC"), "model": str(em.path), "device": str(mx.default_device()),
-           "machine": platform.node(), "mlx": mx.__version__, "heldout": base,
-           "settings": cfg.get("settings", {}), "thresholds": cfg["gates"], "modes": rows,
+    model = Path(em.path).resolve()
+    out = {"date": now.strftime("%Y-%m-%d %H:%M UTC"),
+           "model": str(model.relative_to(ROOT)) if model.is_relative_to(ROOT) else str(model), "device": str(mx.default_device()),
+           "heldout": base, "settings": cfg.get("settings", {}), "thresholds": cfg["gates"], "modes": rows,
            "seconds": round(time.time() - t0, 1)}
-    res_dir = ROOT / "benchmarks" / "results"
-    res_dir.mkdir(parents=True, exist_ok=True)
-    path = res_dir / f"quality-{now.strftime('%Y-%m-%d')}.json"
+    path = args.out
     if args.merge:
-        path = Path(args.merge)
         old = json.loads(path.read_text())
         if old["settings"] != out["settings"] or abs(old["heldout"]["ppl"] - base["ppl"]) > 1e-6 * base["ppl"]:
             raise SystemExit(f"--merge: {path} was measured with other settings or another model")
         new_labels = {r["kv"] for r in rows}
         out = dict(old, modes=[r for r in old["modes"] if r["kv"] not in new_labels] + rows,
                    merged=old.get("merged", []) + [out["date"]])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp, path)
+        out.pop("machine", None)  # this run's (save)
     table = render(out)
+    save("quality", out, table, path)
     print(table)
-    if args.readme:
-        write_section("quality", table)
 
 
-def combine(specs: list[str], path: Path | None = None) -> dict:
+def combine(specs: list[str], path: Path) -> dict:
     """One results dict from FILE[:LABEL,...] specs of the same model, settings and held-out text (rows in the order
-    given; a later row replaces an earlier one of the same label); written atomically beside the others."""
+    given; a later row replaces an earlier one of the same label), written to `path` (date: the first file's)."""
     out: dict | None = None
     rows: dict[str, dict] = {}
     for spec in specs:
@@ -198,7 +189,8 @@ def combine(specs: list[str], path: Path | None = None) -> dict:
         d = json.loads(Path(src).read_text())
         keep = [x for x in labels.split(",") if x]
         if out is None:
-            out = dict(d, merged=[])
+            out = {k: v for k, v in d.items() if k not in ("command", "table")}
+            out["merged"] = []
         elif d["settings"] != out["settings"] or abs(d["heldout"]["ppl"] / out["heldout"]["ppl"] - 1) > 1e-6:
             raise SystemExit(f"--combine: {src} was measured with other settings or another model")
         missing = set(keep) - {r["kv"] for r in d["modes"]}
@@ -213,11 +205,8 @@ def combine(specs: list[str], path: Path | None = None) -> dict:
     modes = list(rows.values())
     modes.sort(key=lambda r: r["kv"] != "fp16")  # the reference first (render reads its details)
     now = datetime.now(timezone.utc)
-    out.update(modes=modes, date=now.strftime("%Y-%m-%d %H:%M UTC"), combined=specs)
-    path = path or ROOT / "benchmarks" / "results" / f"quality-combined-{now.strftime('%Y-%m-%d')}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp, path)
+    out.update(modes=modes, date=now.strftime("%Y-%m-%d %H:%M UTC"), combined=[Path(s).name for s in specs])
+    save("quality", out, render(out), path)
     return out
 
 
@@ -226,49 +215,31 @@ def render(out: dict) -> str:
     modes = out["modes"]
     ref = modes[0]["details"]
     lines = [
-        f"## KV cache quality on the bundled model (`python benchmarks/quality.py --readme`)", "",
-        (f"Rows measured {min(r['measured'] for r in modes)} to {max(r['measured'] for r in modes)} (combined "
-         f"{out['date']})" if out.get("combined") else f"Measured {out['date']}")
-        + f" on {out['device']} (MLX {out['mlx']}), model `{Path(out['model']).name}` "
-        f"(the shipped role-quantized qwen2_moe trained on Shakespeare). Held-out plays (Macbeth, Julius Caesar, "
-        f"Twelfth Night; never trained on): perplexity **{b['ppl']:.2f}** against **{b['unigram_ppl']:.1f}** for an "
-        f"add-one unigram model (counts from the {b.get('unigram_counts', 'training corpus')}; {b['tokens']:,} tokens, "
-        f"windows of {b['context']}, no KV cache).", "",
-        f"Each KV row: windows of {ref['context']} tokens ({s.get('windows')} windows, {ref['tokens']:,} scored tokens) "
-        f"and of the full {ref['full_context']} ({s.get('full_windows')} windows); the first half of a window is "
-        f"prefilled, `end_prefill()` compresses it, the second half is scored in decode steps that read the "
-        f"compressed cache. ΔPPL is relative to fp16 on the same tokens. Needle: a 5-digit secret number in the "
-        f"held-out text at lengths {s.get('niah_lengths')} × depths {s.get('niah_depths')}, {ref['needle_trials']} "
-        f"needles, exact match; gates: `rq eval gates` (thresholds fixed in rq_core/assets/gates.toml).", "",
-        "| KV cache | PPL | ΔPPL | ΔPPL full context | mean KL | top-1 agree | needle acc (fp16) | KV bytes / fp16 | gates passed | failed gates |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        (f"Rows measured {min(r['measured'] for r in modes)} to {max(r['measured'] for r in modes)}"
+         if out.get("combined") or out.get("merged") else f"Measured {out['date']}")
+        + (", the bundled model" if Path(out["model"]).name == "default_model" else f", model `{out['model']}`")
+        + f". Held-out plays (never trained on): perplexity **{b['ppl']:.2f}** "
+        f"against **{b['unigram_ppl']:.1f}** for an add-one unigram model ({b['tokens']:,} tokens, no KV cache). "
+        f"KV rows: {s.get('windows')} windows of {ref['context']} tokens ({ref['tokens']:,} scored) and "
+        f"{s.get('full_windows')} of the full {ref['full_context']}; the first half of a window is prefilled and "
+        f"compressed, the second half scored in decode steps. ΔPPL and KL against fp16 on the same tokens; needles: "
+        f"{ref['needle_trials']} five-digit numbers hidden in held-out text, exact match.", "",
+        "| KV cache | PPL | ΔPPL | ΔPPL full context | mean KL | top-1 agree | needle acc (fp16) | KV bytes / fp16 | gates passed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in modes:
         d = r["details"]
         g = {x["name"]: x for x in r["gates"]}
-        failed = ", ".join(x["name"] for x in r["gates"] if not x["passed"]) or "-"
         lines.append(
             f"| {r['kv']} | {d['ppl']:.3f} | {d['ppl'] / d['ppl_fp16'] - 1:+.3%} | {d['ppl_full'] / d['ppl_full_fp16'] - 1:+.3%} "
             f"| {g['mean_kl']['value']:.4f} | {g['top1_agreement']['value']:.3f} "
             f"| {d['needle_accuracy']:.2f} ({d['needle_accuracy_fp16']:.2f}) | {g['kv_bytes_ratio']['value']:.3f} "
-            f"| {r['passed']}/{r['total']} | {failed} |")
+            f"| {r['passed']}/{r['total']} |")
     lines.append("")
-    if out.get("combined"):
-        lines.append("Combined from earlier runs of the same model, settings and sample (`--combine`), each row as "
-                     "measured: " + ", ".join(f"`{r['kv']}` {r['measured']}" for r in modes) + ". `+wN`: the cache "
-                     "keeps its newest N tokens in fp16; `+pKxV`: pair codebooks of K (keys) and V (values) points; "
-                     "`+eN`: the first and last N compressed layers at 4 bits (`kv.edge_layers`). Rows without "
-                     "`+nogain` have the values' reconstruction gain where measured after 2026-12-01 03:00 UTC.")
-        lines.append("")
-    elif out.get("merged"):
-        lines.append(f"Rows added later with the same model and settings ({', '.join(out['merged'])}): "
-                     + ", ".join(f"`{r['kv']}` {r['measured']}" for r in modes if r.get("measured"))
-                     + ". `+wN`: the cache keeps its newest N tokens in fp16."
-                     + (" `+pKxV`: pair codebooks of K (keys) and V (values) points (`kv.pair_points`)."
-                        if any("+p" in r["kv"] for r in modes) else ""))
-        lines.append("")
-    lines.append("fp16 fails `kv_bytes_ratio` by construction (it does not compress). On the CPU the model runs "
-                 "with float32 activations, so the fp16 cache holds float32 (ratio 2.0).")
+    lines.append("`+wN`: the newest N tokens kept in fp16; `+pKxV`: pair codebooks of K (keys) and V (values) points; "
+                 "`+eN`: the first and last N compressed layers at 4 bits; `+nogain`: without the values' "
+                 "reconstruction gain. The bare rows (no suffix) are the paper's rotation ablation: scalar codebooks, no window. "
+                 "fp16 fails `kv_bytes_ratio` by construction; on the CPU its cache holds float32 (ratio 2.0).")
     return "\n".join(lines) + "\n"
 
 

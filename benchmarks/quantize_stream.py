@@ -1,16 +1,16 @@
 """Streaming quantization: peak memory of `rq quantize` on a synthetic checkpoint several times larger
 than that peak. Runs the quantizer in a fresh process and reports its peak RSS (ru_maxrss) and MLX's
-peak allocation next to the checkpoint size. Writes the `quantize-stream` section of benchmarks/README.md.
+peak allocation next to the checkpoint size.
 
-    python benchmarks/quantize_stream.py [--layers 16] [--hidden 1024] [--experts 16]
+    python3 benchmarks/quantize_stream.py [--layers 16] [--hidden 1024] [--experts 16]
+
+Writes benchmarks/results/quantize_stream.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -41,7 +41,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--no-readme", action="store_true")
     a = ap.parse_args()
     import mlx.core as mx
 
@@ -86,16 +85,10 @@ def main() -> None:
         r = json.loads(out.stdout.strip().splitlines()[-1])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    r.update({"checkpoint_bytes": size, "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "machine": f"{platform.machine()} {platform.system()}, mlx {mx.__version__} (cpu)", "config": cfg})
-    (ROOT / "benchmarks" / "results" / f"quantize-stream-{dt.date.today().isoformat()}.json").write_text(
-        json.dumps(r, indent=1))
+    r.update({"checkpoint_bytes": size, "config": cfg})
     body = "\n".join([
-        "## Streaming quantization (`python benchmarks/quantize_stream.py`)",
-        "",
-        f"{r['date']}, {r['machine']}. Synthetic bf16 Qwen3-MoE-shaped checkpoint ({a.layers} layers, hidden "
-        f"{a.hidden}, {a.experts} experts, hub layout with one tensor per expert), quantized with qwen3-16gb (RTN) "
-        "in a fresh process.",
+        f"Synthetic bf16 Qwen3-MoE-shaped checkpoint ({a.layers} layers, hidden {a.hidden}, {a.experts} experts, hub "
+        "layout with one tensor per expert), quantized with qwen3-16gb (RTN) in a fresh process.",
         "",
         "| checkpoint | output | peak MLX allocation | peak RSS (whole process) | RSS before quantizing | checkpoint / peak MLX |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -103,10 +96,10 @@ def main() -> None:
         f"{r['peak_rss'] / 1e6:.0f} MB | {r['rss_before'] / 1e6:.0f} MB | {size / r['peak_mlx']:.1f}x |",
     ])
     print(body)
-    if not a.no_readme:
-        from _readme import write_section
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _readme import save
 
-        write_section("quantize-stream", body)
+    save("quantize_stream", r, body)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,15 @@ queries are Gaussian. For each variant we quantize K and V exactly as the IsoQua
 attention, and compare with fp32 attention on the original K/V. Errors are relative L2 norms,
 averaged over layers × kv heads (each (layer, head) has its own rotation parameters).
 
-    python benchmarks/rotation_error.py [--dim 128] [--tokens 512] [--layers 16] [--queries 16] [--json]
+    python3 benchmarks/rotation_error.py [--dim 128] [--tokens 512] [--layers 16] [--queries 16]
+
+Synthetic keys on the CPU: the table ranks rotations, it does not predict perplexity (benchmarks/quality.py does).
+Writes benchmarks/results/rotation_error.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import sys
@@ -100,16 +102,9 @@ def main():
     p.add_argument("--outliers", type=int, default=4, help="outlier channels per head")
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--readme", action="store_true", help="also write the table into benchmarks/README.md")
     args = p.parse_args()
-    args.cmdline = " ".join(a for a in sys.argv[1:] if a not in ("--readme", "--json"))
     t0 = time.time()
     rows = run(args)
-    if args.json:
-        print(json.dumps([{"scenario": s, "rotation": v, "norm_correction": nc,
-                           **{k: float(x.mean()) for k, x in r.items()}} for (s, v, nc), r in rows.items()]))
-        return
     n = args.layers * args.kv_heads
     lines = [f"{args.bits}-bit K+V, d={args.dim}, T={args.tokens}, {args.kv_heads} kv heads × {args.layers} layers "
              f"(n={n} rotations per cell, mean ± s.e.), {args.outliers} outlier channels 10-50×, "
@@ -136,21 +131,11 @@ def main():
             for v in VARIANTS))
     lines += ["", "Lowest mean output error (plain norm): " + ", ".join(f"{s}: {v}" for s, v in best.items())]
     print("\n".join(lines))
-    if args.readme:
-        from benchmarks._readme import write_section
+    from benchmarks._readme import save
 
-        cmd = "python benchmarks/rotation_error.py" + ("" if not args.cmdline else " " + args.cmdline)
-        head = [f"## Rotation ablation: compressed attention error on outlier keys (`{cmd} --readme`)", "",
-                f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.node() or 'this machine'} "
-                f"({_cpu()}, CPU, MLX {mx.__version__}). Keys: Gaussian plus {args.outliers} outlier channels per head, "
-                "10-50× larger: `zero-mean` (random sign per token) and `biased` (a fixed sign per channel, like "
-                "real keys' massive channels). Values and queries Gaussian. K and V are quantized as the cache does "
-                "(norm, rotation, sphere Lloyd-Max codebook, packing) and attended by the reference compressed-space "
-                "attention; errors are relative L2 against fp32 attention on the original K/V. Each (layer, kv head) "
-                "has its own rotation parameters; the paired columns compare variants on the same keys. Output errors are "
-                "large in absolute terms because the outlier channels make the fp32 softmax sharp, so 3-bit key noise "
-                "reorders the top keys: the table ranks rotations, it does not predict perplexity.", ""]
-        write_section("rotation", "\n".join(head + lines))
+    data = [{"scenario": sc, "rotation": v, "norm_correction": nc, **{k: float(x.mean()) for k, x in r.items()}}
+            for (sc, v, nc), r in rows.items()]
+    save("rotation_error", {"cpu": _cpu(), "rows": data}, "\n".join(lines))
 
 
 def _cpu() -> str:

@@ -7,10 +7,10 @@ Stages (each reads what the one before wrote under --data, default `.train/`, gi
     python scripts/train_reference.py train --out DIR --time-budget 540 --reserve 40   # one H200
     rq quantize DIR --recipe shakespeare-moe --out rq_core/assets/default_model
 
-The shipped model (2026-11-30) was trained in two phases by `scripts/train_two_phase_gpu.sh` (a copy-task
-phase until induction forms, then text + needles), then continued for 4,186 steps: its lineage and logs are
-in rq_core/assets/default_model/train_log.md and docs/TRAINING_NOTES.md (H200, MLX 0.32.4's CUDA build;
-training fits the budget from the measured step time, so a different machine runs other step counts).
+The bundled model was trained in two phases by `scripts/train_two_phase.sh` (a copy-task phase until induction
+forms, then text + needles), then continued with `train --init`: its lineage is in
+rq_core/assets/default_model/train_log.md and docs/TRAINING_NOTES.md. Training fits the time budget from the
+measured step time, so another machine runs other step counts.
 
 `train` writes a Hugging Face-format checkpoint to DIR (config.json with model_type qwen2_moe,
 safetensors with HF names, sharded below --shard-mb, tokenizer.json, tokenizer_config.json,
@@ -161,11 +161,10 @@ def needle_batch_rows(rng: np.random.Generator, rows: np.ndarray, pieces: dict, 
 def copy_rows(rng: np.random.Generator, rows: np.ndarray, vocab: int, max_span: int = 256) -> None:
     """Overwrite rows (in place) with a random token span of 16..256 tokens repeated to fill the row.
 
-    Measured 2026-11-29 on the H200: needles alone (half the rows, answer digits weighted 10x, 3,568
-    steps) left the model with no copying at all (needle accuracy 0, repeated random tokens not
-    predicted), while a tiny model (benchmarks/diag/copy_task.py) learns this copy task in ~200 steps.
-    With 2 of 16 rows of this kind (--copy-share 0.125, 2,268 steps) the full model still did not learn
-    it (loss on repeats stayed at ln(vocab)), so it is off by default until that is understood."""
+    Needles alone do not teach the model to copy from its context, and copy rows mixed into text from
+    the first step did not either (docs/TRAINING_NOTES.md): a copy-task phase comes first
+    (scripts/train_two_phase.sh), and these rows (--copy-share) keep the copy heads in the text phase.
+    Off by default."""
     B, T = rows.shape
     for b in range(B):
         n = int(rng.integers(16, max_span + 1))

@@ -1,4 +1,4 @@
-"""benchmarks/kv_study.py: the split-bits emulation cache matches the real packed cache, bytes, paired statistics."""
+"""tools/kv_study.py: the split-bits emulation cache matches the real packed cache, bytes, paired statistics."""
 
 import math
 import sys
@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.kv_study import (PairVQCache, PairVQKeysCache, pair_codebook_points, QJLKeysCache, SplitBitsCache, Setting, StudyCache, all_settings,  # noqa: E402
+from tools.kv_study import (PairVQCache, PairVQKeysCache, pair_codebook_points, QJLKeysCache, SplitBitsCache, Setting, StudyCache, all_settings,  # noqa: E402
                                  packed_bytes, paired_stats, pairwise)
 from rq_core.errors import RQError  # noqa: E402
 from rq_core.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, dequantize_kv, make_kv_cache,  # noqa: E402
@@ -100,19 +100,15 @@ def test_pair_points_settings():
 
 
 def test_pair_codebooks_on_a_gpu_dispatch(monkeypatch):
-    """With a GPU backend, a pair-codebook cache appends with kv_append (its pair path) and attends with attn_v5
-    (PK / PV); RQ_ATTN=v4 (one width, scalar codebooks only) declines to the reference path."""
+    """With a GPU backend, a pair-codebook cache appends with kv_append (its pair path) and attends with the fused
+    kernel (PK / PV)."""
     from rq_core import kernels as K
-
-    def no_kernel(*a, **k):
-        raise AssertionError("v4 was called with pair codebooks")
 
     appended, attended = [], []
     monkeypatch.setattr(K, "available", lambda: True)
     monkeypatch.setattr(K, "append_mode", lambda: "kernel")
     monkeypatch.setattr(K, "kv_append_codes", lambda *a, **k: appended.append(k) or None)
     monkeypatch.setattr(K, "attention_v5", lambda *a, **k: attended.append((a, k)) or (a[0], None))
-    monkeypatch.setattr(K, "attention_v4", no_kernel)
     d = 128  # a head dim the kernels cover (rows of whole words: 14 and 10)
     c = IsoQuantCache(head_dim=d, n_kv_heads=HKV, pair_points=(128, 32))
     k, v = _rand((B, HKV, 3, d), 1), _rand((B, HKV, 3, d), 2)
@@ -125,8 +121,6 @@ def test_pair_codebooks_on_a_gpu_dispatch(monkeypatch):
     assert K.fused_attend(q, c.rotation, kc, kn, vc, vn, c.levels, **args) is not None
     (a, kw), = attended
     assert a[6] is c.levels and kw["key_levels"] is c.k_levels and kw["key_bits"] == 7 and kw["bits"] == 5
-    monkeypatch.setenv("RQ_ATTN", "v4")
-    assert K.fused_attend(q, c.rotation, kc, kn, vc, vn, c.levels, **args) is None
 
 
 def test_key_bits_setting():

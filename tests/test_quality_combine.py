@@ -1,16 +1,13 @@
-"""benchmarks/quality.py --combine: one table from earlier results of the same sample, each row as measured."""
+"""benchmarks/quality.py --combine, run as a script: one table from earlier results of the same sample, each row as
+measured."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
-
-import quality  # noqa: E402
+SCRIPT = ROOT / "benchmarks" / "quality.py"
 
 
 def _row(kv: str, ppl: float, measured: str) -> dict:
@@ -23,31 +20,41 @@ def _row(kv: str, ppl: float, measured: str) -> dict:
 
 
 def _file(tmp_path: Path, name: str, rows: list, settings: dict | None = None, ppl: float = 9.0) -> str:
-    d = {"date": f"{name} date", "model": "m", "device": "cpu", "mlx": "0", "settings": settings or {"windows": 2},
-         "thresholds": {}, "heldout": {"ppl": ppl, "unigram_ppl": 99.0, "tokens": 10, "context": 64}, "modes": rows}
+    d = {"date": f"{name} date", "machine": f"{name} machine", "mlx": "0", "model": "m", "device": "cpu",
+         "settings": settings or {"windows": 2}, "thresholds": {},
+         "heldout": {"ppl": ppl, "unigram_ppl": 99.0, "tokens": 10, "context": 64}, "modes": rows}
     p = tmp_path / f"{name}.json"
     p.write_text(json.dumps(d))
     return str(p)
 
 
+def _combine(out: Path, *specs: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--combine", *specs, "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
 def test_combine_keeps_rows_as_measured_and_later_ones_replace(tmp_path):
     a = _file(tmp_path, "a", [_row("fp16", 10.0, "t0"), _row("turbo3", 11.0, "t1"), _row("isoquant3", 12.0, "t1")])
     b = _file(tmp_path, "b", [_row("isoquant3", 10.5, "t2"), _row("turbo3+w32", 10.2, "t2")])
-    out = quality.combine([f"{a}:fp16,turbo3,isoquant3", b], tmp_path / "c.json")
-    assert [r["kv"] for r in out["modes"]] == ["fp16", "turbo3", "isoquant3", "turbo3+w32"]
-    assert {r["kv"]: r["measured"] for r in out["modes"]}["isoquant3"] == "t2"  # b's row replaced a's
-    assert json.loads((tmp_path / "c.json").read_text())["modes"] == out["modes"]
-    table = quality.render(out)
-    assert "Rows measured t0 to t2" in table and "| isoquant3 | 10.500 | +5.000%" in table
-    only = quality.combine([f"{a}:fp16", b], tmp_path / "d.json")
-    assert [r["kv"] for r in only["modes"]] == ["fp16", "isoquant3", "turbo3+w32"]
+    r = _combine(tmp_path / "c.json", f"{a}:fp16,turbo3,isoquant3", b)
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "c.json").read_text())
+    assert [m["kv"] for m in out["modes"]] == ["fp16", "turbo3", "isoquant3", "turbo3+w32"]
+    assert {m["kv"]: m["measured"] for m in out["modes"]}["isoquant3"] == "t2"  # b's row replaced a's
+    assert out["machine"] == "a machine" and "--combine" in out["command"]  # where the rows ran; how it was made
+    assert "Rows measured t0 to t2" in r.stdout and "| isoquant3 | 10.500 | +5.000%" in r.stdout
+    assert out["table"] == r.stdout.rstrip()
+    r = _combine(tmp_path / "d.json", f"{a}:fp16", b)
+    assert r.returncode == 0, r.stderr
+    assert [m["kv"] for m in json.loads((tmp_path / "d.json").read_text())["modes"]] == ["fp16", "isoquant3",
+                                                                                         "turbo3+w32"]
 
 
 def test_combine_refuses_other_samples_and_missing_rows(tmp_path):
     a = _file(tmp_path, "a", [_row("fp16", 10.0, "t0")])
-    with pytest.raises(SystemExit, match="other settings"):
-        quality.combine([a, _file(tmp_path, "b", [_row("x", 1.0, "t")], settings={"windows": 4})], tmp_path / "c.json")
-    with pytest.raises(SystemExit, match="other settings"):
-        quality.combine([a, _file(tmp_path, "e", [_row("x", 1.0, "t")], ppl=9.5)], tmp_path / "c.json")
-    with pytest.raises(SystemExit, match="no rows"):
-        quality.combine([f"{a}:turbo3"], tmp_path / "c.json")
+    for bad, msg in ((_file(tmp_path, "b", [_row("x", 1.0, "t")], settings={"windows": 4}), "other settings"),
+                     (_file(tmp_path, "e", [_row("x", 1.0, "t")], ppl=9.5), "other settings"),
+                     (f"{a}:turbo3", "no rows")):
+        r = _combine(tmp_path / "c.json", *([bad] if bad.endswith(":turbo3") else [a, bad]))
+        assert r.returncode != 0 and msg in r.stderr
+        assert not (tmp_path / "c.json").exists()

@@ -11,7 +11,8 @@ from rq_cli.common import console, handle_errors, print_json, progress_bar
 
 @handle_errors
 def pack(
-    ckpt: str = typer.Argument(..., help="A (quantized) checkpoint directory."),
+    ckpt: Optional[str] = typer.Argument(None, help="A (quantized) checkpoint directory or hub id (default: the "
+                                                   "bundled model)."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Write the pages to this folder instead of "
                                       "CKPT/experts (then `rq run CKPT --pages DIR`), e.g. for a read-only "
                                       "checkpoint or the bundled model."),

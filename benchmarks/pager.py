@@ -167,15 +167,18 @@ def verify_cost(a: argparse.Namespace) -> None:
     for r in range(a.repeats):
         for verify in ((True, False) if r % 2 == 0 else (False, True)):  # alternate who goes first
             model = load(ck, tokenizer=False).model
-            pager = ExpertPager(model, ck, slots=slots, verify=verify)
+            t = time.perf_counter()
+            pager = ExpertPager(model, ck, slots=slots, verify=verify)  # checks the index and fingerprints
+            attach = time.perf_counter() - t
             t = time.perf_counter()
             res = generate(model, prompt, max_tokens=a.tokens, temp=a.temp, seed=0)
             wall = time.perf_counter() - t
             st = pager.report()
             rows.append({"verify": verify, "repeat": r, "decode_tok_per_s": res.decode_tok_per_s,
-                         "prefill_tok_per_s": res.prefill_tok_per_s, "wall_s": wall,
+                         "prefill_tok_per_s": res.prefill_tok_per_s, "wall_s": wall, "pager_attach_s": attach,
                          "generated_tokens": res.generated_tokens, "misses": st.misses, "hits": st.hits,
-                         "bytes_read": st.bytes_read, "experts_checked": sum(sum(l.checked) for l in pager.layers.values()),
+                         "bytes_read": st.bytes_read,
+                         "experts_checked": sum(sum(l.checked) for l in pager.layers.values()),
                          "peak_memory_bytes": res.peak_memory_bytes, "tokens": res.tokens})
             print(f"verify={verify!s:5} repeat {r}: decode {res.decode_tok_per_s:.2f} tok/s, prefill "
                   f"{res.prefill_tok_per_s:.1f} tok/s, {st.misses} reads, {st.bytes_read / 1e9:.2f} GB", flush=True)
@@ -226,7 +229,8 @@ def main() -> None:
     ap.add_argument("--temp", type=float, default=1.0, help="sampling temperature (seeded; varied tokens)")
     ap.add_argument("--no-readme", action="store_true")
     ap.add_argument("--verify-cost", action="store_true", help="tok/s with and without page checks (see above)")
-    ap.add_argument("--synthetic", metavar="DIR", help="--verify-cost: write (or reuse) a real-size synthetic Qwen3-30B-A3B here")
+    ap.add_argument("--synthetic", metavar="DIR",
+                    help="--verify-cost: write (or reuse) a real-size synthetic Qwen3-30B-A3B here")
     ap.add_argument("--ckpt", metavar="DIR", help="--verify-cost: a quantized checkpoint to page instead")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pager-verify.json"),
                     help="--verify-cost: the results file (overwritten)")

@@ -112,7 +112,8 @@ class _Layer:
         if self.pager.verify and not self.checked[e]:
             if zlib.crc32(buf) != self.meta["crc32"][e]:
                 raise RQError(f"corrupt expert page: layer {self.path} expert {e} (checksum mismatch in "
-                              f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the checkpoint again")
+                              f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the "
+                              "checkpoint again")
             self.checked[e] = 1
         self.pager.stats.bytes_read += used
         return decode_page(buf, self.meta["tensors"])

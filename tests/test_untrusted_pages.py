@@ -269,3 +269,14 @@ def test_pack_out_leaves_the_bundled_model_untouched(bundled, tmp_path):
     w[f"{BANK}.up_proj.scales"] = w[f"{BANK}.up_proj.scales"] * 2
     mx.save_safetensors(str(ck / "model.safetensors"), w, metadata={"format": "mlx"})
     _one_line_error(_invoke("run", ck, *base[1:], "--pages", out), "stale", "--out")
+
+
+def test_a_live_writer_between_its_renames_is_read_not_disturbed(bundled, tmp_path):
+    import os
+
+    ck = _copy(bundled, tmp_path)
+    live = ck / f".experts.old-{os.getpid()}"  # a writer that is alive (this process), mid-swap
+    (ck / "experts").rename(live)
+    r = _run(ck, bundled[2])
+    assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == bundled[1], r.output
+    assert live.is_dir() and not (ck / "experts").exists()  # its folders are its own to move

@@ -92,8 +92,10 @@ _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
 
 
 def pages_dir(ckpt: str | os.PathLike, pages: Optional[str | os.PathLike] = None) -> Path:
-    """The pack folder: PAGES when given (`rq pack --out`, `rq run --pages`), else CKPT/experts."""
-    return Path(pages).expanduser() if pages is not None else Path(ckpt) / PACK_DIR
+    """The pack folder: PAGES when given (`rq pack --out`, `rq run --pages`), else CKPT/experts. A
+    symlink the user made stands for its target: packs are swapped, and temp folders kept, there."""
+    d = Path(pages).expanduser() if pages is not None else Path(ckpt) / PACK_DIR
+    return Path(os.path.realpath(d)) if os.path.islink(d) else d
 
 
 def _temp_name(dst: Path, kind: str, pid: int) -> Path:
@@ -169,9 +171,11 @@ def find_pages(ckpt: str | os.PathLike, pages: Optional[str | os.PathLike] = Non
                 for p, kind, alive in temps:
                     if alive:
                         continue
-                    if kind == "old" and not os.path.lexists(dst) and (p / INDEX).is_file():
-                        os.replace(p, dst)  # the killed writer's previous pack: complete, put it back
-                    elif _only_pack_files(p):
+                    if kind == "old" and (p / INDEX).is_file() and not (dst / INDEX).is_file():
+                        if not os.path.lexists(dst):
+                            os.replace(p, dst)  # the killed writer's previous pack: complete, put it back
+                        continue  # else still the only complete pack: kept (and read below)
+                    if _only_pack_files(p):
                         shutil.rmtree(p, ignore_errors=True)
     if (dst / INDEX).is_file():
         return dst
@@ -191,8 +195,6 @@ def _fsync_dir(d: Path) -> None:
 
 
 def _check_replaceable(dst: Path) -> None:
-    if os.path.islink(dst):
-        raise RQError(f"{dst} is a symbolic link: rq pack does not replace it (remove it, or pass --out DIR)")
     if dst.exists():
         if not dst.is_dir():
             raise RQError(f"{dst} exists and is not a folder (pass --out DIR to write the pages elsewhere)")

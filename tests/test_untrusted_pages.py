@@ -204,11 +204,23 @@ def test_pack_stranded_by_a_kill_between_the_renames_is_recovered(bundled, tmp_p
     assert (keep / "notes.txt").read_text() == "mine"
 
 
-def test_repack_refuses_to_replace_a_folder_with_foreign_files(bundled, tmp_path):
+def test_repack_keeps_what_the_tool_did_not_write(bundled, tmp_path):
     ck = _copy(bundled, tmp_path)
     (ck / "experts" / "README").write_text("mine")
     _one_line_error(_invoke("pack", ck), "did not write")
     assert (ck / "experts" / "README").read_text() == "mine"
+    (ck / "experts" / "README").unlink()
+    # the user's symlink to another disk stays a symlink: the new pack is swapped in at its target
+    moved = tmp_path / "disk2" / "pages"
+    moved.parent.mkdir()
+    shutil.move(ck / "experts", moved)
+    (ck / "experts").symlink_to(moved)
+    (moved / "index.json").write_bytes((moved / "index.json").read_bytes().replace(b'"crc32": [', b'"crc32": [ '))
+    assert _invoke("pack", ck).exit_code == 0
+    assert (ck / "experts").is_symlink() and b'"crc32": [ ' not in (moved / "index.json").read_bytes()
+    assert not [p for p in (*ck.iterdir(), *moved.parent.iterdir()) if p.name.startswith(".")]
+    r = _run(ck, bundled[2])
+    assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == bundled[1], r.output
 
 
 # 5 ------------------------------------------------------------------------------------ malformed index

@@ -71,13 +71,13 @@ def _nbytes(t: dict, dtype: mx.Dtype) -> int:
 
 
 class _Layer:
-    def __init__(self, pager: "ExpertPager", path: str, module: Any, meta: dict, slots: int) -> None:
+    def __init__(self, pager: "ExpertPager", path: str, module: Any, meta: dict, slots: int, fd: int) -> None:
         # weak: the patched class's closure holds this layer, so a strong reference would keep the model
         # alive in a reference cycle after the caller drops it
         self.pager, self.path, self.module, self.meta = pager, path, weakref.proxy(module), meta
         self.E = meta["num_experts"]
         self.slots = min(slots, self.E)
-        self.fd = _open_pages(pager.dir / meta["file"], path, meta)
+        self.fd = fd
         # One CRC32 per expert, on its first read: the pack is never rewritten in place (rq pack swaps
         # folders; the open file keeps its bytes), so a page that checked once reads the same bytes again.
         self.checked = bytearray(self.E)
@@ -206,12 +206,16 @@ class ExpertPager:
         self.policy, self.verify = policy, verify
         self.stats = PagerStats(policy=policy)
         self.layers: dict[str, _Layer] = {}
-        try:
-            for path, mod in banks.items():
-                self.layers[path] = _Layer(self, path, mod, index["layers"][path], slots)
+        fds: dict[str, int] = {}
+        try:  # every page file checked before any bank is touched: a refused pack leaves the model as it was
+            for path in banks:
+                fds[path] = _open_pages(self.dir / index["layers"][path]["file"], path, index["layers"][path])
         except BaseException:
-            self.close()
+            for fd in fds.values():
+                os.close(fd)
             raise
+        for path, mod in banks.items():
+            self.layers[path] = _Layer(self, path, mod, index["layers"][path], slots, fds[path])
         for path, mod in banks.items():
             _patch(mod, self.layers[path])
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))

@@ -292,3 +292,15 @@ def test_a_live_writer_between_its_renames_is_read_not_disturbed(bundled, tmp_pa
     r = _run(ck, bundled[2])
     assert r.exit_code == 0 and json.loads(r.stdout)["tokens"] == bundled[1], r.output
     assert live.is_dir() and not (ck / "experts").exists()  # its folders are its own to move
+
+
+def test_a_refused_pack_leaves_the_model_as_it_was(bundled, tmp_path):
+    ck = _copy(bundled, tmp_path)
+    last = sorted((ck / "experts").glob("*.bin"))[-1]  # one layer's file cut short: found before any bank changes
+    last.write_bytes(last.read_bytes()[:-1])
+    ids = list(range(3, 43))
+    ref = generate(load(ck, tokenizer=False).model, ids, max_tokens=4).tokens
+    m = load(ck, tokenizer=False).model
+    with pytest.raises(RQError, match="truncated"):
+        ExpertPager(m, ck, slots=2)
+    assert generate(m, ids, max_tokens=4).tokens == ref

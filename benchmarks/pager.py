@@ -3,6 +3,16 @@ on a scaled-down Qwen3-MoE-shaped checkpoint with random weights (CPU). Writes
 benchmarks/results/pager-<date>.json and the `pager` section of benchmarks/README.md.
 
     python benchmarks/pager.py [--layers 8] [--hidden 512] [--experts 32] [--top-k 4] [--tokens 64]
+
+What checking pages costs (`--verify-cost`): tok/s with and without the pager's CRC32 checks, in one
+process, interleaved (a fresh model and pager each time, so every run pays its first reads again),
+at 50% of experts resident, on a real-size Qwen3-30B-A3B-shaped checkpoint. `--synthetic DIR` writes
+one there first (random codes of tests/data/configs/qwen3-30b-a3b.json, each tensor at the bits and
+group size the qwen3-16gb recipe gives its role, one shard per layer, so the whole model is never held;
+about 8 GB, reused when DIR has it) and packs it. Writes one JSON file (--out), overwritten by a rerun.
+
+    python benchmarks/pager.py --verify-cost --synthetic /tmp/rq-q3-30b [--layers 48] [--tokens 32] [--repeats 3]
+    python benchmarks/pager.py --verify-cost --ckpt DIR   # an existing quantized checkpoint
 """
 
 from __future__ import annotations
@@ -49,9 +59,167 @@ def make_checkpoint(out: Path, a: argparse.Namespace) -> dict:
     return cfg
 
 
+QWEN3_CONFIG = ROOT / "tests" / "data" / "configs" / "qwen3-30b-a3b.json"
+
+
+def write_synthetic(out: Path, layers: int | None = None, recipe_name: str = "qwen3-16gb", seed: int = 0) -> dict:
+    """A quantized Qwen3-30B-A3B-shaped checkpoint with random codes, written shard by shard (one per
+    decoder layer, one for embeddings, norm and head) so peak memory is one layer's tensors."""
+    import mlx.nn as nn
+
+    from rq_core import recipe
+    from rq_core.checkpoint import build_model
+    from rq_core.roles import role_of
+
+    cfg = {k: v for k, v in json.loads(QWEN3_CONFIG.read_text()).items() if not k.startswith("_")}
+    if layers is not None:
+        cfg["num_hidden_layers"] = cfg["max_window_layers"] = layers
+    rec = recipe.load(recipe_name)
+    model = build_model(cfg)  # lazy: shapes only, nothing is computed until evaluated
+    specs: dict[str, dict] = {}
+
+    def predicate(path: str, m: nn.Module) -> bool | dict:
+        if not hasattr(m, "to_quantized"):
+            return False
+        spec = rec.roles.get(role_of(f"{path}.weight", cfg))
+        if spec is None or spec.bits is None:
+            return False
+        specs[path] = {"group_size": spec.group_size, "bits": spec.bits}
+        return specs[path]
+
+    nn.quantize(model, class_predicate=predicate)
+    params = dict(tree_flatten(model.parameters()))
+    q = {"group_size": 64, "bits": 4, "mode": "affine", **dict(sorted(specs.items()))}
+    shards: dict[str, list[str]] = {}
+    for k in params:
+        parts = k.split(".")
+        shard = f"layer-{int(parts[2]):03d}" if k.startswith("model.layers.") else "rest"
+        shards.setdefault(shard, []).append(k)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mx.random.seed(seed)
+    weight_map = {}
+    for si, (shard, names) in enumerate(sorted(shards.items())):
+        w = {}
+        for k in names:
+            v = params[k]
+            if v.dtype == mx.uint32:  # packed codes, uniformly random: two 16-bit halves (randint over
+                # 2^32 goes through float32 and would leave the low bits, the first codes, constant)
+                lo, hi = (mx.random.randint(0, 1 << 16, v.shape).astype(mx.uint32) for _ in range(2))
+                w[k] = (hi << 16) | lo
+            elif k.endswith(".scales"):
+                w[k] = mx.random.uniform(0.005, 0.02, v.shape).astype(mx.bfloat16)
+            elif k.endswith(".biases"):
+                bits = specs[k.rsplit(".", 1)[0]]["bits"]
+                w[k] = (-w[k[:-len("biases")] + "scales"].astype(mx.float32) * (2 ** (bits - 1))).astype(mx.bfloat16)
+            else:  # norms
+                w[k] = mx.ones(v.shape, mx.bfloat16)
+        mx.eval(w)
+        fname = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(tmp / fname), w, metadata={"format": "mlx"})
+        weight_map.update({k: fname for k in w})
+        del w
+        mx.clear_cache()
+    cfg["quantization"] = cfg["quantization_config"] = q
+    cfg["torch_dtype"] = "bfloat16"
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return cfg
+
+
+def verify_cost(a: argparse.Namespace) -> None:
+    """Decode tok/s with and without page checks, interleaved, at 50% of experts resident."""
+    from rq_core.checkpoint import load, load_config
+    from rq_core.errors import RQError
+    from rq_core.generate import generate
+    from rq_core.pack import INDEX, find_pages, pack
+    from rq_core.pager import ExpertPager
+
+    t0 = time.perf_counter()
+    if a.synthetic:
+        ck = Path(a.synthetic)
+        if not (ck / "config.json").is_file():
+            write_synthetic(ck, a.layers)
+    else:
+        ck = Path(a.ckpt)
+    write_s = time.perf_counter() - t0
+    cfg = load_config(ck)
+    if a.layers is not None and cfg["num_hidden_layers"] != a.layers:
+        raise SystemExit(f"{ck} has {cfg['num_hidden_layers']} layers, not --layers {a.layers} (use another DIR)")
+    t0 = time.perf_counter()
+    packed = (find_pages(ck) / INDEX).is_file()
+    if packed:
+        try:
+            ExpertPager(load(ck, tokenizer=False).model, ck, slots=1).close()
+        except RQError:  # stale or damaged: pack again
+            packed = False
+    if not packed:
+        pack(ck)
+    pack_s = time.perf_counter() - t0
+    E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    slots = max(k, E // 2)
+    prompt = [int(x) for x in mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1))]
+    rows = []
+    for r in range(a.repeats):
+        for verify in ((True, False) if r % 2 == 0 else (False, True)):  # alternate who goes first
+            model = load(ck, tokenizer=False).model
+            t = time.perf_counter()
+            pager = ExpertPager(model, ck, slots=slots, verify=verify)  # checks the index and fingerprints
+            attach = time.perf_counter() - t
+            t = time.perf_counter()
+            res = generate(model, prompt, max_tokens=a.tokens, temp=a.temp, seed=0)
+            wall = time.perf_counter() - t
+            st = pager.report()
+            rows.append({"verify": verify, "repeat": r, "decode_tok_per_s": res.decode_tok_per_s,
+                         "prefill_tok_per_s": res.prefill_tok_per_s, "wall_s": wall, "pager_attach_s": attach,
+                         "generated_tokens": res.generated_tokens, "misses": st.misses, "hits": st.hits,
+                         "bytes_read": st.bytes_read,
+                         "experts_checked": sum(sum(l.checked) for l in pager.layers.values()),
+                         "peak_memory_bytes": res.peak_memory_bytes, "tokens": res.tokens})
+            print(f"verify={verify!s:5} repeat {r}: decode {res.decode_tok_per_s:.2f} tok/s, prefill "
+                  f"{res.prefill_tok_per_s:.1f} tok/s, {st.misses} reads, {st.bytes_read / 1e9:.2f} GB", flush=True)
+            pager.close()
+            del model, pager
+            gc.collect()
+            mx.clear_cache()
+
+    def median(v: bool, key: str) -> float:
+        xs = sorted(x[key] for x in rows if x["verify"] == v)
+        return xs[len(xs) // 2]
+
+    ref = rows[0]["tokens"]
+    for x in rows:
+        x["tokens_equal_first_run"] = x.pop("tokens") == ref
+    summary = {"decode_tok_per_s_verify": median(True, "decode_tok_per_s"),
+               "decode_tok_per_s_no_verify": median(False, "decode_tok_per_s"),
+               "wall_s_verify": median(True, "wall_s"), "wall_s_no_verify": median(False, "wall_s")}
+    summary["decode_verify_over_no_verify"] = summary["decode_tok_per_s_verify"] / max(
+        summary["decode_tok_per_s_no_verify"], 1e-9)
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.machine()} {platform.system()}, {platform.processor() or 'cpu'}, "
+                       f"mlx {mx.__version__} ({mx.default_device()})", "cpus": os.cpu_count(),
+            "checkpoint": str(ck), "synthetic": bool(a.synthetic),
+            "model": {k_: cfg[k_] for k_ in ("num_hidden_layers", "hidden_size", "moe_intermediate_size",
+                                              "num_experts", "num_experts_per_tok")},
+            "slots_per_layer": slots, "resident_fraction": slots / E, "prompt_tokens": a.prompt,
+            "decode_tokens": a.tokens, "temp": a.temp, "repeats": a.repeats,
+            "write_checkpoint_s": write_s, "pack_s": pack_s,
+            "note": "each run loads a fresh model and pager: page checks (CRC32, once per expert per pager) are "
+                    "paid again in every verify=True run; page files are in the OS page cache after the first run"}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    print(json.dumps(summary))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --verify-cost: the config's)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--top-k", type=int, default=4)
@@ -60,7 +228,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--temp", type=float, default=1.0, help="sampling temperature (seeded; varied tokens)")
     ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("--verify-cost", action="store_true", help="tok/s with and without page checks (see above)")
+    ap.add_argument("--synthetic", metavar="DIR",
+                    help="--verify-cost: write (or reuse) a real-size synthetic Qwen3-30B-A3B here")
+    ap.add_argument("--ckpt", metavar="DIR", help="--verify-cost: a quantized checkpoint to page instead")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pager-verify.json"),
+                    help="--verify-cost: the results file (overwritten)")
     a = ap.parse_args()
+    if a.verify_cost:
+        if bool(a.synthetic) == bool(a.ckpt):
+            ap.error("--verify-cost needs one of --synthetic DIR or --ckpt DIR")
+        verify_cost(a)
+        return
+    a.layers = 8 if a.layers is None else a.layers
 
     from rq_core import recipe
     from rq_core.checkpoint import load

@@ -1,6 +1,8 @@
-"""`rq pack CKPT [--json]`."""
+"""`rq pack CKPT [--out DIR] [--json]`."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import typer
 
@@ -9,15 +11,19 @@ from rq_cli.common import console, handle_errors, print_json, progress_bar
 
 @handle_errors
 def pack(
-    ckpt: str = typer.Argument(..., help="A (quantized) checkpoint directory."),
+    ckpt: Optional[str] = typer.Argument(None, help="A (quantized) checkpoint directory or hub id (default: the "
+                                                   "bundled model)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Write the pages to this folder instead of "
+                                      "CKPT/experts (then `rq run CKPT --pages DIR`), e.g. for a read-only "
+                                      "checkpoint or the bundled model."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Lay out each routed expert contiguously (16 KiB aligned) in CKPT/experts/ for the pager."""
+    """Lay out each routed expert contiguously (16 KiB aligned) in CKPT/experts/ (or --out DIR) for the pager."""
     from rq_core.pack import pack as run_pack
     from rq_core.planner import fmt_bytes
 
     with progress_bar(disable=json_out) as progress:
-        res = run_pack(ckpt, progress=progress)
+        res = run_pack(ckpt, out=out, progress=progress)
     if json_out:
         print_json({"pack": res.as_dict()})
         return

@@ -24,7 +24,7 @@ def _fmt_bytes(n: int) -> str:
 
 def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: Optional[str],
               pager: Optional[str], rotation: Optional[str] = None, prefill_fp16: Optional[str] = None,
-              edge_layers: Optional[int] = None) -> tuple:
+              edge_layers: Optional[int] = None, pages: Optional[str] = None) -> tuple:
     """(KVSettings, memory budget, pager policy, where they came from): flags first, then the
     checkpoint's recipe.toml, then the defaults (fp16, a 32-token window for compressed modes, everything resident, lru)."""
     from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KVSettings, prefill_fp16_value
@@ -40,8 +40,10 @@ def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: 
     if prefill_fp16 is not None:  # "all" overrides with None
         over["prefill_fp16"] = prefill_fp16_value(prefill_fp16, "--prefill-fp16")
     settings = dataclasses.replace(base, **over)
+    from rq_core.pack import INDEX, find_pages
+
     if rec is not None and memory_budget is None and rec.pager.memory_budget and \
-            (path / "experts" / "index.json").is_file():
+            (find_pages(path, pages) / INDEX).is_file():
         memory_budget = rec.pager.memory_budget  # packed for paging: keep the recipe's budget
     if pager is None:
         pager = rec.pager.policy if rec is not None else "lru"
@@ -88,6 +90,8 @@ def run(
     pager: Optional[str] = typer.Option(None, "--pager", help="Expert paging policy with --memory-budget: lru or "
                                                               "mmap (default: the recipe's, else lru)."),
     plan_only: bool = typer.Option(False, "--plan", help="Print the memory plan for --memory-budget and exit."),
+    pages: Optional[str] = typer.Option(None, "--pages", help="The expert pages' folder with --memory-budget "
+                                                              "(`rq pack --out DIR`; default: CKPT/experts)."),
 ) -> None:
     """Generate text; streams it to stdout, then a stats line (stderr).
 
@@ -123,7 +127,7 @@ def run(
     # float32 on the CPU (small models); the pager casts pages to the model's dtype as it loads them.
     ckpt = load(model, cpu_float32=True)
     settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager, rotation,
-                                                       prefill_fp16, edge_layers)
+                                                       prefill_fp16, edge_layers, pages)
     if pp is not None:
         if pp and settings.key_bits is not None:
             raise RQError("--pair-points cannot be combined with the recipe's kv.key_bits")
@@ -141,13 +145,16 @@ def run(
     if ctx is not None and len(ids) > ctx:
         raise RQError(f"the prompt is {len(ids)} tokens, longer than the model's context of {ctx}")
 
+    if pages is not None and memory_budget is None and not plan_only:
+        raise RQError("--pages needs --memory-budget (or a recipe's [pager] memory_budget)")
     pager_obj = None
     if memory_budget is not None or plan_only:  # expert pager (rq_core.pager); --plan: print and exit
         from rq_cli.run_pager import attach_pager
 
         pager_obj = attach_pager(ckpt, memory_budget, pager, plan_only, json_out,
                                  context=len(ids) + max_tokens, prefill_chunk=prefill_chunk, kv_mode=kv,
-                                 prefill_fp16=settings.prefill_fp16, edge_layers=settings.edge_layers)
+                                 prefill_fp16=settings.prefill_fp16, edge_layers=settings.edge_layers,
+                                 pages=pages)
         if pager_obj is None:
             return
 

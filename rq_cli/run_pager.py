@@ -10,10 +10,11 @@ from rq_core.errors import RQError
 
 def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only: bool, json_out: bool, *,
                  context: int, prefill_chunk: int, kv_mode: str = "fp16", prefill_fp16: Optional[int] = None,
-                 edge_layers: int = 0) -> Any:
+                 edge_layers: int = 0, pages: Optional[str] = None) -> Any:
     """Plan slots for the budget and attach an ExpertPager to ckpt.model; with --plan print the plan
-    and return None. No weights are read here (the model is lazy)."""
-    from rq_core.pack import load_index
+    and return None. No weights are read here (the model is lazy). `pages`: the pack folder (`--pages`,
+default CKPT/experts)."""
+    from rq_core.pack import INDEX, expert_banks, find_pages, load_index
     from rq_core.pager import POLICIES, ExpertPager, slots_for_budget
     from rq_core.planner import fmt_bytes
     from rq_core.recipe import parse_size
@@ -24,7 +25,10 @@ def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only
         budget = None
     else:
         budget = parse_size(memory_budget, "--memory-budget")
-    index = load_index(ckpt.path) if (ckpt.path / "experts" / "index.json").is_file() else None
+    packed = (find_pages(ckpt.path, pages) / INDEX).is_file()
+    if pages is not None and not packed:
+        raise RQError(f"--pages {pages}: no expert pages there (run `rq pack {ckpt.path} --out {pages}` first)")
+    index = load_index(ckpt.path, pages=pages, banks=expert_banks(ckpt.model)) if packed else None
     p = slots_for_budget(ckpt.model, ckpt.config, budget if budget is not None else 1 << 62, context=context,
                          prefill_chunk=prefill_chunk, kv_mode=kv_mode, index=index, prefill_fp16=prefill_fp16,
                          edge_layers=edge_layers)
@@ -47,4 +51,4 @@ def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only
                       f"room for {p['slots_per_layer']} experts per layer, top-k needs {p['top_k']}")
     if index is None:
         raise RQError(f"{ckpt.path} has no expert pages: run `rq pack {ckpt.path}` first")
-    return ExpertPager(ckpt.model, ckpt.path, slots=p["slots_per_layer"], policy=policy)
+    return ExpertPager(ckpt.model, ckpt.path, slots=p["slots_per_layer"], policy=policy, pages=pages)

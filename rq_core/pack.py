@@ -1,17 +1,32 @@
 """`rq pack CKPT`: lay out each routed expert's tensors contiguously, 16 KiB aligned, so the pager
-fetches one expert with one read. Writes CKPT/experts/ (one page file per MoE layer + index.json
-with per-expert CRC32 checksums) atomically.
+fetches one expert with one read. Writes CKPT/experts/ (or `--out DIR`): one page file per MoE layer +
+index.json with per-expert CRC32 checksums and a fingerprint of the tensors each layer came from.
+
+A pack is untrusted input (it may come from the hub with a checkpoint): `load_index` checks every
+field before anything is read, page names must be plain names inside the pack, and the pager checks
+fingerprints (stale pages) and checksums (corrupt pages).
+
+Replacing a pack is crash-safe: the new pack is written to `.experts.tmp-PID`, the old one renamed to
+`.experts.old-PID`, the new one renamed into place. A kill between the two renames leaves the old
+pack complete in `.experts.old-PID`; `find_pages` (every load) puts it back, and removes temp folders
+of writers that are gone. The checkpoint directory is flock-ed while a writer swaps or a loader cleans up.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
+import hashlib
 import json
 import os
+import re
 import shutil
+import struct
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -23,8 +38,11 @@ PACK_DIR = "experts"
 INDEX = "index.json"
 VERSION = 1
 _PARTS = ("weight", "scales", "biases")
+_PROJS = ("gate_proj", "up_proj", "down_proj")
 _NP = {"uint32": np.uint32, "uint8": np.uint8, "float32": np.float32, "float16": np.float16,
        "bfloat16": np.uint16, "int32": np.int32}
+_SAMPLE = 4096  # bytes per fingerprint sample window
+_SAMPLES = 4  # windows per tensor: first, 1/3, 2/3, last
 
 
 @dataclass
@@ -46,6 +64,19 @@ def expert_banks(model: Any) -> dict[str, Any]:
     return {p: m for p, m in model.named_modules() if isinstance(m, SwitchGLU)}
 
 
+def bank_tensors(module: Any) -> dict[str, mx.array]:
+    """"proj.part" -> the [E, ...] array, for each tensor of an expert bank (what a page holds)."""
+    out = {}
+    for proj in _PROJS:
+        if proj not in module:
+            continue
+        lin = module[proj]
+        for part in _PARTS:
+            if part in lin and lin[part] is not None:
+                out[f"{proj}.{part}"] = lin[part]
+    return out
+
+
 def _dtype_name(a: mx.array) -> str:
     return str(a.dtype).split(".")[-1]
 
@@ -56,8 +87,189 @@ def _to_numpy(a: mx.array) -> np.ndarray:
     return np.array(a)
 
 
-def pack(ckpt: str | os.PathLike, *, progress: Optional[Callable[[str, int, int], None]] = None) -> PackResult:
-    """Write CKPT/experts/{<layer path>.bin, index.json}."""
+# ------------------------------------------------------------------------------ where a pack lives
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
+
+
+def pages_dir(ckpt: str | os.PathLike, pages: Optional[str | os.PathLike] = None) -> Path:
+    """The pack folder: PAGES when given (`rq pack --out`, `rq run --pages`), else CKPT/experts. A
+    symlink the user made stands for its target: packs are swapped, and temp folders kept, there."""
+    d = Path(pages).expanduser() if pages is not None else Path(ckpt) / PACK_DIR
+    return Path(os.path.realpath(d)) if os.path.islink(d) else d
+
+
+def _temp_name(dst: Path, kind: str, pid: int) -> Path:
+    return dst.parent / f".{dst.name}.{kind}-{pid}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _dir_lock(parent: Path, *, wait: bool) -> Iterator[bool]:
+    """flock on the folder holding the pack: yields whether it was taken (False: a writer holds it)."""
+    try:
+        fd = os.open(parent, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _only_pack_files(d: Path) -> bool:
+    """True when D holds nothing but what `rq pack` writes (page files and the index): safe to delete."""
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return False
+    return all((e.name == INDEX or e.name.endswith(".bin")) and not e.is_dir(follow_symlinks=False)
+               for e in entries)
+
+
+def _temps(dst: Path) -> list[tuple[Path, str, bool]]:
+    """This pack's temp folders (`.NAME.tmp-PID`, `.NAME.old-PID`): (path, kind, writer alive), old first."""
+    out = []
+    try:
+        entries = list(os.scandir(dst.parent))
+    except OSError:
+        return out
+    for e in entries:
+        m = _TEMP.match(e.name)
+        if m and m["name"] == dst.name and e.is_dir(follow_symlinks=False):
+            out.append((Path(e.path), m["kind"], _pid_alive(int(m["pid"]))))
+    return sorted(out, key=lambda t: (t[1] != "old", t[0].name))
+
+
+def find_pages(ckpt: str | os.PathLike, pages: Optional[str | os.PathLike] = None) -> Path:
+    """The pack folder to read. First recovers from writers that were killed: an old pack stranded
+    between the two renames goes back in place, and their temp folders are removed (only folders that
+    hold nothing but pack files). While a live writer is between its renames, its old pack is read."""
+    dst = pages_dir(ckpt, pages)
+    temps = _temps(dst)
+    if any(not alive for _, _, alive in temps):
+        with contextlib.suppress(OSError), _dir_lock(dst.parent, wait=False) as locked:
+            if locked:  # no writer is swapping: the dead ones' folders can be handled
+                for p, kind, alive in temps:
+                    if alive:
+                        continue
+                    if kind == "old" and (p / INDEX).is_file() and not (dst / INDEX).is_file():
+                        if not os.path.lexists(dst):
+                            os.replace(p, dst)  # the killed writer's previous pack: complete, put it back
+                        continue  # else still the only complete pack: kept (and read below)
+                    if _only_pack_files(p):
+                        shutil.rmtree(p, ignore_errors=True)
+    if (dst / INDEX).is_file():
+        return dst
+    for p, kind, _ in _temps(dst):
+        if kind == "old" and (p / INDEX).is_file():
+            return p
+    return dst
+
+
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _check_replaceable(dst: Path) -> None:
+    if dst.exists():
+        if not dst.is_dir():
+            raise RQError(f"{dst} exists and is not a folder (pass --out DIR to write the pages elsewhere)")
+        if not _only_pack_files(dst):
+            raise RQError(f"{dst} holds files rq pack did not write: move them away, or pass --out DIR")
+
+
+# ------------------------------------------------------------------------------ fingerprints
+def _read_header(f: Path) -> tuple[dict, int]:
+    """A safetensors file's header and where its data starts."""
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 100_000_000:
+                raise ValueError
+            hdr = json.loads(fh.read(n))
+        if not isinstance(hdr, dict):
+            raise ValueError
+    except (struct.error, ValueError, UnicodeDecodeError):
+        raise RQError(f"{f} is not a valid safetensors file (bad header)")
+    return hdr, 8 + n
+
+
+def source_fingerprints(ckpt: str | os.PathLike, banks: dict[str, Any]) -> dict[str, str]:
+    """Bank path -> a hash of the stored tensors its pages are made of.
+
+    Hashes each bank tensor's name, dtype, shape and 4 sampled 4 KiB windows of its bytes (a few KiB
+    of reads per tensor, so it is recomputed at every load). Re-quantizing rewrites every value and a
+    new recipe changes shapes or dtypes, so both are caught; a local edit of bytes between the samples
+    is not (the pages' checksums cover the pages, not this). Offsets and shard sizes are left out on
+    purpose: re-quantizing other tensors moves a bank inside its shard without changing its pages.
+    Checkpoints whose bank tensors are renamed at load (a hub layout stacked by sanitize) fall back to
+    all shards' headers and sizes: any change of layout is caught, same-size rewrites are not."""
+    from rq_core.checkpoint import weight_files
+
+    where: dict[str, tuple[Path, int, dict]] = {}
+    whole = hashlib.sha256()
+    for f in weight_files(Path(ckpt)):
+        hdr, start = _read_header(f)
+        whole.update(json.dumps([f.name, f.stat().st_size, hdr], sort_keys=True).encode())
+        for k, v in hdr.items():
+            if k != "__metadata__":
+                where[k] = (f, start, v)
+    out: dict[str, str] = {}
+    fds: dict[Path, int] = {}
+    try:
+        for path, module in banks.items():
+            names = [f"{path}.{n}" for n in bank_tensors(module)]
+            if not names or not all(n in where for n in names):
+                out[path] = "shards:" + whole.hexdigest()
+                continue
+            h = hashlib.sha256()
+            for n in names:
+                f, start, v = where[n]
+                try:
+                    a, b = (int(x) for x in v["data_offsets"])
+                    h.update(json.dumps([n, str(v["dtype"]), [int(s) for s in v["shape"]]]).encode())
+                except (KeyError, TypeError, ValueError):
+                    raise RQError(f"{f} is not a valid safetensors file (bad entry for {n})")
+                if f not in fds:
+                    fds[f] = os.open(f, os.O_RDONLY)
+                w = min(_SAMPLE, b - a)
+                for pos in sorted({a + (b - a - w) * i // (_SAMPLES - 1) for i in range(_SAMPLES)}):
+                    h.update(os.pread(fds[f], w, start + pos))
+            out[path] = "tensors:" + h.hexdigest()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return out
+
+
+# ------------------------------------------------------------------------------ writing
+def pack(ckpt: str | os.PathLike, *, out: Optional[str | os.PathLike] = None,
+         progress: Optional[Callable[[str, int, int], None]] = None) -> PackResult:
+    """Write {<layer path>.bin, index.json} into CKPT/experts (or OUT), replacing a previous pack."""
     from rq_core.checkpoint import build_model, load_config, load_weights, resolve_model_path
 
     src = resolve_model_path(ckpt)
@@ -66,9 +278,21 @@ def pack(ckpt: str | os.PathLike, *, progress: Optional[Callable[[str, int, int]
     banks = expert_banks(model)
     if not banks:
         raise RQError(f"{src}: this model has no routed experts to pack")
-    tmp = src / f".{PACK_DIR}.tmp-{os.getpid()}"
+    dst = pages_dir(src, out)
+    if out is not None:
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RQError(f"cannot create {dst.parent}: {e.strerror or e}")
+    find_pages(src, out)  # a previous writer killed mid-swap: its pack back in place, its temp folders gone
+    _check_replaceable(dst)
+    fingerprints = source_fingerprints(src, banks)
+    tmp = _temp_name(dst, "tmp", os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise RQError(f"cannot write the pages next to {dst} ({e.strerror or e}): pass --out DIR")
     index: dict[str, Any] = {"version": VERSION, "alignment": ALIGN, "model_type": config.get("model_type"),
                              "layers": {}}
     total = 0
@@ -76,14 +300,7 @@ def pack(ckpt: str | os.PathLike, *, progress: Optional[Callable[[str, int, int]
     n_exp = 0
     try:
         for li, (path, sw) in enumerate(banks.items()):
-            tensors = []
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                if proj not in sw:
-                    continue
-                lin = sw[proj]
-                for part in _PARTS:
-                    if part in lin and lin[part] is not None:
-                        tensors.append((f"{proj}.{part}", lin[part]))
+            tensors = list(bank_tensors(sw).items())
             mx.eval([t for _, t in tensors])
             arrays = [(n, _to_numpy(t), _dtype_name(t)) for n, t in tensors]
             E = arrays[0][1].shape[0]
@@ -106,7 +323,7 @@ def pack(ckpt: str | os.PathLike, *, progress: Optional[Callable[[str, int, int]
                 f.flush()
                 os.fsync(f.fileno())
             index["layers"][path] = {"file": fname, "num_experts": E, "page_bytes": page, "used_bytes": used,
-                                     "tensors": layout, "crc32": crcs}
+                                     "tensors": layout, "crc32": crcs, "source": fingerprints[path]}
             total += page * E
             max_page = max(max_page, page)
             n_exp += E
@@ -114,33 +331,132 @@ def pack(ckpt: str | os.PathLike, *, progress: Optional[Callable[[str, int, int]
             mx.clear_cache()
             if progress:
                 progress("pack", li + 1, len(banks))
-        (tmp / INDEX).write_text(json.dumps(index))
-        dst = src / PACK_DIR
-        if dst.exists():
-            old = src / f".{PACK_DIR}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dst)
+        with open(tmp / INDEX, "w") as f:  # written last: a folder with an index is a complete pack
+            f.write(json.dumps(index))
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        with _dir_lock(dst.parent, wait=True):
+            _check_replaceable(dst)
+            if dst.exists():
+                # At every instant a loader finds a complete pack: dst, or (between these renames)
+                # the old one in .NAME.old-PID, which find_pages also reads and puts back after a kill.
+                old = _temp_name(dst, "old", os.getpid())
+                os.replace(dst, old)
+                os.replace(tmp, dst)
+                _fsync_dir(dst.parent)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, dst)
+                _fsync_dir(dst.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return PackResult(out=str(src / PACK_DIR), layers=len(banks), experts=n_exp, page_bytes=max_page,
-                      bytes_written=total)
+    return PackResult(out=str(dst), layers=len(banks), experts=n_exp, page_bytes=max_page, bytes_written=total)
 
 
-def load_index(ckpt: str | os.PathLike) -> dict:
-    p = Path(ckpt) / PACK_DIR / INDEX
+# ------------------------------------------------------------------------------ reading
+def _is_int(x: Any, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def _plain_name(s: Any) -> bool:
+    """A file name inside the pack folder: no separators, not absolute, not . or .., no NUL."""
+    return (isinstance(s, str) and 0 < len(s) <= 255 and s not in (".", "..") and "/" not in s
+            and "\\" not in s and "\0" not in s)
+
+
+def _shown(s: Any) -> str:
+    return ascii(s)[:80]  # index strings are untrusted: escaped, short
+
+
+def check_layer(meta: Any, where: str) -> None:
+    """RQError (one line, naming WHERE) unless META is a well-formed layer entry of a page index."""
+    def bad(what: str) -> RQError:
+        return RQError(f"{where}: {what} (run `rq pack` again)")
+
+    if not isinstance(meta, dict):
+        raise bad("layer entry is not an object")
+    if not _plain_name(meta.get("file")):
+        raise bad("page file must be a plain file name inside the pack folder")
+    for k in ("num_experts", "page_bytes", "used_bytes"):
+        if not _is_int(meta.get(k), 1):
+            raise bad(f"{k} must be a positive integer")
+    if meta["used_bytes"] > meta["page_bytes"]:
+        raise bad("used_bytes exceeds page_bytes")
+    crcs = meta.get("crc32")
+    if not isinstance(crcs, list) or len(crcs) != meta["num_experts"] or \
+            not all(_is_int(c) and c < 1 << 32 for c in crcs):
+        raise bad(f"crc32 must list one 32-bit checksum per expert ({meta['num_experts']})")
+    if not isinstance(meta.get("source"), str):
+        raise bad("no fingerprint of the weights it was packed from")
+    tensors = meta.get("tensors")
+    if not isinstance(tensors, list) or not tensors:
+        raise bad("tensors must be a non-empty list")
+    seen = set()
+    for t in tensors:
+        if not isinstance(t, dict):
+            raise bad("a tensor entry is not an object")
+        name = t.get("name")
+        if not isinstance(name, str) or name.count(".") != 1 or name.split(".")[0] not in _PROJS or \
+                name.split(".")[1] not in _PARTS or name in seen:
+            raise bad(f"bad tensor name {_shown(name)}")
+        seen.add(name)
+        if t.get("dtype") not in _NP:
+            raise bad(f"{name}: unknown dtype {_shown(t.get('dtype'))}")
+        shape = t.get("shape")
+        if not isinstance(shape, list) or not all(_is_int(s) for s in shape):
+            raise bad(f"{name}: shape must be a list of non-negative integers")
+        if not _is_int(t.get("offset")) or not _is_int(t.get("nbytes")):
+            raise bad(f"{name}: offset and nbytes must be non-negative integers")
+        if t["nbytes"] != int(np.prod(shape, dtype=object)) * np.dtype(_NP[t["dtype"]]).itemsize:
+            raise bad(f"{name}: nbytes does not match its shape and dtype")
+        if t["offset"] + t["nbytes"] > meta["used_bytes"]:
+            raise bad(f"{name}: lies outside the expert's page")
+
+
+def load_index(ckpt: str | os.PathLike, *, pages: Optional[str | os.PathLike] = None,
+               banks: Optional[dict[str, Any]] = None) -> dict:
+    """The page index of CKPT's pack (PAGES: its folder, default CKPT/experts), checked field by field;
+    with BANKS (expert_banks(model)), also that it has pages of the right shapes for every bank."""
+    d = find_pages(ckpt, pages)
+    p = d / INDEX
+    again = f"run `rq pack {ckpt}" + (f" --out {pages}" if pages is not None else "") + "` again"
     if not p.is_file():
-        raise RQError(f"{ckpt} has no expert pages (run `rq pack {ckpt}` first)")
+        raise RQError(f"{ckpt} has no expert pages in {d} (run `rq pack {ckpt}` first)")
     try:
-        idx = json.loads(p.read_text())
+        idx = json.loads(p.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RQError(f"{p} is not valid JSON ({e}): run `rq pack {ckpt}` again")
+        raise RQError(f"{p} is not valid JSON (line {getattr(e, 'lineno', '?')}): {again}")
     if not isinstance(idx, dict) or idx.get("version") != VERSION:
         v = idx.get("version") if isinstance(idx, dict) else None
-        raise RQError(f"{p}: unsupported page index version {v!r} (run `rq pack {ckpt}` again)")
+        raise RQError(f"{p}: unsupported page index version {_shown(v)} ({again})")
+    layers = idx.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise RQError(f"{p}: the index lists no layers ({again})")
+    idx["dir"] = str(d)
+    if banks is None:
+        for k, meta in layers.items():
+            check_layer(meta, f"{p}: layer {_shown(k)}")
+        return idx
+    for path, module in banks.items():
+        if path not in layers:
+            raise RQError(f"{p}: no pages for {path} ({again})")
+        meta = layers[path]
+        check_layer(meta, f"{p}: layer {path}")
+        have = bank_tensors(module)
+        names = {t["name"] for t in meta["tensors"]}
+        if names != set(have):
+            raise RQError(f"{p}: layer {path} holds other tensors than the model's expert bank ({again})")
+        for t in meta["tensors"]:
+            a = have[t["name"]]
+            if tuple(a.shape) != (meta["num_experts"], *t["shape"]):
+                raise RQError(f"{p}: layer {path} {t['name']}: pages of shape {meta['num_experts']}x{t['shape']} "
+                              f"but the model has {list(a.shape)} ({again})")
+            stored = getattr(mx, t["dtype"])
+            if not (mx.issubdtype(stored, mx.floating) and mx.issubdtype(a.dtype, mx.floating)) and stored != a.dtype:
+                raise RQError(f"{p}: layer {path} {t['name']}: pages hold {t['dtype']}, the model "
+                              f"{_dtype_name(a)} ({again})")
     return idx
 
 

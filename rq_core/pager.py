@@ -6,6 +6,10 @@ The only host sync added to the forward pass is reading the routing indices of e
 which a pager cannot avoid (it must know which experts to fetch). Slot writes are lazy scatters
 evaluated with the rest of the step.
 
+Pages are checked before use: the index field by field and against the model's banks, the page files'
+sizes, the fingerprint of the weights they were packed from (stale pages), and (`verify=True`, the
+default) each expert's CRC32 the first time it is read in this process (corrupt pages).
+
 `policy="mmap"` keeps no slots: each call copies the experts it needs out of a memory map of the
 page file, leaving caching to the OS page cache (for comparison). Its `resident_bytes` is the most
 expert bytes held at once; its hit rate is the OS's and is not measured (None).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import weakref
 import zlib
 from collections import OrderedDict
@@ -26,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from rq_core.errors import RQError
-from rq_core.pack import PACK_DIR, decode_page, expert_banks, load_index
+from rq_core.pack import decode_page, expert_banks, load_index, source_fingerprints
 
 POLICIES = ("lru", "mmap")
 
@@ -66,13 +71,16 @@ def _nbytes(t: dict, dtype: mx.Dtype) -> int:
 
 
 class _Layer:
-    def __init__(self, pager: "ExpertPager", path: str, module: Any, meta: dict, slots: int) -> None:
+    def __init__(self, pager: "ExpertPager", path: str, module: Any, meta: dict, slots: int, fd: int) -> None:
         # weak: the patched class's closure holds this layer, so a strong reference would keep the model
         # alive in a reference cycle after the caller drops it
         self.pager, self.path, self.module, self.meta = pager, path, weakref.proxy(module), meta
         self.E = meta["num_experts"]
         self.slots = min(slots, self.E)
-        self.fd = os.open(pager.dir / meta["file"], os.O_RDONLY)
+        self.fd = fd
+        # One CRC32 per expert, on its first read: the pack is never rewritten in place (rq pack swaps
+        # folders; the open file keeps its bytes), so a page that checked once reads the same bytes again.
+        self.checked = bytearray(self.E)
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
         self.free = list(range(self.slots))
         self.map: Optional[mmap.mmap] = None
@@ -100,9 +108,13 @@ class _Layer:
         else:
             buf = os.pread(self.fd, used, off)
         if len(buf) != used:
-            raise RQError(f"{self.meta['file']}: short read for expert {e} (truncated page file?)")
-        if self.pager.verify and zlib.crc32(buf) != self.meta["crc32"][e]:
-            raise RQError(f"{self.meta['file']}: checksum mismatch for expert {e} (corrupt page file; re-run rq pack)")
+            raise RQError(f"layer {self.path} expert {e}: short read (truncated page file?)")
+        if self.pager.verify and not self.checked[e]:
+            if zlib.crc32(buf) != self.meta["crc32"][e]:
+                raise RQError(f"corrupt expert page: layer {self.path} expert {e} (checksum mismatch in "
+                              f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the "
+                              "checkpoint again")
+            self.checked[e] = 1
         self.pager.stats.bytes_read += used
         return decode_page(buf, self.meta["tensors"])
 
@@ -157,26 +169,55 @@ class _Layer:
         os.close(self.fd)
 
 
+def _open_pages(f: Path, path: str, meta: dict) -> int:
+    """A read-only fd of a layer's page file, checked to be a regular file of the size the index says."""
+    try:  # O_NONBLOCK: a FIFO planted in a pack must not hang the open
+        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise RQError(f"layer {path}: its page file is missing from {f.parent} (run `rq pack` again)")
+    st = os.fstat(fd)
+    want = meta["page_bytes"] * meta["num_experts"]
+    if not stat.S_ISREG(st.st_mode) or st.st_size != want:
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else \
+            f"{st.st_size} bytes, the index says {want}"
+        raise RQError(f"layer {path}: page file {f} is truncated or wrong ({what}): run `rq pack` again")
+    return fd
+
+
 class ExpertPager:
-    """Attach to a loaded (lazy) model: the routed-expert banks become slot banks fed from page files."""
+    """Attach to a loaded (lazy) model: the routed-expert banks become slot banks fed from page files.
+
+    `pages`: the pack folder (default CKPT/experts). `verify`: check each expert's CRC32 on its first
+    read (off only to measure what it costs)."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
-                 verify: bool = False) -> None:
+                 verify: bool = True, pages: Optional[str | os.PathLike] = None) -> None:
         if policy not in POLICIES:
             raise RQError(f"unknown pager policy {policy!r} (choose from: {', '.join(POLICIES)})")
-        self.dir = Path(ckpt) / PACK_DIR
-        index = load_index(ckpt)
+        banks = expert_banks(model)
+        index = load_index(ckpt, pages=pages, banks=banks)
+        self.dir = Path(index["dir"])
+        again = f"`rq pack {ckpt}" + (f" --out {pages}" if pages is not None else "") + "`"
+        for path, fp in source_fingerprints(ckpt, banks).items():
+            if index["layers"][path]["source"] != fp:
+                raise RQError(f"the expert pages in {self.dir} are stale: layer {path} was packed from other "
+                              f"weights than {ckpt} holds now; run {again} again")
         self.policy, self.verify = policy, verify
         self.stats = PagerStats(policy=policy)
         self.layers: dict[str, _Layer] = {}
-        banks = expert_banks(model)
-        missing = [p for p in banks if p not in index["layers"]]
-        if missing:
-            raise RQError(f"{self.dir}: no pages for {missing[0]} (re-run `rq pack`)")
+        fds: dict[str, int] = {}
+        try:  # every page file checked before any bank is touched: a refused pack leaves the model as it was
+            for path in banks:
+                fds[path] = _open_pages(self.dir / index["layers"][path]["file"], path, index["layers"][path])
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
         for path, mod in banks.items():
-            layer = _Layer(self, path, mod, index["layers"][path], slots)
-            self.layers[path] = layer
-            _patch(mod, layer)
+            self.layers[path] = _Layer(self, path, mod, index["layers"][path], slots, fds[path])
+        for path, mod in banks.items():
+            _patch(mod, self.layers[path])
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
         self._mmap_peak = 0

@@ -33,8 +33,8 @@ def check_utf8(text: str, what: str) -> str:
 
 def finite_or_none(obj: Any) -> Any:
     """`obj` with every NaN or infinite float replaced by None (JSON null): NaN is not JSON."""
-    if getattr(obj, "shape", None) == () and hasattr(obj, "item"):  # numpy / mlx scalars
-        obj = obj.item()
+    if hasattr(obj, "shape") and hasattr(obj, "tolist"):  # numpy / mlx arrays and scalars
+        obj = obj.tolist()
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):

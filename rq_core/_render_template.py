@@ -6,9 +6,16 @@ untrusted: jinja2's sandbox keeps them from Python's internals, `range` is bound
 max_chars, this process' memory is capped, and the parent kills it when its time is up.
 """
 
-import json
+import os
 import sys
-from datetime import datetime
+
+# Run as a script, this folder (rq_core/) comes first on sys.path: its modules must not shadow the stdlib's
+# or jinja2's imports (rq_core/profile.py would hide the stdlib's profile).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+import json  # noqa: E402
+from datetime import datetime  # noqa: E402
 
 MAX_RANGE = 100_000
 

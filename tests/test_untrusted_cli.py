@@ -295,10 +295,17 @@ def test_every_float_option_rejects_non_finite_values(tmp_path, value):
 
 
 @pytest.mark.parametrize("args, needle", [
+    # checked by hand in `rq run` before; these guard the move into the declared ranges
     (["run", "--prompt", "hi", "--temp", "-0.5"], "--temp must be >= 0"),
     (["run", "--prompt", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
     (["run", "--prompt", "hi", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["run", "--prompt", "hi", "--max-tokens", "-1"], "--max-tokens must be >= 0"),
+])
+def test_run_bounds_that_moved_still_hold(args, needle):
+    _one_line_error(_invoke(*args), needle)
+
+
+@pytest.mark.parametrize("args, needle", [
     (["run", "--prompt", "hi", "--seed", "-1"], "--seed must be in [0,"),
     (["soak", "--report", "r.json", "--minutes", "-2"], "--minutes must be > 0"),
     (["soak", "--report", "r.json", "--minutes", "1", "--max-throughput-drop", "2"], "must be in [0, 1]"),

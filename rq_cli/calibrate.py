@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import handle_errors, print_json
+from rq_cli.common import POSITIVE, SEED, handle_errors, print_json
 from rq_core.errors import RQError
 
 
@@ -47,7 +47,7 @@ def _samples(path: Path, tensor: Optional[str], dim: Optional[int], rotation: st
     return np.array(z), d, tensor
 
 
-@handle_errors
+@handle_errors(bits=POSITIVE, dim=POSITIVE, seed=SEED)
 def calibrate_codebook(
     bits: int = typer.Option(3, "--bits", help="Bits per coordinate (1-4)."),
     dim: Optional[int] = typer.Option(None, "--dim", help="Head dim d (power of two, 16-1024); needed for sphere."),

@@ -3,31 +3,130 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
-import json
+import inspect
+import math
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
 
 from rq_core.errors import RQError
+from rq_core.textio import check_utf8, dumps_strict, finite_or_none
 
 console = Console(stderr=True)
 
 
+# typer re-exports click's errors (newer typer vendors click); their common base is ClickException.
+_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+class OneLineErrors(typer.core.TyperGroup):
+    """The root command: a usage error (unknown flag, a value that is not a number) is one line too."""
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except _USAGE_ERROR as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # the help was shown; that is not an error line
+                sys.exit(e.exit_code)
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            print_error(f"{e.format_message()}{hint}")
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            print_error("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def print_error(message: str) -> None:
+    from rich.markup import escape
+
+    # escaped: a path or value with [brackets] is text, not markup
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
 def fail(message: str, code: int = 2) -> None:
     """Print one clear error line and exit non-zero (never a traceback)."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    print_error(message)
     raise typer.Exit(code)
 
 
-def handle_errors(fn: Callable) -> Callable:
-    """Turn RQError (and a few well-understood OS errors) into one line + exit 2."""
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric flag: min/max (None: unbounded), each end open or closed."""
+
+    min: Optional[float] = None
+    max: Optional[float] = None
+    min_open: bool = False
+    max_open: bool = False
+
+    def check(self, v: float, flag: str) -> None:
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        low = self.min is None or (v > self.min if self.min_open else v >= self.min)
+        high = self.max is None or (v < self.max if self.max_open else v <= self.max)
+        if low and high:
+            return
+        if self.max is None:
+            raise RQError(f"{flag} must be {'>' if self.min_open else '>='} {num(self.min)} (got {num(v)})")
+        if self.min is None:
+            raise RQError(f"{flag} must be {'<' if self.max_open else '<='} {num(self.max)} (got {num(v)})")
+        raise RQError(f"{flag} must be in {'(' if self.min_open else '['}{num(self.min)}, {num(self.max)}"
+                      f"{')' if self.max_open else ']'} (got {num(v)})")
+
+
+COUNT = Range(min=0)  # tokens, layers, repeats that may be zero
+POSITIVE = Range(min=1)  # counts that must be at least one
+SEED = Range(0, 2**63 - 1)  # what mx.random.seed takes
+FRACTION = Range(0, 1)
+
+
+def _flag_names(fn: Callable) -> dict[str, str]:
+    """Parameter name -> the flag the user typed it as (`--temp`, or the argument's NAME)."""
+    names = {}
+    for name, p in inspect.signature(fn).parameters.items():
+        decls = [d for d in getattr(p.default, "param_decls", None) or () if d.startswith("--")]
+        names[name] = decls[0] if decls else name.upper()
+    return names
+
+
+def check_args(kwargs: dict[str, Any], ranges: dict[str, Range], flags: dict[str, str]) -> None:
+    """Every number finite and inside its declared Range; every string valid UTF-8."""
+    for name, v in kwargs.items():
+        flag = flags.get(name, name)
+        if isinstance(v, bool) or v is None:
+            continue
+        if isinstance(v, float) and not math.isfinite(v):
+            raise RQError(f"{flag} must be a finite number (got {v})")
+        if isinstance(v, (int, float)) and name in ranges:
+            ranges[name].check(v, flag)
+        elif isinstance(v, (str, Path)):
+            check_utf8(str(v), flag)
+
+
+def handle_errors(fn: Optional[Callable] = None, /, **ranges: Range) -> Callable:
+    """Wrap a command: check its arguments (numbers finite and in their `ranges`, given per parameter
+    name; strings UTF-8), then turn RQError (and a few well-understood OS errors) into one line + exit 2.
+    Use as `@handle_errors` or `@handle_errors(temp=Range(min=0), ...)`."""
+    if fn is None:
+        return functools.partial(handle_errors, **ranges)
+    unknown = set(ranges) - set(inspect.signature(fn).parameters)
+    if unknown:  # a typo would silently leave a flag unchecked
+        raise TypeError(f"{fn.__name__} has no parameter(s) {', '.join(sorted(unknown))}")
+    flags = _flag_names(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
+            check_args(kwargs, ranges, flags)
             return fn(*args, **kwargs)
         except RQError as e:
             fail(str(e))
@@ -38,6 +137,7 @@ def handle_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             fail("interrupted", code=130)
 
+    wrapper.ranges = ranges  # type: ignore[attr-defined]  # for tests: which flags have bounds
     return wrapper
 
 
@@ -66,8 +166,8 @@ def progress_bar(disable: bool = False, elapsed: bool = False) -> Iterator[Calla
 
 
 def print_json(obj: Any) -> None:
-    """Machine-readable output on stdout: one JSON object."""
-    sys.stdout.write(json.dumps(obj, indent=None, default=_default) + "\n")
+    """Machine-readable output on stdout: one strict JSON object (a NaN or infinite measurement is null)."""
+    sys.stdout.write(dumps_strict(finite_or_none(obj), indent=None, default=_default) + "\n")
     sys.stdout.flush()
 
 

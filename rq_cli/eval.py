@@ -6,9 +6,9 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import (EDGE_LAYERS, FP16_WINDOW, KEY_BITS, PAIR_POINTS, console, edge_layers_arg, fp16_window_arg,
-                           gpu_first_run_note,
-                           handle_errors, key_bits_arg, pair_points_arg, parse_list, print_json)
+from rq_cli.common import (COUNT, EDGE_LAYERS, FP16_WINDOW, KEY_BITS, PAIR_POINTS, POSITIVE, SEED, console,
+                           edge_layers_arg, fp16_window_arg, gpu_first_run_note, handle_errors, key_bits_arg,
+                           pair_points_arg, parse_list, print_json)
 from rq_core.errors import RQError
 
 app = typer.Typer(no_args_is_help=True)
@@ -20,13 +20,9 @@ def _ids(em, text: Optional[str]):
     return encode_ids(em.tokenizer, load_heldout_text(text))
 
 
-def _positive(name: str, v: Optional[int]) -> None:
-    if v is not None and v < 1:
-        raise RQError(f"{name} must be >= 1 (got {v})")
-
-
 @app.command("ppl")
-@handle_errors
+@handle_errors(context=POSITIVE, windows=POSITIVE, step=POSITIVE, prefill_chunk=POSITIVE, key_bits=POSITIVE,
+               fp16_window=COUNT, edge_layers=COUNT)
 def ppl(
     model: Optional[str] = MODEL_ARG,
     kv: str = typer.Option("fp16", "--kv", help="KV cache: fp16, isoquant3 or turbo3."),
@@ -55,9 +51,6 @@ def ppl(
     as decode reads the (compressed) cache."""
     from rq_core.eval import check_context, kv_settings, load_eval_model, perplexity
 
-    _positive("--windows", windows)
-    _positive("--step", step)
-    _positive("--prefill-chunk", prefill_chunk)
     from rq_core.kv_cache import DEFAULT_PREFILL_FP16, prefill_fp16_value
 
     bound = DEFAULT_PREFILL_FP16 if prefill_fp16 is None else prefill_fp16_value(prefill_fp16, "--prefill-fp16")
@@ -81,7 +74,7 @@ def ppl(
 
 
 @app.command("niah")
-@handle_errors
+@handle_errors(trials=POSITIVE, seed=SEED, key_bits=POSITIVE, fp16_window=COUNT, edge_layers=COUNT)
 def niah_cmd(
     model: Optional[str] = MODEL_ARG,
     kv: str = typer.Option("isoquant3,turbo3", "--kv", help="KV modes to test (comma-separated); fp16 always runs."),
@@ -99,7 +92,6 @@ def niah_cmd(
     """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end."""
     from rq_core.eval import kv_settings, load_eval_model, needle_token_pieces, niah
 
-    _positive("--trials", trials)
     Ls = parse_list(lengths, int, "--lengths")
     Ds = parse_list(depths, float, "--depths")
     if any(not 0 <= d <= 1 for d in Ds):
@@ -138,7 +130,7 @@ def niah_cmd(
 
 
 @app.command("gates")
-@handle_errors
+@handle_errors(key_bits=POSITIVE, fp16_window=COUNT, edge_layers=COUNT)
 def gates_cmd(
     model: Optional[str] = MODEL_ARG,
     kv: str = typer.Option("isoquant3", "--kv", help="KV mode to gate against fp16."),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from rq_cli import calibrate, eval as eval_cmd, pack, profile, quantize, run, soak
+from rq_cli.common import OneLineErrors
 
 app = typer.Typer(
     name="rq",
@@ -12,7 +13,22 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=OneLineErrors,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from rq_core import __version__
+
+        typer.echo(f"rq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    pass
 
 app.command("quantize", help="Quantize a checkpoint by role with a TOML recipe.")(quantize.quantize)
 app.command("calibrate-codebook", help="Compute a Lloyd-Max codebook for the KV cache.")(calibrate.calibrate_codebook)

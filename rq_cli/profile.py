@@ -7,9 +7,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from rq_cli.common import (EDGE_LAYERS, FP16_WINDOW, KEY_BITS, PAIR_POINTS, console, edge_layers_arg, fp16_window_arg,
-                           gpu_first_run_note,
-                           handle_errors, key_bits_arg, pair_points_arg, print_json)
+from rq_cli.common import (COUNT, EDGE_LAYERS, FP16_WINDOW, FRACTION, KEY_BITS, PAIR_POINTS, POSITIVE, console,
+                           edge_layers_arg, fp16_window_arg, gpu_first_run_note, handle_errors, key_bits_arg,
+                           pair_points_arg, print_json)
 from rq_core.errors import RQError
 
 
@@ -66,7 +66,8 @@ def _table(report: dict) -> None:
                       "contexts; compressing the KV cache saves memory but will not speed up decoding.")
 
 
-@handle_errors
+@handle_errors(key_bits=POSITIVE, fp16_window=COUNT, edge_layers=COUNT, threshold=FRACTION, repeats=POSITIVE,
+               warmup=COUNT)
 def profile(
     model: Optional[str] = typer.Argument(None, help="Checkpoint directory or hub id (default: the bundled model)."),
     context: str = typer.Option("512,2048", "--context", "-c", help="Context lengths, comma-separated (2K = 2048)."),
@@ -93,8 +94,6 @@ def profile(
     from rq_core.profile import profile_model
 
     contexts = parse_contexts(context)
-    if repeats < 1 or warmup < 0:
-        raise RQError("--repeats must be ≥ 1 and --warmup ≥ 0")
     # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
     ckpt = load(model, tokenizer=False, cpu_float32=memory_budget is None)
     gpu_first_run_note()

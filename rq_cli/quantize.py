@@ -14,7 +14,7 @@ from rq_core.errors import RQError
 def quantize(
     model: str = typer.Argument(..., help="Checkpoint directory or Hugging Face hub id."),
     recipe: str = typer.Option(..., "--recipe", "-r", help="Bundled recipe name (e.g. qwen3-16gb) or a .toml path."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Output directory (written atomically)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Output directory (new or empty; written atomically, never replaced)."),
     calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text file (default: bundled text)."),
     analyze: bool = typer.Option(False, "--analyze", help="Report per-role activation kurtosis on the calibration text."),
     plan: bool = typer.Option(False, "--plan", help="Print the memory plan (no weights read) and exit."),

@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import console, gpu_first_run_note, handle_errors, pair_points_arg, print_json
+from rq_cli.common import (COUNT, POSITIVE, SEED, Range, console, gpu_first_run_note, handle_errors, pair_points_arg,
+                           print_json)
 from rq_core.errors import RQError
 
 KV_CHOICES = ("fp16", "isoquant3", "turbo3")
@@ -50,7 +51,8 @@ def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: 
     return settings, memory_budget, pager, "recipe.toml" if rec is not None else "defaults"
 
 
-@handle_errors
+@handle_errors(max_tokens=COUNT, temp=Range(min=0), top_p=Range(0, 1, min_open=True), seed=SEED, kv_window=COUNT,
+               edge_layers=COUNT, prefill_chunk=POSITIVE)
 def run(
     model: Optional[str] = typer.Argument(None, help="Checkpoint directory or Hugging Face hub id "
                                                      "(default: the bundled model)."),
@@ -99,18 +101,6 @@ def run(
     `rq quantize`), so a model quantized for 16 GB runs the way its recipe planned."""
     if kv is not None and kv not in KV_CHOICES:
         raise RQError(f"unknown --kv {kv!r} (choose from: {', '.join(KV_CHOICES)})")
-    if max_tokens < 0:
-        raise RQError("--max-tokens must be >= 0")
-    if temp < 0:
-        raise RQError("--temp must be >= 0")
-    if not 0 < top_p <= 1:
-        raise RQError("--top-p must be in (0, 1]")
-    if kv_window is not None and kv_window < 0:
-        raise RQError("--kv-window must be >= 0")
-    if edge_layers is not None and edge_layers < 0:
-        raise RQError("--edge-layers must be >= 0")
-    if prefill_chunk < 1:
-        raise RQError("--prefill-chunk must be >= 1")
     if prefill_fp16 is not None:
         from rq_core.kv_cache import prefill_fp16_value
 

@@ -8,8 +8,8 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from rq_cli.common import (EDGE_LAYERS, FP16_WINDOW, console, edge_layers_arg, fp16_window_arg, gpu_first_run_note,
-                           handle_errors, print_json)
+from rq_cli.common import (COUNT, EDGE_LAYERS, FP16_WINDOW, FRACTION, POSITIVE, SEED, Range, console, edge_layers_arg,
+                           fp16_window_arg, gpu_first_run_note, handle_errors, print_json)
 from rq_core.errors import RQError
 
 MB = 1 << 20
@@ -47,7 +47,12 @@ def render(report: dict) -> Table:
     return t
 
 
-@handle_errors
+_DURATION = Range(min=0, min_open=True)
+
+
+@handle_errors(hours=_DURATION, minutes=_DURATION, seconds=_DURATION, interval=_DURATION, max_tokens=POSITIVE,
+               max_prompt=Range(min=8), temp=Range(min=0), seed=SEED, max_growth_mb=Range(min=0),
+               max_throughput_drop=FRACTION, fp16_window=COUNT, edge_layers=COUNT)
 def soak(
     model: Optional[str] = typer.Argument(None, help="Checkpoint directory or hub id (default: the bundled model)."),
     hours: Optional[float] = typer.Option(None, "--hours", help="How long to run."),
@@ -86,8 +91,6 @@ def soak(
         raise RQError("the duration must be positive")
     if kv not in KV_MODES:
         raise RQError(f"unknown KV mode {kv!r} (choose from: {', '.join(KV_MODES)})")
-    if max_tokens < 1 or max_prompt < 8:
-        raise RQError("--max-tokens must be at least 1 and --max-prompt at least 8")
     # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
     ckpt = load(model, cpu_float32=memory_budget is None)
     gpu_first_run_note()

@@ -19,6 +19,7 @@ import numpy as np
 
 from rq_core.errors import RQError
 from rq_core.kv_cache import KVSettings
+from rq_core.textio import read_utf8
 
 try:
     import tomllib
@@ -43,7 +44,7 @@ def load_heldout_text(path: str | Path | None = None) -> str:
     p = Path(path) if path else HELDOUT_PATH
     if not p.is_file():
         raise RQError(f"held-out text not found: {p}")
-    return p.read_text(encoding="utf-8")
+    return read_utf8(p)
 
 
 def encode_ids(tokenizer: Any, text: str) -> np.ndarray:
@@ -390,7 +391,7 @@ def load_gates(path: str | Path | None = None) -> dict:
     if not p.is_file():
         raise RQError(f"gates file not found: {p}")
     try:
-        cfg = tomllib.loads(p.read_text(encoding="utf-8"))
+        cfg = tomllib.loads(read_utf8(p))
     except tomllib.TOMLDecodeError as e:
         raise RQError(f"{p} is not valid TOML: {e}")
     gates = cfg.get("gates", {})

@@ -3,15 +3,20 @@
 Tensors are read lazily (mx.load), one layer at a time; each is sanitized by the family's model,
 quantized by its role's spec (mx.quantize affine RTN, or GPTQ for linear roles with calibration
 text), evaluated, and appended to the current shard; shards are written as they fill. Peak memory
-stays near one layer's worth. Everything is written into a temporary directory renamed onto OUT at
-the end, so an interrupted run leaves nothing that loads.
+stays near one layer's worth. Everything is written into a temporary directory `.OUT.tmp-PID` that is
+renamed onto OUT at the end only if OUT does not exist by then (see `publish_dir`), so an interrupted run
+leaves nothing that loads and a folder that appears at OUT meanwhile is never replaced. The temp folder
+of a killed run is removed by the next run into the same OUT.
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
+import ctypes.util
+import errno
 import math
 import os
+import sys
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -26,6 +31,7 @@ from mlx.utils import tree_flatten, tree_map
 from rq_core.errors import RQError
 from rq_core.recipe import Recipe, RoleSpec, check_against
 from rq_core.roles import NEVER, ROLES, role_of
+from rq_core.textio import dumps_strict, read_utf8
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 CALIB_DEFAULT = Path(__file__).parent / "assets" / "calibration.txt"
@@ -157,7 +163,7 @@ def calibration_tokens(tokenizer: Any, text_path: Optional[str], n_tokens: int, 
     p = CALIB_DEFAULT if text_path in (None, "", "default") else Path(text_path)
     if not p.is_file():
         raise RQError(f"calibration text not found: {p}")
-    ids = tokenizer.encode(p.read_text(encoding="utf-8", errors="replace"))
+    ids = tokenizer.encode(read_utf8(p, f"calibration text {p}"))
     seq_len = max(8, min(seq_len, len(ids)))
     n = max(1, min(n_tokens, len(ids)) // seq_len)
     if len(ids) < seq_len:
@@ -185,7 +191,12 @@ class _ShardWriter:
         if not self.cur:
             return
         f = self.tmp / f"part-{len(self.files):05d}.safetensors"
-        mx.save_safetensors(str(f), self.cur, metadata={"format": "mlx"})
+        # Through a Python file: given a path, mx.save_safetensors ignores write errors (a full disk
+        # leaves a truncated shard without a word); a file object's write raises OSError(ENOSPC).
+        with open(f, "wb") as fh:
+            mx.save_safetensors(fh, self.cur, metadata={"format": "mlx"})
+            fh.flush()
+            os.fsync(fh.fileno())
         self.files.append((f, list(self.cur)))
         self.cur, self.cur_bytes = {}, 0
         mx.clear_cache()
@@ -434,15 +445,18 @@ def _tokenizer(src: Path) -> Any:
 
 def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLike, *,
              calib: Optional[str] = None, analyze_roles: bool = False, shard_bytes: int = 2 * 10**9,
-             progress: Optional[Progress] = None, overwrite: bool = False) -> QuantizeResult:
-    """Quantize MODEL (directory or hub id) by `recipe` into the directory `out` (atomically)."""
+             progress: Optional[Progress] = None) -> QuantizeResult:
+    """Quantize MODEL (directory or hub id) by `recipe` into the directory `out` (atomically; an
+    existing non-empty `out` is an error, never replaced)."""
     from rq_core.checkpoint import load_config, resolve_model_path
 
     src = resolve_model_path(model_path)
     config = load_config(src)
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    remove_stale_tmp(out)
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise RQError(f"output {out} exists and is not empty (choose another -o or remove it)")
+    out_was_empty_dir = out.is_dir()
     if out.resolve() == src.resolve():
         raise RQError("the output directory must differ from the model directory")
     job = _Job(src, config, recipe, progress)
@@ -466,9 +480,11 @@ def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLi
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists() and not _remove_if_ours(tmp):  # a killed run whose PID this process got again
+        raise RQError(f"{tmp} is in the way and was not made by rq quantize (move it)")
     tmp.mkdir()
     try:
+        (tmp / TMP_MARK).touch()
         writer = _ShardWriter(tmp, shard_bytes)
         total = len(job.groups)
         done = 0
@@ -506,15 +522,141 @@ def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLi
         job.res.shards = len(set(weight_map.values()))
         job.res.bytes_out = writer.total
         _write_metadata(tmp, src, config, job, weight_map)
-        if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
-        os.replace(tmp, out)
+        _fsync_dir(tmp)
+        if out_was_empty_dir:
+            try:  # the empty folder the user named; rmdir cannot remove one that got files meanwhile
+                os.rmdir(out)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                raise RQError(f"output {out} got files while quantizing; it was left as it is and the "
+                              "quantized model was not written (choose another -o)") from None
+        if not publish_dir(tmp, out):
+            raise RQError(f"output {out} appeared while quantizing; it was left as it is and the quantized "
+                          "model was not written (choose another -o)")
+        (out / TMP_MARK).unlink(missing_ok=True)  # after the rename: a run killed before it leaves a marked, removable folder
+        _fsync_dir(out.parent)
+    except OSError as e:  # disk full, permission denied: one line, and nothing half-written stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = f" ({e.filename})" if e.filename else ""
+        raise RQError(f"writing {out} failed: {e.strerror or e}{where}; the partial output was removed") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     job.res.out = str(out)
     job.res.peak_memory_bytes = int(mx.get_peak_memory())
     return job.res
+
+
+# ------------------------------------------------------------------------------------ publishing
+TMP_MARK = ".rq-quantize-partial"  # marks a temp folder as this tool's until it is published
+_RENAME_NOREPLACE = 1  # linux/fs.h
+_RENAME_EXCL = 0x4  # macOS sys/stdio.h, renamex_np
+
+
+def _libc() -> Optional[ctypes.CDLL]:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:  # pragma: no cover
+        return None
+
+
+def _rename_exclusive(src: Path, dst: Path) -> Optional[bool]:
+    """Rename that fails if dst exists, via the kernel's own primitive: True done, False dst exists,
+    None when this system or file system has no such call."""
+    libc = _libc()
+    a, b = os.fsencode(src), os.fsencode(dst)
+    if sys.platform.startswith("linux") and libc is not None and hasattr(libc, "renameat2"):
+        at_fdcwd = -100
+        rc = libc.renameat2(at_fdcwd, a, at_fdcwd, b, ctypes.c_uint(_RENAME_NOREPLACE))
+    elif sys.platform == "darwin" and libc is not None and hasattr(libc, "renamex_np"):
+        rc = libc.renamex_np(a, b, ctypes.c_uint(_RENAME_EXCL))
+    else:
+        return None
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EEXIST:
+        return False
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)):
+        return None
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def publish_dir(tmp: Path, out: Path) -> bool:
+    """Move the finished directory `tmp` to `out` only if nothing is at `out`; False if something is.
+
+    renameat2(RENAME_NOREPLACE) on Linux and renamex_np(RENAME_EXCL) on macOS check and rename in one
+    step. Where neither exists, plain rename(2) of a directory is still safe: POSIX makes it fail on a
+    non-empty directory (EEXIST/ENOTEMPTY) and on a file or symlink (ENOTDIR); at worst it replaces an
+    empty directory, which holds nothing to lose."""
+    done = _rename_exclusive(tmp, out)
+    if done is not None:
+        return done
+    try:
+        os.rename(tmp, out)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            return False
+        raise
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - some file systems do not open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_tmp(out: str | os.PathLike) -> list[Path]:
+    """Remove temp folders of earlier runs into `out` whose process is gone (a killed run): only folders
+    named `.OUT.tmp-PID` that still carry TMP_MARK, or are empty (killed before the mark was written)."""
+    out = Path(out)
+    pat = re.compile(rf"^\.{re.escape(out.name)}\.tmp-(\d+)$")
+    removed: list[Path] = []
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return removed
+    for p in entries:
+        m = pat.match(p.name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid != os.getpid() and not _pid_alive(pid) and _remove_if_ours(p):
+            removed.append(p)
+    return removed
+
+
+def _remove_if_ours(p: Path) -> bool:
+    """Remove a temp folder if it carries TMP_MARK or is empty; anything else is not provably ours."""
+    if p.is_symlink() or not p.is_dir():
+        return False
+    if (p / TMP_MARK).is_file():
+        shutil.rmtree(p, ignore_errors=True)
+        return not p.exists()
+    try:
+        os.rmdir(p)
+    except OSError:
+        return False
+    return True
 
 
 def _write_metadata(tmp: Path, src: Path, config: dict, job: _Job, weight_map: dict[str, str]) -> None:
@@ -526,11 +668,15 @@ def _write_metadata(tmp: Path, src: Path, config: dict, job: _Job, weight_map: d
     q.update(dict(sorted(job.qconfig.items())))
     cfg["quantization"] = q
     cfg["quantization_config"] = q
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    try:
+        text = dumps_strict(cfg, indent=2)
+    except ValueError:
+        raise RQError(f"{src / 'config.json'} has a NaN or infinite number; the output config would not be JSON") from None
+    (tmp / "config.json").write_text(text)
     if len(set(weight_map.values())) > 1:
         total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
         (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+            dumps_strict({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     resolved = _R(**{**job.recipe.__dict__, "roles": dict(job.specs)})
     (tmp / "recipe.toml").write_text(resolved.dumps())
     for f in src.iterdir():

@@ -7,6 +7,7 @@ Every problem is one RQError line naming the file and the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import sys
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ else:  # pragma: no cover
 from rq_core.errors import RQError
 from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KVSettings, check_edges, prefill_fp16_value
 from rq_core.roles import FAMILIES, ROLES
+from rq_core.textio import read_utf8
 
 VERSION = 1
 BITS = (2, 3, 4, 5, 6, 8)
@@ -154,6 +156,51 @@ def _typed(src: str, key: str, v: Any, typ: type | tuple) -> Any:
     return v
 
 
+# Every numeric setting outside the enumerated ones (bits, group sizes): (table, key) -> (type, min, max), checked
+# by _check_numbers in one place. float accepts TOML integers too.
+_NUMBERS: dict[tuple[str, str], tuple[type, float | None, float | None]] = {
+    ("kv", "bits"): (int, 1, 8),
+    ("kv", "key_bits"): (int, 1, 4),
+    ("kv", "fp16_window"): (int, 0, None),
+    ("kv", "seed"): (int, 0, 2**63 - 1),
+    ("pager", "context"): (int, 1, None),
+    ("calibration", "tokens"): (int, 1, None),
+    ("calibration", "seq_len"): (int, 1, None),
+    ("calibration", "damp"): (float, 0, None),
+    ("promote", "kurtosis_threshold"): (float, None, None),
+}
+
+
+def _non_finite(v: Any, at: str) -> tuple[str, float] | None:
+    """The first NaN or infinity anywhere in a TOML value (TOML has `nan` and `inf`)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return at, v
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        found = _non_finite(x, f"{at}.{k}" if at else str(k))
+        if found:
+            return found
+    return None
+
+
+def _check_numbers(src: str, data: dict) -> None:
+    """No NaN or infinity anywhere; every _NUMBERS key of its type and inside its range."""
+    bad = _non_finite(data, "")
+    if bad:
+        raise RQError(f"{src}: '{bad[0]}' = {bad[1]} is not a finite number")
+    for (table, key), (typ, lo, hi) in _NUMBERS.items():
+        t = data.get(table)
+        v = t.get(key) if isinstance(t, dict) else None
+        if v is None:
+            continue
+        ok_type = (int,) if typ is int else (int, float)
+        if isinstance(v, bool) or not isinstance(v, ok_type):
+            raise RQError(f"{src}: '{table}.{key}' must be {'an integer' if typ is int else 'a number'}, got {v!r}")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"between {lo} and {hi}" if lo is not None else f"<= {hi}"
+            raise RQError(f"{src}: {table}.{key} = {v} must be {rng}")
+
+
 def _role_spec(src: str, role: str, t: Any, base: RoleSpec) -> RoleSpec:
     t = _check_keys(f"roles.{role}", t, ("bits", "group_size", "method", "quantize"), src)
     if t.get("quantize", True) is False:
@@ -180,6 +227,7 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
     version = data.get("version")
     if version != VERSION:
         raise RQError(f"{src}: 'version' must be {VERSION} (got {version!r})")
+    _check_numbers(src, data)
     name = _typed(src, "name", data.get("name", Path(source).stem), str)
     family = data.get("family")
     if family is not None:
@@ -198,13 +246,6 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
         raise RQError(f"{src}: kv.mode = {kv.mode!r} is not one of {', '.join(KV_MODES)}")
     if kv.rotation not in ROTATIONS:
         raise RQError(f"{src}: kv.rotation = {kv.rotation!r} is not one of {', '.join(ROTATIONS)}")
-    _typed(src, "kv.bits", kv.bits, int)
-    if not 1 <= kv.bits <= 8:
-        raise RQError(f"{src}: kv.bits = {kv.bits} must be between 1 and 8")
-    if kv.key_bits is not None:
-        _typed(src, "kv.key_bits", kv.key_bits, int)
-        if not 1 <= kv.key_bits <= 4:
-            raise RQError(f"{src}: kv.key_bits = {kv.key_bits} must be between 1 and 4")
     if kv.pair_points is not None:
         pp = kv.pair_points
         if pp == []:  # scalar codebooks
@@ -221,10 +262,8 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
             if kv.key_bits is not None:
                 raise RQError(f"{src}: kv.key_bits and kv.pair_points cannot both be set")
             kv.pair_points = (pp[0], pp[1])
-    _typed(src, "kv.fp16_window", kv.fp16_window, int)
     check_edges(kv.edge_layers, kv.edge_bits, f"{src}: kv")
     kv.prefill_fp16 = prefill_fp16_value(kv.prefill_fp16, f"{src}: kv.prefill_fp16")
-    _typed(src, "kv.seed", kv.seed, int)
     _typed(src, "kv.norm_correction", kv.norm_correction, bool)
     _typed(src, "kv.value_gain", kv.value_gain, bool)
     _typed(src, "kv.codebook", kv.codebook, str)
@@ -235,19 +274,14 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
         parse_size(str(pager.memory_budget), f"{src}: pager.memory_budget")
     if pager.policy not in POLICIES:
         raise RQError(f"{src}: pager.policy = {pager.policy!r} is not one of {', '.join(POLICIES)}")
-    _typed(src, "pager.context", pager.context, int)
 
     cal_t = _check_keys("calibration", data.get("calibration", {}),
                         tuple(f.name for f in dataclasses.fields(CalibrationSettings)), src)
     cal = CalibrationSettings(**cal_t)
-    _typed(src, "calibration.tokens", cal.tokens, int)
-    _typed(src, "calibration.seq_len", cal.seq_len, int)
-    _typed(src, "calibration.damp", cal.damp, (int, float))
 
     pr_t = _check_keys("promote", data.get("promote", {}), ("kurtosis_threshold", "bits", "group_size"), src)
     promote = Promotion(**pr_t)
     if promote.kurtosis_threshold is not None:
-        _typed(src, "promote.kurtosis_threshold", promote.kurtosis_threshold, (int, float))
         if promote.bits not in BITS:
             raise RQError(f"{src}: promote.bits = {promote.bits} is not one of {', '.join(map(str, BITS))}")
         if promote.group_size not in GROUP_SIZES:
@@ -278,7 +312,7 @@ def load(name_or_path: str | Path) -> Recipe:
             raise RQError(f"no recipe {str(name_or_path)!r} (a path to a .toml, or one of: {names})")
     if not p.exists():
         raise RQError(f"recipe file not found: {p}")
-    return loads(p.read_text(), str(p))
+    return loads(read_utf8(p), str(p))
 
 
 def bundled() -> list[str]:
@@ -295,7 +329,10 @@ def parse_size(text: str, what: str = "size") -> int:
         raise RQError(f"{what}: cannot read {text!r} as a size (examples: 16GB, 512MiB, 2.5G)")
     num, unit, suffix = float(m.group(1)), m.group(2).upper(), (m.group(3) or "").lower()
     base = 1024 if suffix.startswith("i") else 1000
-    return int(num * base ** " KMGT".index(unit or " "))
+    n = num * base ** " KMGT".index(unit or " ")
+    if not math.isfinite(n) or n < 1:  # a long run of digits reads as inf; a budget or shard of 0 bytes holds nothing
+        raise RQError(f"{what}: {text!r} must be a positive size (examples: 16GB, 512MiB, 2.5G)")
+    return int(n)
 
 
 def check_against(recipe: Recipe, config: dict, dims: dict[str, list[tuple[str, tuple[int, ...]]]]) -> None:

@@ -8,7 +8,6 @@ generations), throughput drift (slope of tok/s), and the checks.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import resource
@@ -23,6 +22,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from rq_core.errors import RQError
+from rq_core.textio import dumps_strict, finite_or_none
 
 SCHEMA = "rq.soak/1"
 MB = 1 << 20
@@ -205,13 +205,14 @@ def summarize(samples: list[dict], th: Thresholds, decode_mem: Optional[RunningS
 
 # ------------------------------------------------------------------------------------------- report
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON to a temp file in the same directory, then rename over `path` (never half a file)."""
+    """Write strict JSON (a NaN or infinite number becomes null) to a temp file in the same directory, then
+    rename over `path` (never half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, default=_json_default)
+            f.write(dumps_strict(finite_or_none(obj), indent=1, default=_json_default))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -363,10 +364,10 @@ class Soak:
         from rq_core.checkpoint import context_length, text_config
         from rq_core.kv_cache import KVSettings
 
-        if settings.duration_s <= 0:
-            raise RQError("the soak needs a positive duration")
-        if settings.interval_s <= 0:
-            raise RQError("--interval must be positive")
+        if not (math.isfinite(settings.duration_s) and settings.duration_s > 0):
+            raise RQError("the soak needs a positive, finite duration")
+        if not (math.isfinite(settings.interval_s) and settings.interval_s > 0):
+            raise RQError("--interval must be positive and finite")
         self.ckpt, self.s, self.path = ckpt, settings, Path(report_path)
         self.kv = kv or KVSettings(mode=settings.kv_mode)
         self.pager, self.on_sample = pager, on_sample

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
 from rq_core.errors import RQError
+from rq_core.textio import read_utf8
 
 
 def _token_str(t: Any) -> Optional[str]:
@@ -40,44 +40,57 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """Render the checkpoint's chat template the way transformers does (sandboxed jinja2)."""
+        """Render the checkpoint's chat template the way transformers does (sandboxed jinja2, in a child
+        process with a time, memory and output limit: the template is untrusted)."""
         if not self.chat_template:
             raise RQError("this checkpoint has no chat template (tokenizer_config.json / chat_template.jinja); "
                           "drop --chat")
-        try:
-            import jinja2
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:  # pragma: no cover - a declared dependency
-            raise RQError("--chat needs jinja2 (pip install jinja2)")
+        return render_chat_template(self.chat_template, dict(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs))
 
-        def raise_exception(msg: str) -> None:
-            raise jinja2.exceptions.TemplateError(msg)
 
-        def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-                   sort_keys: bool = False) -> str:
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+TEMPLATE_SECONDS = 10.0  # a real chat template renders in milliseconds; the child's start-up is most of this
+TEMPLATE_MEMORY = 1 << 30
+TEMPLATE_MAX_CHARS = 1 << 24  # plus 4x the messages: a template may repeat what it is given, not much more
+_RENDERER = Path(__file__).with_name("_render_template.py")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except jinja2.exceptions.TemplateError as e:
-            raise RQError(f"chat template failed: {e}")
+
+def render_chat_template(template: str, context: dict) -> str:
+    """A chat template rendered by rq_core/_render_template.py in a child process. A process, not a thread:
+    a template stuck in a loop (or in one long C call) can only be stopped for sure by killing it."""
+    import subprocess
+    import sys
+
+    given = json.dumps(context)
+    req = json.dumps({"template": template, "context": context, "max_bytes": TEMPLATE_MEMORY,
+                      "max_chars": TEMPLATE_MAX_CHARS + 4 * len(given)})
+    try:
+        p = subprocess.run([sys.executable, str(_RENDERER)], input=req.encode("utf-8"), capture_output=True,
+                           timeout=TEMPLATE_SECONDS)
+    except subprocess.TimeoutExpired:
+        raise RQError(f"chat template failed: it did not finish in {TEMPLATE_SECONDS:g} s (a loop that does not "
+                      "end?)") from None
+    try:
+        out = json.loads(p.stdout.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        out = None
+    if not isinstance(out, dict) or not isinstance(out.get("text", out.get("error")), str):
+        why = (p.stderr.decode("utf-8", "replace").strip().splitlines() or [f"exit status {p.returncode}"])[-1]
+        raise RQError(f"chat template failed: the renderer stopped ({why})")
+    if "error" in out:
+        raise RQError(f"chat template failed: {out['error']}")
+    return out["text"]
 
 
 def _chat_template(path: Path, cfg: dict) -> Optional[str]:
     jinja = path / "chat_template.jinja"  # transformers 5 saves the template as its own file
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        return read_utf8(jinja)
     ct_json = path / "chat_template.json"
     if ct_json.is_file():
         try:
-            ct = json.loads(ct_json.read_text(encoding="utf-8"))
+            ct = json.loads(read_utf8(ct_json))
         except json.JSONDecodeError as e:
             raise RQError(f"{ct_json} is not valid JSON: {e}")
         ct = ct.get("chat_template") if isinstance(ct, dict) else None
@@ -106,7 +119,7 @@ def load_tokenizer(path: str | Path) -> Optional[Tokenizer]:
     cfg = {}
     if cfg_path.is_file():
         try:
-            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            cfg = json.loads(read_utf8(cfg_path))
         except json.JSONDecodeError as e:
             raise RQError(f"{cfg_path} is not valid JSON: {e}")
     return Tokenizer(tok, cfg, _chat_template(path, cfg))

@@ -1,4 +1,5 @@
-"""Small primitives shared by the model families: config args, RoPE, routed experts, routing, caches.
+"""Small primitives shared by the model families: config args, RoPE, norms, dense layers, routed experts,
+routing, caches.
 
 Names follow mlx-lm (`switch_mlp.{gate,up,down}_proj`, `to_quantized`) so checkpoints interoperate.
 """
@@ -298,6 +299,65 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x, w, self.eps)
 
 
+# ------------------------------------------------------------------------------------------ layers
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
+
+
+def relu2(x: mx.array) -> mx.array:
+    return mx.square(nn.relu(x))
+
+
+class MLP(nn.Module):
+    """Dense gated MLP down(act(gate x, up x)); SwiGLU unless `activation` says otherwise."""
+
+    def __init__(self, dims: int, hidden: int, activation: Optional[Callable] = None):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden, bias=False)
+        self.up_proj = nn.Linear(dims, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dims, bias=False)
+        self.activation = activation or swiglu
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention through the layer's cache, with an optional per-head q/k RMSNorm (applied
+    before RoPE), RoPE (none: no positional encoding) and sliding window."""
+
+    def __init__(self, dims: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool = False,
+                 o_bias: bool = False, qk_norm_eps: Optional[float] = None, rope: Optional[nn.Module] = None,
+                 window: Optional[int] = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(dims, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dims, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dims, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dims, bias=o_bias)
+        self.qk_norm = qk_norm_eps is not None
+        if self.qk_norm:
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.rope = rope
+        self.window = window
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        if self.rope is not None:
+            offset = cache.offset if cache is not None else 0
+            q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        o = attend(cache, q, k, v, scale=self.scale, window=self.window)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
 # ------------------------------------------------------------------------------------ routed experts
 def _cpu_half_gather_mm(x: mx.array, w: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
     """MLX's CPU gather_mm is float32-only: compute in float32, upcasting only the experts in use
@@ -380,14 +440,6 @@ def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx
     order = mx.argsort(flat)
     inv_order = mx.argsort(order)
     return x.flatten(0, -3)[order // M], flat[order], inv_order
-
-
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.silu(gate) * up
-
-
-def relu2(x: mx.array) -> mx.array:
-    return mx.square(nn.relu(x))
 
 
 class SwitchGLU(nn.Module):

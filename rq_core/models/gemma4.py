@@ -22,6 +22,7 @@ import mlx.nn as nn
 from rq_core.errors import RQError
 from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
 from rq_core.models.base import (
+    MLP,
     BaseModelArgs,
     RotatingWindowCache,
     SwitchGLU,
@@ -184,17 +185,6 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1)), (k, v)
 
 
-class MLP(nn.Module):
-    def __init__(self, dims: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden, bias=False)
-        self.up_proj = nn.Linear(dims, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dims, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
-
-
 class Router(nn.Module):
     """Scale-free RMSNorm → ·scale/√d → logits → softmax top-k, renormalised, times a per-expert scale."""
 
@@ -229,7 +219,7 @@ class DecoderLayer(nn.Module):
         self.layer_type = args.layer_types[i]
         self.self_attn = Attention(args, i)
         wide = args.use_double_wide_mlp and self.self_attn.shared  # transformers widens only KV-sharing layers
-        self.mlp = MLP(d, args.intermediate_size * (2 if wide else 1))
+        self.mlp = MLP(d, args.intermediate_size * (2 if wide else 1), activation=geglu)
         self.input_layernorm = nn.RMSNorm(d, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
         self.pre_feedforward_layernorm = nn.RMSNorm(d, eps=eps)

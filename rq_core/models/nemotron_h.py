@@ -17,9 +17,9 @@ import mlx.nn as nn
 from rq_core.errors import RQError
 from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
 from rq_core.models.base import (
+    Attention,
     BaseModelArgs,
     SwitchGLU,
-    attend,
     combine_experts,
     relu2,
     route_sigmoid_group_topk,
@@ -132,28 +132,6 @@ class NoCache:
     fp16_nbytes = 0
 
 
-class Attention(nn.Module):
-    """Plain GQA attention; Nemotron-H uses no positional encoding in attention."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        self.scale = self.head_dim ** -0.5
-        d, b = args.hidden_size, args.attention_bias
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=b)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=b)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=b)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=b)
-
-    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        o = attend(cache, q, k, v, scale=self.scale)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs, intermediate_size: Optional[int] = None):
         super().__init__()
@@ -212,8 +190,10 @@ class Block(nn.Module):
                                      args.n_groups, args.conv_kernel, chunk_size=args.chunk_size,
                                      eps=args.layer_norm_epsilon, proj_bias=args.use_bias,
                                      conv_bias=args.use_conv_bias, dt_min=args.time_step_min)
-        elif kind == "*":
-            self.mixer = Attention(args)
+        elif kind == "*":  # no positional encoding
+            b = args.attention_bias
+            self.mixer = Attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                   args.head_dim, qkv_bias=b, o_bias=b)
         elif kind == "E":
             self.mixer = MoE(args)
         else:

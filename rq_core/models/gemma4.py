@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from rq_core.errors import RQError
 from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
+from rq_core.models import text_config
 from rq_core.models.base import (
     MLP,
     BaseModelArgs,
@@ -80,15 +81,10 @@ class ModelArgs(BaseModelArgs):
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
-        tc = params.get("text_config")
-        if isinstance(tc, dict):
-            merged = dict(tc)
-            merged["model_type"] = params.get("model_type", "gemma4")
-            merged["multimodal"] = True
-            if "tie_word_embeddings" in params and "tie_word_embeddings" not in tc:
-                merged["tie_word_embeddings"] = params["tie_word_embeddings"]
-            params = merged
-        return super().from_dict(params)
+        text = text_config(params)
+        if text is not params:  # the multimodal release: its model_type says how its tensors are named
+            text = {**text, "model_type": params.get("model_type", "gemma4"), "multimodal": True}
+        return super().from_dict(text)
 
     def __post_init__(self):
         if self.use_bidirectional_attention == "all":

@@ -1,5 +1,5 @@
-"""Small primitives shared by the model families: config args, RoPE, norms, dense layers, routed experts,
-routing, caches.
+"""Small primitives shared by the model families: config args, RoPE, layers, routed experts, routing,
+caches.
 
 Names follow mlx-lm (`switch_mlp.{gate,up,down}_proj`, `to_quantized`) so checkpoints interoperate.
 """
@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from rq_core.kv_cache import Mask
+from rq_core.kv_cache import KVSettings, Mask, make_kv_cache
 
 
 # --------------------------------------------------------------------------------------------- args
@@ -281,24 +281,6 @@ def make_rope(dims: int, base: float, scaling: Optional[dict] = None, *, traditi
     raise RQError(f"unsupported rope type {kind!r} (supported: default, linear, llama3, yarn, proportional)")
 
 
-# ------------------------------------------------------------------------------------------- norms
-class RMSNorm(nn.Module):
-    """y = x / rms(x) * (offset + weight) via mx.fast.rms_norm; offset=1 is Gemma's (1 + w) form."""
-
-    def __init__(self, dims: int, eps: float = 1e-6, offset: float = 0.0, with_scale: bool = True):
-        super().__init__()
-        if with_scale:
-            self.weight = mx.zeros((dims,)) if offset else mx.ones((dims,))
-        self.eps = eps
-        self.offset = offset
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if "weight" not in self:
-            return mx.fast.rms_norm(x, None, self.eps)
-        w = self.weight + self.offset if self.offset else self.weight
-        return mx.fast.rms_norm(x, w, self.eps)
-
-
 # ------------------------------------------------------------------------------------------ layers
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return nn.silu(gate) * up
@@ -356,6 +338,18 @@ class Attention(nn.Module):
             q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         o = attend(cache, q, k, v, scale=self.scale, window=self.window)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def run_layers(layers: list, h: mx.array, cache: Optional[list] = None) -> mx.array:
+    """h through each layer with its cache slot (no cache: every slot None)."""
+    for layer, c in zip(layers, cache if cache is not None else [None] * len(layers)):
+        h = layer(h, c)
+    return h
+
+
+def lm_logits(lm: nn.Module, h: mx.array, embed: nn.Embedding) -> mx.array:
+    """Logits of the final hidden states: `lm`'s lm_head, or the input embedding when tied (no lm_head)."""
+    return lm.lm_head(h) if "lm_head" in lm else embed.as_linear(h)
 
 
 # ------------------------------------------------------------------------------------ routed experts
@@ -580,6 +574,14 @@ class SlidingWindowCache:
 def attention_mask(L: int) -> Mask:
     """The mask argument models pass to `cache.attend` for L new tokens."""
     return "causal" if L > 1 else None
+
+
+def attention_cache(attn: Any, kv: KVSettings, layer: int, window_cache: type = SlidingWindowCache) -> Any:
+    """The cache of attention layer `layer` (`attn` has window, n_kv_heads, head_dim): an fp16 window cache
+    for a sliding layer, else one of the KV mode `kv` chooses."""
+    if attn.window is not None:
+        return window_cache(attn.window)
+    return make_kv_cache(kv, layer=layer, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim)
 
 
 def attend(cache: Any, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,

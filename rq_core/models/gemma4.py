@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
+from rq_core.kv_cache import KVSettings, with_edge_layers
 from rq_core.models import text_config
 from rq_core.models.base import (
     MLP,
@@ -28,7 +28,9 @@ from rq_core.models.base import (
     RotatingWindowCache,
     SwitchGLU,
     attend,
+    attention_cache,
     combine_experts,
+    lm_logits,
     make_rope,
     route_softmax_topk,
     stack_experts,
@@ -314,7 +316,7 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
         lm = self._lm
         h = lm.model(inputs, cache)
-        logits = lm.lm_head(h) if "lm_head" in lm else lm.model.embed_tokens.as_linear(h)
+        logits = lm_logits(lm, h, lm.model.embed_tokens)
         cap = self.args.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap
@@ -327,14 +329,8 @@ class Model(nn.Module):
     def make_cache(self, kv: Optional[KVSettings] = None) -> list:
         """Sliding layers: a ring-buffer fp16 window cache; full layers: the chosen KV mode."""
         kv = kv or KVSettings()
-        caches: list = []
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            if a.is_sliding:
-                caches.append(RotatingWindowCache(self.args.sliding_window))
-            else:
-                caches.append(make_kv_cache(kv, layer=i, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim))
-        return with_edge_layers(caches, kv)
+        return with_edge_layers([attention_cache(layer.self_attn, kv, i, RotatingWindowCache)
+                                 for i, layer in enumerate(self.layers)], kv)
 
     def sanitize(self, weights: dict) -> dict:
         """transformers / hub names → ours: drops vision/audio towers and rotary buffers, splits the fused

@@ -15,14 +15,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
+from rq_core.kv_cache import KVSettings, with_edge_layers
 from rq_core.models.base import (
     Attention,
     BaseModelArgs,
     SwitchGLU,
+    attention_cache,
     combine_experts,
+    lm_logits,
     relu2,
     route_sigmoid_group_topk,
+    run_layers,
     stack_experts,
 )
 from rq_core.models.mamba import Mamba2Mixer, MambaCache
@@ -218,11 +221,7 @@ class Backbone(nn.Module):
         self.norm_f = nn.RMSNorm(args.hidden_size, eps=args.layer_norm_epsilon)
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        h = self.embeddings(inputs)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.norm_f(h)
+        return self.norm_f(run_layers(self.layers, self.embeddings(inputs), cache))
 
 
 class Model(nn.Module):
@@ -235,10 +234,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        h = self.backbone(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.backbone.embeddings.as_linear(h)
-        return self.lm_head(h)
+        return lm_logits(self, self.backbone(inputs, cache), self.backbone.embeddings)
 
     @property
     def layers(self) -> list:
@@ -247,15 +243,8 @@ class Model(nn.Module):
     def make_cache(self, kv: Optional[KVSettings] = None) -> list:
         """Attention layers: a KV cache of the chosen mode; Mamba layers: conv/SSM state; MLP/MoE: `NoCache`."""
         kv = kv or KVSettings()
-        caches: list = []
-        for i, layer in enumerate(self.layers):
-            if layer.block_type == "*":
-                caches.append(make_kv_cache(kv, layer=i, n_kv_heads=self.args.num_key_value_heads,
-                                            head_dim=self.args.head_dim))
-            elif layer.block_type == "M":
-                caches.append(MambaCache())
-            else:
-                caches.append(NoCache())
+        caches = [attention_cache(layer.mixer, kv, i) if layer.block_type == "*"
+                  else MambaCache() if layer.block_type == "M" else NoCache() for i, layer in enumerate(self.layers)]
         return with_edge_layers(caches, kv)
 
     def sanitize(self, weights: dict) -> dict:

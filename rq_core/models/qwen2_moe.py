@@ -13,9 +13,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
-from rq_core.models.base import (MLP, Attention, BaseModelArgs, SlidingWindowCache, SwitchGLU, combine_experts,
-                                 make_rope, rope_params, route_softmax_topk, stack_experts)
+from rq_core.kv_cache import KVSettings, with_edge_layers
+from rq_core.models.base import (MLP, Attention, BaseModelArgs, SwitchGLU, attention_cache, combine_experts,
+                                 lm_logits, make_rope, rope_params, route_softmax_topk, run_layers, stack_experts)
 
 
 @dataclass
@@ -130,11 +130,7 @@ class QwenMoeModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        h = self.embed_tokens(inputs)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.norm(h)
+        return self.norm(run_layers(self.layers, self.embed_tokens(inputs), cache))
 
 
 class Model(nn.Module):
@@ -147,10 +143,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return lm_logits(self, self.model(inputs, cache), self.model.embed_tokens)
 
     @property
     def layers(self) -> list:
@@ -158,10 +151,7 @@ class Model(nn.Module):
 
     def make_cache(self, kv: Optional[KVSettings] = None) -> list:
         kv = kv or KVSettings()
-        a = self.args
-        return with_edge_layers([SlidingWindowCache(a.sliding_window) if t == "sliding_attention"
-                                 else make_kv_cache(kv, layer=i, n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim)
-                                 for i, t in enumerate(a.layer_types)], kv)
+        return with_edge_layers([attention_cache(layer.self_attn, kv, i) for i, layer in enumerate(self.layers)], kv)
 
     def sanitize(self, weights: dict) -> dict:
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}

@@ -291,17 +291,22 @@ def relu2(x: mx.array) -> mx.array:
 
 
 class MLP(nn.Module):
-    """Dense gated MLP down(act(gate x, up x)); SwiGLU unless `activation` says otherwise."""
+    """Dense MLP y = down(act(gate x, up x)), the dense counterpart of `SwitchGLU` (the same arguments):
+    SwiGLU unless `activation` says otherwise; with `gated=False`, no gate_proj and y = down(act(up x))."""
 
-    def __init__(self, dims: int, hidden: int, activation: Optional[Callable] = None):
+    def __init__(self, dims: int, hidden: int, activation: Optional[Callable] = None, bias: bool = False,
+                 gated: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden, bias=False)
-        self.up_proj = nn.Linear(dims, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dims, bias=False)
-        self.activation = activation or swiglu
+        self.gated = gated
+        if gated:
+            self.gate_proj = nn.Linear(dims, hidden, bias=bias)
+        self.up_proj = nn.Linear(dims, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dims, bias=bias)
+        self.activation = activation or (swiglu if gated else relu2)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.activation(self.gate_proj(x), self.up_proj(x)))
+        up = self.up_proj(x)
+        return self.down_proj(self.activation(self.gate_proj(x), up) if self.gated else self.activation(up))
 
 
 class Attention(nn.Module):

@@ -32,6 +32,7 @@ from rq_core.models.base import (
     combine_experts,
     lm_logits,
     make_rope,
+    rope_params,
     route_softmax_topk,
     stack_experts,
 )
@@ -159,10 +160,9 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(hd, eps=self.eps)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=b)
         self.q_norm = nn.RMSNorm(hd, eps=self.eps)
-        rp = args.rope_parameters.get(self.layer_type) or {}
-        kind = rp.get("rope_type", "default")
-        # transformers' "default" Gemma 4 RoPE rotates the whole head whatever partial_rotary_factor says.
-        self.rope = make_rope(hd, float(rp.get("rope_theta", 10_000.0)), None if kind == "default" else rp)
+        # rope_params drops a "default" type's settings: Gemma 4's rotates the whole head whatever
+        # partial_rotary_factor says (as transformers does).
+        self.rope = make_rope(hd, *rope_params(vars(args), self.layer_type))
 
     def __call__(self, x: mx.array, cache: Any = None,
                  shared_kv: Optional[tuple[mx.array, mx.array]] = None) -> tuple[mx.array, tuple[mx.array, mx.array]]:

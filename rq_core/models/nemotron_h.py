@@ -17,6 +17,7 @@ import mlx.nn as nn
 from rq_core.errors import RQError
 from rq_core.kv_cache import KVSettings, with_edge_layers
 from rq_core.models.base import (
+    MLP,
     Attention,
     BaseModelArgs,
     SwitchGLU,
@@ -135,17 +136,6 @@ class NoCache:
     fp16_nbytes = 0
 
 
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, intermediate_size: Optional[int] = None):
-        super().__init__()
-        i = intermediate_size or args.intermediate_size
-        self.up_proj = nn.Linear(args.hidden_size, i, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(i, args.hidden_size, bias=args.mlp_bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(relu2(self.up_proj(x)))
-
-
 class MoEGate(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -169,7 +159,8 @@ class MoE(nn.Module):
         self.gate = MoEGate(args)
         self.switch_mlp = SwitchGLU(expert_dim, args.moe_intermediate_size, args.n_routed_experts,
                                     activation=relu2, gated=False)
-        self.shared_experts = MLP(args, args.moe_shared_expert_intermediate_size)
+        self.shared_experts = MLP(args.hidden_size, args.moe_shared_expert_intermediate_size, bias=args.mlp_bias,
+                                  gated=False)
         if self.latent:
             self.fc1_latent_proj = nn.Linear(args.hidden_size, args.moe_latent_size, bias=args.mlp_bias)
             self.fc2_latent_proj = nn.Linear(args.moe_latent_size, args.hidden_size, bias=args.mlp_bias)
@@ -200,7 +191,7 @@ class Block(nn.Module):
         elif kind == "E":
             self.mixer = MoE(args)
         else:
-            self.mixer = MLP(args)
+            self.mixer = MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, gated=False)
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         h = self.norm(x)

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.models import get_model_module
+from rq_core.models import get_model_module, text_config
 
 # The bundled small model (made by the default-model issue); used when MODEL is omitted.
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
@@ -99,12 +99,6 @@ def load_config(path: Path) -> dict:
     config = _read_json(cfg)
     get_model_module(config.get("model_type"))  # unknown model_type → one line naming the supported ones
     return config
-
-
-def text_config(config: dict) -> dict:
-    """The language model's part of a config (multimodal releases nest it under text_config)."""
-    tc = config.get("text_config")
-    return {**config, **tc} if isinstance(tc, dict) else config
 
 
 def context_length(config: dict) -> Optional[int]:

@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from rq_core.errors import RQError
+from rq_core.models import text_config
 from rq_core.recipe import Recipe, RoleSpec
-from rq_core.roles import NEVER, ROLES, ROUTED_EXPERT, family_of, role_of, text_config
+from rq_core.roles import NEVER, ROLES, ROUTED_EXPERT, family_of, role_of
 
 DTYPE_BYTES = 2  # bf16/fp16 weights, scales and biases
 

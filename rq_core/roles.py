@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from rq_core.errors import RQError
+from rq_core.models import text_config
 
 # Roles a recipe can set precision for. NEVER is for tensors that stay in full precision.
 ATTENTION = "attention"
@@ -45,12 +46,6 @@ def family_of(config: dict) -> str:
     if mt not in FAMILIES:
         raise RQError(f"model_type {mt!r} is not supported (supported: {', '.join(FAMILIES)})")
     return mt
-
-
-def text_config(config: dict) -> dict:
-    """The language-model part of a config (Gemma 4 nests it under `text_config`)."""
-    tc = config.get("text_config")
-    return tc if isinstance(tc, dict) else config
 
 
 def layer_index(name: str) -> int | None:

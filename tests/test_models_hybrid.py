@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from rq_core.checkpoint import build_model, load_weights
 from rq_core.errors import RQError
 from rq_core.kv_cache import FP16Cache, KVSettings
-from rq_core.models import base, gemma4, nemotron_h
+from rq_core.models import base, gemma4, nemotron_h, text_config
 from rq_core.models.mamba import Mamba2Mixer, MambaCache
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -338,6 +338,18 @@ def test_gemma4_args_from_real_config() -> None:
                                     "layer_types": ["full_attention", "sliding_attention", "full_attention"]})
     with pytest.raises(RQError, match="non-causal"):
         gemma4.ModelArgs.from_dict({**GEMMA4_26B_TEXT, "use_bidirectional_attention": "all"})
+
+
+def test_text_config_nested_keys_win_outer_keys_fill_in() -> None:
+    flat = {"model_type": "qwen3_moe", "vocab_size": 8}
+    assert text_config(flat) is flat
+    nested = {"model_type": "gemma4", "tie_word_embeddings": False, "vocab_size": 1,
+              "text_config": {"model_type": "gemma4_text", "vocab_size": 320}}
+    tc = text_config(nested)
+    assert (tc["model_type"], tc["vocab_size"], tc["tie_word_embeddings"]) == ("gemma4_text", 320, False)
+    # The model keeps the release's model_type (its tensor names follow it) and the outer tie setting.
+    a = gemma4.ModelArgs.from_dict({**nested, "text_config": dict(GEMMA4_26B_TEXT)})
+    assert (a.model_type, a.multimodal, a.tie_word_embeddings, a.vocab_size) == ("gemma4", True, False, 262144)
 
 
 def test_gemma4_isoquant_caches_only_full_layers() -> None:

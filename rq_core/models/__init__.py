@@ -51,6 +51,13 @@ class _Registry(dict):
 MODEL_TYPES = _Registry()
 
 
+def text_config(config: dict) -> dict:
+    """The language model's config. Multimodal releases nest it under `text_config`; its keys win over the
+    outer ones, which still hold what concerns the whole checkpoint (tie_word_embeddings, eos_token_id)."""
+    tc = config.get("text_config")
+    return {**config, **tc} if isinstance(tc, dict) else config
+
+
 def get_model_module(model_type: str | None) -> ModuleType:
     """The module for a model_type; RQError naming the supported ones when unknown."""
     if not model_type:

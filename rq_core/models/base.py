@@ -1,4 +1,5 @@
-"""Small primitives shared by the model families: config args, RoPE, routed experts, routing, caches.
+"""Small primitives shared by the model families: config args, RoPE, layers, routed experts, routing,
+caches.
 
 Names follow mlx-lm (`switch_mlp.{gate,up,down}_proj`, `to_quantized`) so checkpoints interoperate.
 """
@@ -14,7 +15,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from rq_core.kv_cache import Mask
+from rq_core.kv_cache import KVSettings, Mask, make_kv_cache
 
 
 # --------------------------------------------------------------------------------------------- args
@@ -280,22 +281,80 @@ def make_rope(dims: int, base: float, scaling: Optional[dict] = None, *, traditi
     raise RQError(f"unsupported rope type {kind!r} (supported: default, linear, llama3, yarn, proportional)")
 
 
-# ------------------------------------------------------------------------------------------- norms
-class RMSNorm(nn.Module):
-    """y = x / rms(x) * (offset + weight) via mx.fast.rms_norm; offset=1 is Gemma's (1 + w) form."""
+# ------------------------------------------------------------------------------------------ layers
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    return nn.silu(gate) * up
 
-    def __init__(self, dims: int, eps: float = 1e-6, offset: float = 0.0, with_scale: bool = True):
+
+def relu2(x: mx.array) -> mx.array:
+    return mx.square(nn.relu(x))
+
+
+class MLP(nn.Module):
+    """Dense MLP y = down(act(gate x, up x)), the dense counterpart of `SwitchGLU` (the same arguments):
+    SwiGLU unless `activation` says otherwise; with `gated=False`, no gate_proj and y = down(act(up x))."""
+
+    def __init__(self, dims: int, hidden: int, activation: Optional[Callable] = None, bias: bool = False,
+                 gated: bool = True):
         super().__init__()
-        if with_scale:
-            self.weight = mx.zeros((dims,)) if offset else mx.ones((dims,))
-        self.eps = eps
-        self.offset = offset
+        self.gated = gated
+        if gated:
+            self.gate_proj = nn.Linear(dims, hidden, bias=bias)
+        self.up_proj = nn.Linear(dims, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dims, bias=bias)
+        self.activation = activation or (swiglu if gated else relu2)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if "weight" not in self:
-            return mx.fast.rms_norm(x, None, self.eps)
-        w = self.weight + self.offset if self.offset else self.weight
-        return mx.fast.rms_norm(x, w, self.eps)
+        up = self.up_proj(x)
+        return self.down_proj(self.activation(self.gate_proj(x), up) if self.gated else self.activation(up))
+
+
+class Attention(nn.Module):
+    """Grouped-query attention through the layer's cache, with an optional per-head q/k RMSNorm (applied
+    before RoPE), RoPE (none: no positional encoding) and sliding window."""
+
+    def __init__(self, dims: int, n_heads: int, n_kv_heads: int, head_dim: int, *, qkv_bias: bool = False,
+                 o_bias: bool = False, qk_norm_eps: Optional[float] = None, rope: Optional[nn.Module] = None,
+                 window: Optional[int] = None):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.q_proj = nn.Linear(dims, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(dims, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(dims, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, dims, bias=o_bias)
+        self.qk_norm = qk_norm_eps is not None
+        if self.qk_norm:
+            self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+            self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
+        self.rope = rope
+        self.window = window
+
+    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+        if self.rope is not None:
+            offset = cache.offset if cache is not None else 0
+            q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
+        o = attend(cache, q, k, v, scale=self.scale, window=self.window)
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def run_layers(layers: list, h: mx.array, cache: Optional[list] = None) -> mx.array:
+    """h through each layer with its cache slot (no cache: every slot None)."""
+    for layer, c in zip(layers, cache if cache is not None else [None] * len(layers)):
+        h = layer(h, c)
+    return h
+
+
+def lm_logits(lm: nn.Module, h: mx.array, embed: nn.Embedding) -> mx.array:
+    """Logits of the final hidden states: `lm`'s lm_head, or the input embedding when tied (no lm_head)."""
+    return lm.lm_head(h) if "lm_head" in lm else embed.as_linear(h)
 
 
 # ------------------------------------------------------------------------------------ routed experts
@@ -380,14 +439,6 @@ def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx
     order = mx.argsort(flat)
     inv_order = mx.argsort(order)
     return x.flatten(0, -3)[order // M], flat[order], inv_order
-
-
-def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    return nn.silu(gate) * up
-
-
-def relu2(x: mx.array) -> mx.array:
-    return mx.square(nn.relu(x))
 
 
 class SwitchGLU(nn.Module):
@@ -528,6 +579,14 @@ class SlidingWindowCache:
 def attention_mask(L: int) -> Mask:
     """The mask argument models pass to `cache.attend` for L new tokens."""
     return "causal" if L > 1 else None
+
+
+def attention_cache(attn: Any, kv: KVSettings, layer: int, window_cache: type = SlidingWindowCache) -> Any:
+    """The cache of attention layer `layer` (`attn` has window, n_kv_heads, head_dim): an fp16 window cache
+    for a sliding layer, else one of the KV mode `kv` chooses."""
+    if attn.window is not None:
+        return window_cache(attn.window)
+    return make_kv_cache(kv, layer=layer, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim)
 
 
 def attend(cache: Any, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,

@@ -20,14 +20,19 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
+from rq_core.kv_cache import KVSettings, with_edge_layers
+from rq_core.models import text_config
 from rq_core.models.base import (
+    MLP,
     BaseModelArgs,
     RotatingWindowCache,
     SwitchGLU,
     attend,
+    attention_cache,
     combine_experts,
+    lm_logits,
     make_rope,
+    rope_params,
     route_softmax_topk,
     stack_experts,
 )
@@ -79,15 +84,10 @@ class ModelArgs(BaseModelArgs):
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> "ModelArgs":
-        tc = params.get("text_config")
-        if isinstance(tc, dict):
-            merged = dict(tc)
-            merged["model_type"] = params.get("model_type", "gemma4")
-            merged["multimodal"] = True
-            if "tie_word_embeddings" in params and "tie_word_embeddings" not in tc:
-                merged["tie_word_embeddings"] = params["tie_word_embeddings"]
-            params = merged
-        return super().from_dict(params)
+        text = text_config(params)
+        if text is not params:  # the multimodal release: its model_type says how its tensors are named
+            text = {**text, "model_type": params.get("model_type", "gemma4"), "multimodal": True}
+        return super().from_dict(text)
 
     def __post_init__(self):
         if self.use_bidirectional_attention == "all":
@@ -160,10 +160,9 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(hd, eps=self.eps)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=b)
         self.q_norm = nn.RMSNorm(hd, eps=self.eps)
-        rp = args.rope_parameters.get(self.layer_type) or {}
-        kind = rp.get("rope_type", "default")
-        # transformers' "default" Gemma 4 RoPE rotates the whole head whatever partial_rotary_factor says.
-        self.rope = make_rope(hd, float(rp.get("rope_theta", 10_000.0)), None if kind == "default" else rp)
+        # rope_params drops a "default" type's settings: Gemma 4's rotates the whole head whatever
+        # partial_rotary_factor says (as transformers does).
+        self.rope = make_rope(hd, *rope_params(vars(args), self.layer_type))
 
     def __call__(self, x: mx.array, cache: Any = None,
                  shared_kv: Optional[tuple[mx.array, mx.array]] = None) -> tuple[mx.array, tuple[mx.array, mx.array]]:
@@ -182,17 +181,6 @@ class Attention(nn.Module):
             v = _rms(v, self.eps).transpose(0, 2, 1, 3)
         o = attend(cache, q, k, v, scale=1.0, window=self.window)
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1)), (k, v)
-
-
-class MLP(nn.Module):
-    def __init__(self, dims: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dims, hidden, bias=False)
-        self.up_proj = nn.Linear(dims, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dims, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(geglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -229,7 +217,7 @@ class DecoderLayer(nn.Module):
         self.layer_type = args.layer_types[i]
         self.self_attn = Attention(args, i)
         wide = args.use_double_wide_mlp and self.self_attn.shared  # transformers widens only KV-sharing layers
-        self.mlp = MLP(d, args.intermediate_size * (2 if wide else 1))
+        self.mlp = MLP(d, args.intermediate_size * (2 if wide else 1), activation=geglu)
         self.input_layernorm = nn.RMSNorm(d, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
         self.pre_feedforward_layernorm = nn.RMSNorm(d, eps=eps)
@@ -328,7 +316,7 @@ class Model(nn.Module):
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
         lm = self._lm
         h = lm.model(inputs, cache)
-        logits = lm.lm_head(h) if "lm_head" in lm else lm.model.embed_tokens.as_linear(h)
+        logits = lm_logits(lm, h, lm.model.embed_tokens)
         cap = self.args.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap
@@ -341,14 +329,8 @@ class Model(nn.Module):
     def make_cache(self, kv: Optional[KVSettings] = None) -> list:
         """Sliding layers: a ring-buffer fp16 window cache; full layers: the chosen KV mode."""
         kv = kv or KVSettings()
-        caches: list = []
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            if a.is_sliding:
-                caches.append(RotatingWindowCache(self.args.sliding_window))
-            else:
-                caches.append(make_kv_cache(kv, layer=i, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim))
-        return with_edge_layers(caches, kv)
+        return with_edge_layers([attention_cache(layer.self_attn, kv, i, RotatingWindowCache)
+                                 for i, layer in enumerate(self.layers)], kv)
 
     def sanitize(self, weights: dict) -> dict:
         """transformers / hub names → ours: drops vision/audio towers and rotary buffers, splits the fused

@@ -15,14 +15,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
+from rq_core.kv_cache import KVSettings, with_edge_layers
 from rq_core.models.base import (
+    MLP,
+    Attention,
     BaseModelArgs,
     SwitchGLU,
-    attend,
+    attention_cache,
     combine_experts,
+    lm_logits,
     relu2,
     route_sigmoid_group_topk,
+    run_layers,
     stack_experts,
 )
 from rq_core.models.mamba import Mamba2Mixer, MambaCache
@@ -132,39 +136,6 @@ class NoCache:
     fp16_nbytes = 0
 
 
-class Attention(nn.Module):
-    """Plain GQA attention; Nemotron-H uses no positional encoding in attention."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        self.scale = self.head_dim ** -0.5
-        d, b = args.hidden_size, args.attention_bias
-        self.q_proj = nn.Linear(d, self.n_heads * self.head_dim, bias=b)
-        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=b)
-        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=b)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, d, bias=b)
-
-    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        o = attend(cache, q, k, v, scale=self.scale)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, intermediate_size: Optional[int] = None):
-        super().__init__()
-        i = intermediate_size or args.intermediate_size
-        self.up_proj = nn.Linear(args.hidden_size, i, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(i, args.hidden_size, bias=args.mlp_bias)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(relu2(self.up_proj(x)))
-
-
 class MoEGate(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -188,7 +159,8 @@ class MoE(nn.Module):
         self.gate = MoEGate(args)
         self.switch_mlp = SwitchGLU(expert_dim, args.moe_intermediate_size, args.n_routed_experts,
                                     activation=relu2, gated=False)
-        self.shared_experts = MLP(args, args.moe_shared_expert_intermediate_size)
+        self.shared_experts = MLP(args.hidden_size, args.moe_shared_expert_intermediate_size, bias=args.mlp_bias,
+                                  gated=False)
         if self.latent:
             self.fc1_latent_proj = nn.Linear(args.hidden_size, args.moe_latent_size, bias=args.mlp_bias)
             self.fc2_latent_proj = nn.Linear(args.moe_latent_size, args.hidden_size, bias=args.mlp_bias)
@@ -212,12 +184,14 @@ class Block(nn.Module):
                                      args.n_groups, args.conv_kernel, chunk_size=args.chunk_size,
                                      eps=args.layer_norm_epsilon, proj_bias=args.use_bias,
                                      conv_bias=args.use_conv_bias, dt_min=args.time_step_min)
-        elif kind == "*":
-            self.mixer = Attention(args)
+        elif kind == "*":  # no positional encoding
+            b = args.attention_bias
+            self.mixer = Attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads,
+                                   args.head_dim, qkv_bias=b, o_bias=b)
         elif kind == "E":
             self.mixer = MoE(args)
         else:
-            self.mixer = MLP(args)
+            self.mixer = MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, gated=False)
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         h = self.norm(x)
@@ -238,11 +212,7 @@ class Backbone(nn.Module):
         self.norm_f = nn.RMSNorm(args.hidden_size, eps=args.layer_norm_epsilon)
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        h = self.embeddings(inputs)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.norm_f(h)
+        return self.norm_f(run_layers(self.layers, self.embeddings(inputs), cache))
 
 
 class Model(nn.Module):
@@ -255,10 +225,7 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        h = self.backbone(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.backbone.embeddings.as_linear(h)
-        return self.lm_head(h)
+        return lm_logits(self, self.backbone(inputs, cache), self.backbone.embeddings)
 
     @property
     def layers(self) -> list:
@@ -267,15 +234,8 @@ class Model(nn.Module):
     def make_cache(self, kv: Optional[KVSettings] = None) -> list:
         """Attention layers: a KV cache of the chosen mode; Mamba layers: conv/SSM state; MLP/MoE: `NoCache`."""
         kv = kv or KVSettings()
-        caches: list = []
-        for i, layer in enumerate(self.layers):
-            if layer.block_type == "*":
-                caches.append(make_kv_cache(kv, layer=i, n_kv_heads=self.args.num_key_value_heads,
-                                            head_dim=self.args.head_dim))
-            elif layer.block_type == "M":
-                caches.append(MambaCache())
-            else:
-                caches.append(NoCache())
+        caches = [attention_cache(layer.mixer, kv, i) if layer.block_type == "*"
+                  else MambaCache() if layer.block_type == "M" else NoCache() for i, layer in enumerate(self.layers)]
         return with_edge_layers(caches, kv)
 
     def sanitize(self, weights: dict) -> dict:

@@ -1,17 +1,21 @@
-"""Qwen2-MoE (`qwen2_moe`): routed experts plus a shared expert behind a sigmoid gate."""
+"""Qwen2-MoE (`qwen2_moe`): routed experts plus a shared expert behind a sigmoid gate.
+
+Qwen3-MoE is this network without the shared expert and with per-head q/k RMSNorm: `qwen3_moe` builds on
+this file, its ModelArgs saying which parts it has.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, make_kv_cache, with_edge_layers
-from rq_core.models.base import (BaseModelArgs, SlidingWindowCache, SwitchGLU, attend, combine_experts,
-                                 make_rope, rope_params, route_softmax_topk, stack_experts)
+from rq_core.kv_cache import KVSettings, with_edge_layers
+from rq_core.models.base import (MLP, Attention, BaseModelArgs, SwitchGLU, attention_cache, combine_experts,
+                                 lm_logits, make_rope, rope_params, route_softmax_topk, run_layers, stack_experts)
 
 
 @dataclass
@@ -44,6 +48,18 @@ class ModelArgs(BaseModelArgs):
     tie_word_embeddings: bool = False
     num_local_experts: Optional[int] = None  # transformers 5 may write num_experts under this name
 
+    qk_norm: ClassVar[bool] = False  # per-head q/k RMSNorm before RoPE
+
+    @property
+    def projection_biases(self) -> tuple[bool, bool]:
+        """(q/k/v, o) biases: Qwen2-MoE biases q, k and v only."""
+        return self.qkv_bias, False
+
+    def default_layer_types(self) -> list[str]:
+        # transformers' rule: odd-numbered layers below max_window_layers slide when enabled.
+        return ["sliding_attention" if self.use_sliding_window and (i + 1) % 2 and i < self.max_window_layers
+                else "full_attention" for i in range(self.num_hidden_layers)]
+
     def __post_init__(self) -> None:
         if self.num_local_experts is not None:
             self.num_experts = self.num_local_experts
@@ -52,10 +68,7 @@ class ModelArgs(BaseModelArgs):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.layer_types is None:
-            # transformers' rule: odd-numbered layers below max_window_layers slide when enabled.
-            self.layer_types = [
-                "sliding_attention" if self.use_sliding_window and (i + 1) % 2 and i < self.max_window_layers
-                else "full_attention" for i in range(self.num_hidden_layers)]
+            self.layer_types = self.default_layer_types()
         if not self.use_sliding_window or not self.sliding_window:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
@@ -63,41 +76,15 @@ class ModelArgs(BaseModelArgs):
                           f"{self.num_hidden_layers} layers")
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
-        super().__init__()
-        D, hd = args.hidden_size, args.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = args.num_attention_heads, args.num_key_value_heads, hd
-        self.scale = hd ** -0.5
-        self.q_proj = nn.Linear(D, self.n_heads * hd, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(D, self.n_kv_heads * hd, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(D, self.n_kv_heads * hd, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, D, bias=False)
-        theta, scaling = rope_params(vars(args))
-        self.rope = make_rope(hd, theta, scaling, max_position_embeddings=args.max_position_embeddings)
-        sliding = args.layer_types[layer_idx] == "sliding_attention"
-        self.window = args.sliding_window if sliding else None
-
-    def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        offset = cache.offset if cache is not None else 0
-        q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        o = attend(cache, q, k, v, scale=self.scale, window=self.window)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+def attention(args: ModelArgs, layer_idx: int) -> Attention:
+    """The layer's attention, with the biases, q/k norm and window its ModelArgs names."""
+    theta, scaling = rope_params(vars(args))
+    rope = make_rope(args.head_dim, theta, scaling, max_position_embeddings=args.max_position_embeddings)
+    qkv_bias, o_bias = args.projection_biases
+    sliding = args.layer_types[layer_idx] == "sliding_attention"
+    return Attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                     qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_eps=args.rms_norm_eps if args.qk_norm else None,
+                     rope=rope, window=args.sliding_window if sliding else None)
 
 
 class SparseMoeBlock(nn.Module):
@@ -107,19 +94,23 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = args.num_experts_per_tok, args.norm_topk_prob
         self.gate = nn.Linear(D, args.num_experts, bias=False)
         self.switch_mlp = SwitchGLU(D, args.moe_intermediate_size, args.num_experts)
-        self.shared_expert = MLP(D, args.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(D, 1, bias=False)
+        self.has_shared_expert = args.shared_expert_intermediate_size is not None
+        if self.has_shared_expert:
+            self.shared_expert = MLP(D, args.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(D, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
         inds, w = route_softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
         y = combine_experts(self.switch_mlp(x, inds), w)
-        return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.has_shared_expert:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(args, layer_idx)
+        self.self_attn = attention(args, layer_idx)
         moe = (layer_idx not in args.mlp_only_layers and args.num_experts > 0
                and (layer_idx + 1) % args.decoder_sparse_step == 0)
         self.mlp = SparseMoeBlock(args) if moe else MLP(args.hidden_size, args.intermediate_size)
@@ -131,7 +122,7 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen2MoeModel(nn.Module):
+class QwenMoeModel(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -139,11 +130,7 @@ class Qwen2MoeModel(nn.Module):
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        h = self.embed_tokens(inputs)
-        cache = cache if cache is not None else [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, c)
-        return self.norm(h)
+        return self.norm(run_layers(self.layers, self.embed_tokens(inputs), cache))
 
 
 class Model(nn.Module):
@@ -151,15 +138,12 @@ class Model(nn.Module):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = Qwen2MoeModel(args)
+        self.model = QwenMoeModel(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        h = self.model(inputs, cache)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
+        return lm_logits(self, self.model(inputs, cache), self.model.embed_tokens)
 
     @property
     def layers(self) -> list:
@@ -167,10 +151,7 @@ class Model(nn.Module):
 
     def make_cache(self, kv: Optional[KVSettings] = None) -> list:
         kv = kv or KVSettings()
-        a = self.args
-        return with_edge_layers([SlidingWindowCache(a.sliding_window) if t == "sliding_attention"
-                                 else make_kv_cache(kv, layer=i, n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim)
-                                 for i, t in enumerate(a.layer_types)], kv)
+        return with_edge_layers([attention_cache(layer.self_attn, kv, i) for i, layer in enumerate(self.layers)], kv)
 
     def sanitize(self, weights: dict) -> dict:
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}

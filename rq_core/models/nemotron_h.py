@@ -130,6 +130,7 @@ class NoCache:
 
     nbytes = 0
     fp16_nbytes = 0
+    state: tuple = ()
 
 
 class Attention(nn.Module):

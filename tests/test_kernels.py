@@ -53,6 +53,7 @@ EXTRA_CASES = {
                                      ("PAIR", 1)]),
     "value_word/pair": ("value_word", [("D", 64), ("BITS", 5), ("R", 8), ("NSL", 16), ("PAIR", 1)]),
     "rotate_query/rwht_so4": ("rotate_query", [("D", 128), ("R", 8), ("ROT", 11), ("INV", 0)]),
+    "rotate_inverse/dense": ("rotate_inverse", [("D", 128), ("R", 8), ("ROT", 4), ("INV", 1)]),
     "attn_fused/dense_bf16": ("attn_fused", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("KBITS", 3), ("PK", 0),
                                              ("PV", 0), ("R", 4), ("LQ", 1), ("HKV", 2), ("CAUSAL", 0), ("ROT", 4),
                                              ("THREADS", 256), ("SACC", 2), ("PF", 1), ("VDEC", 0), ("STAGE", 2),

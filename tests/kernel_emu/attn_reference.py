@@ -124,12 +124,6 @@ def reference(q, mats, kidx, knorm, vidx, vnorm, levels, *, scale, offset, causa
     return rotate64(o, mats, hk, rot, True)
 
 
-# ---------------------------------------------------------------------------------------------
-# float64 emulation of attn_v4's algorithm, step by step as the kernel does it (metal/attn_v4.body):
-# split boundaries, tiles, online softmax in log2 units with the NEG_BIG sentinel, per-split partials,
-# the last block's log-sum-exp merge, the in-kernel rotation order. It checks the algorithm on CPU;
-# the kernel itself has not run on a GPU.
-
 def random_dense(rng: np.random.Generator, hkv: int, d: int) -> np.ndarray:
     """[Hkv, d, d] Haar orthogonal matrices (QR with signs fixed), as the `dense` rotation."""
     out = []

@@ -520,3 +520,21 @@ def test_fused_launch_plan_follows_shapes(monkeypatch):
     assert launch(20000)[1][1] < long[1][1]  # half the SMs: fewer splits
     w = mx.zeros((1, Hkv, 40, D), mx.float16)
     assert dict(launch(1000, (w, w))[0])["WCAUSAL"] == 0
+
+
+def test_executor_programs_compiled_once_per_source(tmp_path, monkeypatch):
+    """The executor keeps a compiled program per hash of its source: the same program is not compiled again, a
+    changed one is."""
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    from kernel_emu import emulate as EK
+
+    monkeypatch.setattr(EK, "binary_cache_dir", lambda: tmp_path)
+    runs = []
+    real = subprocess.run
+    monkeypatch.setattr(EK.subprocess, "run", lambda cmd, **kw: runs.append(cmd) or real(cmd, **kw))
+    prog = "int main() { return 0; }\n"
+    a = EK.compiled(prog, "probe")
+    assert EK.compiled(prog, "probe") == a and a.is_file() and len(runs) == 1
+    b = EK.compiled(prog.replace("0", "1"), "probe")
+    assert b != a and len(runs) == 2 and real([str(b)]).returncode == 1

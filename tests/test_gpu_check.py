@@ -101,3 +101,17 @@ def test_cache_check_runs_and_can_fail(monkeypatch):
     real = dispatch.attend
     monkeypatch.setattr(dispatch, "attend", lambda store, q, **k: real(store, q, **k) * 1.01)
     assert not any(ok for ok, _ in G.run_cache(mx, rng, mode="isoquant3", context=300, window=8, **kw))
+
+
+@needs_emu
+@pytest.mark.parametrize("pair_points,d,dtype", [(None, 64, mx.float32), ((128, 32), 128, mx.bfloat16)])
+def test_decode_case_runs_through_the_executor(pair_points, d, dtype, monkeypatch):
+    """gpu_check's kv_decode case (kv_append and kv_decode on the CPU executor, outputs poisoned) passes, and
+    fails for a kernel whose decode is wrong."""
+    stand = _executor(monkeypatch)
+    ok, msg = G.run_decode(K, mx, np.random.default_rng(8), pair_points=pair_points, d=d, dtype=dtype, tokens=20)
+    assert ok, msg
+    assert {"kv_append", "kv_decode"} <= set(stand)
+    real = K.decode_rows
+    monkeypatch.setattr(K, "decode_rows", lambda *a, **k: real(*a, **k) * 1.01)
+    assert not G.run_decode(K, mx, np.random.default_rng(8), pair_points=pair_points, d=d, dtype=dtype, tokens=20)[0]

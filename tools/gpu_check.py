@@ -26,6 +26,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -109,14 +110,14 @@ def label(cs: dict) -> str:
     return s + (" causal" if cs["causal"] else "")
 
 
-def run_decode(K, mx, rng, *, pair_points, d: int, dtype) -> tuple[bool, str]:
+def run_decode(K, mx, rng, *, pair_points, d: int, dtype, tokens: int = 300) -> tuple[bool, str]:
     from rq_core.attention import dequantize_rotated
     from rq_core.kv_cache import IsoQuantCache
 
     c = IsoQuantCache(head_dim=d, n_kv_heads=2, layer=int(rng.integers(32)), pair_points=pair_points,
                       seed=int(rng.integers(1 << 20)))
     c.prefilling = False
-    k = mx.array(rng.standard_normal((1, 2, 300, d)).astype(np.float16))
+    k = mx.array(rng.standard_normal((1, 2, tokens, d)).astype(np.float16))
     c._append_fp16(k, k * 0.5)
     c._spill(0)
     n = c.packed_len
@@ -231,7 +232,7 @@ def main() -> int:
     if not K.available():
         print(f"gpu_check: no GPU backend here (MLX device {mx.default_device()}): nothing checked")
         return 1
-    env.set_config(env.KernelConfig(poison=True))
+    env.set_config(replace(env.config(), poison=True))
     # the split counters: a tiny ring, so slots are reused many times in this run and must come back zeroed
     K.COUNTER_POOL = 8
     seed = int(time.time())

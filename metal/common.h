@@ -44,7 +44,7 @@ INLINE void wht_rows(TG float* x, int nrows, uint tid, uint nt) {
   BARRIER();
 }
 
-// wht_rows with its loops kept rolled: for a kernel's tail (attn_v4's inverse rotation), where the
+// wht_rows with its loops kept rolled: for a kernel's tail (an inverse rotation), where the
 // unrolled copy raised the whole kernel's register count from 128 to 168 (nvcc 13, sm_90).
 template <int D>
 INLINE void wht_rows_lean(TG float* x, int nrows, uint tid, uint nt) {
@@ -104,16 +104,16 @@ INLINE void so4_lane(THR float* x, THR const float* m) {
   }
 }
 
-// attn_v5's split partials in the accumulator fragments' own order: position ((e * 32 + lane) * NMT + mt) holds
+// attn_fused's split partials in the accumulator fragments' own order: position ((e * 32 + lane) * NMT + mt) holds
 // element e of lane `lane`'s tile mt (NMT = D / MMA_M tiles; rows n >= R hold zeros). A warp's fragments go to a
 // slab without bank conflicts, and the 4 positions of a float4 (NMT % 4 == 0) share one query row.
 template <int D>
-INLINE int v5_pos_n(int p) {
+INLINE int frag_pos_n(int p) {
   constexpr int NMT = D / MMA_M;
   return frag_c_n((p / NMT) % 32, p / (NMT * 32));
 }
 template <int D>
-INLINE int v5_pos_d(int p) {
+INLINE int frag_pos_d(int p) {
   constexpr int NMT = D / MMA_M;
   const int m = frag_c_m((p / NMT) % 32, p / (NMT * 32));
   return m_lane_of(m) * (D / 8) + FRAG_A_ROWS * (p % NMT) + m_i_of(m);
@@ -244,9 +244,9 @@ INLINE void accum_pairs32(THR const uint* w, float wt, TG const float* pts, THR 
   }
 }
 
-// attn_v4w / attn_v5w: the cache's fp16 window (its newest NW <= 128 tokens, unquantized, in the model's
+// attn_fused_window: the cache's fp16 window (its newest NW <= 128 tokens, unquantized, in the model's
 // space) as ONE MORE SPLIT: split 0, the first dispatched, done by its own block beside the packed splits
-// (v4w's first design attended it in the merging block's tail: +18 us a layer on the H200, constant in
+// (attending it in the merging block's tail instead cost +18 us a layer on the H200, constant in
 // context). Writes this split's partials in the packed splits' convention, so the last block merges it like
 // any other and rotates back: m, l of 2^(score) with scores in log2 units; o = sum_j 2^(s_j - m) * sqrt(D) *
 // Rot(v_j) (packed values decode to sqrt(D)-scaled rotated vectors; Rot as the query's: signs (ROT bit 8), WHT,
@@ -255,12 +255,12 @@ INLINE void accum_pairs32(THR const uint* w, float wt, TG const float* pts, THR 
 // wkd / wvd. WCAUSAL: query row n sees
 // window token j <= NW - LQ + n % LQ. qw, ow: R*D floats, sc: R*128 floats of threadgroup memory; every
 // thread of the block calls it (barriers).
-template <int D, int R, int LQ, int ROT, int WCAUSAL, int NTH, bool NATIVE = false, typename TQ, typename TW>
+template <int D, int R, int LQ, int ROT, int WCAUSAL, int THREADS, bool NATIVE = false, typename TQ, typename TW>
 INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV const TW* wk, int wkb, int wks,
                          int wkd, DEV const TW* wv, int wvb, int wvs, int wvd, int NW, float wscale,
                          DEV const float* mats, TG float* qw, TG float* sc, TG float* ow, DEV float* o_part,
                          DEV float* ml_part, int pbase, uint tid) {
-  constexpr int NWARP = NTH / 32;
+  constexpr int NWARP = THREADS / 32;
   constexpr int WT = 128;  // sc's row stride
   constexpr int WJ = 4;    // window tokens a warp holds per round
   constexpr int DL = D / 32;
@@ -269,13 +269,13 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
   const int warp = (int)(tid >> 5);
   // the first round's keys are requested together with the query rows. Registers are the constraint here, not
   // latency (the block runs beside the packed splits): holding the first values too (32 more) and 8 tokens a warp
-  // raised the whole kernel to 167 registers (nvcc 13, sm_90: v5 127, v4 128), one v5 block per SM instead of two
+  // raised the whole kernel to 167 registers (nvcc 13, sm_90), one block per SM instead of two
   float kv[WJ][DL];
   UNROLL for (int t = 0; t < WJ; ++t) {
     const int j = warp + t * NWARP;
     UNROLL for (int u = 0; u < DL; ++u) kv[t][u] = j < NW ? to_float(wk[wkb + j * wks + (lane + 32 * u) * wkd]) : 0.0f;
   }
-  for (int e = (int)tid; e < R * D; e += NTH) {
+  for (int e = (int)tid; e < R * D; e += THREADS) {
     const int n = e / D;
     qw[e] = wscale * to_float(q[qb + (n / LQ) * qsh + (n % LQ) * qsl + (e % D) * qsd]);
   }
@@ -321,7 +321,7 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
   BARRIER();
   // values: a thread per head dim (coalesced across threads), all R rows at once
   const float sd = sqrt_f((float)D);
-  for (int c = (int)tid; c < D; c += NTH) {
+  for (int c = (int)tid; c < D; c += THREADS) {
     float a[R];
     UNROLL for (int r = 0; r < R; ++r) a[r] = 0.0f;
     for (int jb = 0; jb < NW; jb += WV) {
@@ -336,12 +336,12 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
   }
   BARRIER();
   // into the packed values' space, as the query was rotated: WHT, then the SO(4) blocks (or the dense P)
-  if ((ROT & 1) != 0) wht_rows_lean<D>(ow, R, tid, NTH);
-  if (NATIVE) {  // attn_v5: the split's MMA_N x D partials in the fragments' order (v5_pos_n / v5_pos_d)
+  if ((ROT & 1) != 0) wht_rows_lean<D>(ow, R, tid, THREADS);
+  if (NATIVE) {  // attn_fused: the split's MMA_N x D partials in the fragments' order (frag_pos_n / frag_pos_d)
     const int ob = (pbase / R) * MMA_N * D;
-    for (int p = (int)tid; p < MMA_N * D; p += NTH) {
-      const int n = v5_pos_n<D>(p);
-      const int d = v5_pos_d<D>(p);
+    for (int p = (int)tid; p < MMA_N * D; p += THREADS) {
+      const int n = frag_pos_n<D>(p);
+      const int d = frag_pos_d<D>(p);
       o_part[ob + p] = n >= R                ? 0.0f
                        : ((ROT & 4) != 0) ? dense_elem<D, false>(mats, ow + n * D, d)
                        : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + n * D, d)
@@ -349,7 +349,7 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
     }
     return;
   }
-  for (int e = (int)tid; e < R * D; e += NTH) {
+  for (int e = (int)tid; e < R * D; e += THREADS) {
     o_part[pbase * D + e] = ((ROT & 4) != 0)   ? dense_elem<D, false>(mats, ow + (e / D) * D, e % D)
                             : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + (e / D) * D, e % D)
                                                : ow[e];

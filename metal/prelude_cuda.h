@@ -34,7 +34,6 @@ INLINE float shfl_xor_f(float x, int m) { return __shfl_xor_sync(0xffffffffu, x,
 // bits [sh, sh + 32) of the 64-bit value hi:lo (sh < 32)
 INLINE uint funnel_r(uint lo, uint hi, uint sh) { return __funnelshift_r(lo, hi, sh); }
 INLINE uint4 load_u4(DEV const uint* p) { return *reinterpret_cast<const uint4*>(p); }
-INLINE uint4 zero_u4() { return make_uint4(0u, 0u, 0u, 0u); }
 INLINE float4 load_f4(TG const float* p) { return *reinterpret_cast<const float4*>(p); }
 INLINE float4 zero_f4() { return make_float4(0.0f, 0.0f, 0.0f, 0.0f); }
 INLINE float log2_f(float x) { return log2f(x); }
@@ -84,7 +83,7 @@ INLINE void mma_f16(THR FragC& c, THR const FragA& a, THR const FragB& b) {
                : "r"(a.x[0]), "r"(a.x[1]), "r"(a.x[2]), "r"(a.x[3]), "r"(b.x[0]), "r"(b.x[1]));
 }
 INLINE float to_float(float x) { return x; }
-// ---- v4 (single launch): device-scope counter, fences, loads of other blocks' partials, typed stores ----
+// ---- the fused kernel's split merge: device-scope counter, fences, loads of other blocks' partials, typed stores ----
 INLINE float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 INLINE void store_f(float* p, float v) { *p = v; }
 INLINE void store_f(__half* p, float v) { *p = __float2half_rn(v); }
@@ -107,7 +106,7 @@ INLINE uint count_arrive(DEV const uint* p) {
 INLINE float ld_dev(DEV const float* p) { return __ldcg(p); }
 INLINE float4 ld_dev4(DEV const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 INLINE void st_dev4(DEV float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
-// ---- v5 (warp-level streaming): rows of a C fragment, warp sync and vote, a single half ----
+// ---- warp-level streaming: rows of a C fragment, warp sync and vote, a single half ----
 #define FRAG_C_NR 2  // distinct query rows (n) a thread holds in a C fragment: frag_c_n(lane, r), r < FRAG_C_NR
 INLINE int frag_c_r(int e) { return e & 1; }  // which of them element e belongs to
 // reduce over the lanes that hold the same rows (they differ in the m index: lane bits 2, 3, 4)
@@ -149,10 +148,6 @@ INLINE h2 tg_load_h2(TG const h2* base, uint addr) {
   asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return bits_h2(v);
 }
-// timestamps for RQ_V5_TRACE (diagnostics only): the device-wide ns timer, the SM's cycle counter, the SM's id
-INLINE uint gtimer_lo() { uint r; asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(r)); return r; }
-INLINE uint clock_lo() { uint r; asm volatile("mov.u32 %0, %%clock;" : "=r"(r)); return r; }
-INLINE uint sm_id() { uint r; asm volatile("mov.u32 %0, %%smid;" : "=r"(r)); return r; }
 //--- body ---
 const uint TID = threadIdx.x;
 const uint NT = blockDim.x;

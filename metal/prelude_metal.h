@@ -19,7 +19,6 @@ INLINE float shfl_xor_f(float x, int m) { return simd_shuffle_xor(x, ushort(m));
 // bits [sh, sh + 32) of the 64-bit value hi:lo (sh < 32)
 INLINE uint funnel_r(uint lo, uint hi, uint sh) { return sh == 0u ? lo : ((lo >> sh) | (hi << (32u - sh))); }
 INLINE uint4 load_u4(DEV const uint* p) { return *((DEV const uint4*)p); }
-INLINE uint4 zero_u4() { return uint4(0u); }
 INLINE float4 load_f4(TG const float* p) { return *((TG const float4*)p); }
 INLINE float4 zero_f4() { return float4(0.0f, 0.0f, 0.0f, 0.0f); }
 INLINE float log2_f(float x) { return log2(x); }
@@ -63,7 +62,7 @@ INLINE float frag_c_get(THR FragC& c, int e) { return c.thread_elements()[e]; }
 INLINE void frag_c_scale(THR FragC& c, int e, float f) { c.thread_elements()[e] *= f; }
 INLINE void mma_f16(THR FragC& c, THR const FragA& a, THR const FragB& b) { simdgroup_multiply_accumulate(c, a, b, c); }
 INLINE float to_float(float x) { return x; }
-// ---- v4 (single launch): device-scope counter, fences, loads of other blocks' partials, typed stores ----
+// ---- the fused kernel's split merge: device-scope counter, fences, loads of other blocks' partials, typed stores ----
 INLINE float to_float(bfloat16_t x) { return float(x); }
 template <typename T> INLINE void store_f(DEV T* p, float v) { *p = static_cast<T>(v); }
 // device-memory ordering across the threadgroup; Metal (< 3.2) has no stronger fence spelled portably
@@ -80,7 +79,7 @@ INLINE uint count_arrive(DEV const uint* p) { return atomic_inc_dev(p); }
 INLINE float ld_dev(DEV const float* p) { return *((DEV const volatile float*)p); }
 INLINE float4 ld_dev4(DEV const float* p) { return float4(ld_dev(p), ld_dev(p + 1), ld_dev(p + 2), ld_dev(p + 3)); }
 INLINE void st_dev4(DEV float* p, float4 v) { *((DEV float4*)p) = v; }
-// ---- v5 (warp-level streaming): rows of a C fragment, SIMD-group sync and vote, a single half ----
+// ---- warp-level streaming: rows of a C fragment, SIMD-group sync and vote, a single half ----
 #define FRAG_C_NR 2  // distinct query rows (n) a thread holds in a C fragment: frag_c_n(lane, r), r < FRAG_C_NR
 INLINE int frag_c_r(int e) { return e; }  // which of them element e belongs to
 // reduce over the lanes that hold the same rows (they differ in the m index: lane bits 1, 2, 4)
@@ -123,10 +122,6 @@ INLINE void cp_async_wait() {}
 #define NAN_F NAN
 INLINE uint tg_addr(TG const void* p) { return 0u; }
 INLINE h2 tg_load_h2(TG const h2* base, uint addr) { return base[addr >> 2]; }
-// RQ_V5_TRACE's timestamps exist on CUDA only
-INLINE uint gtimer_lo() { return 0u; }
-INLINE uint clock_lo() { return 0u; }
-INLINE uint sm_id() { return 0u; }
 //--- body ---
 const uint TID = thread_position_in_threadgroup.x;
 const uint NT = threads_per_threadgroup.x;

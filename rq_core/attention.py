@@ -1,4 +1,4 @@
-"""Reference compressed-space attention (MLX ops, any backend; the GPU kernels' oracle).
+"""Reference compressed-space attention: MLX ops only, any backend, never a custom kernel (the kernels' oracle).
 
 Because R is orthogonal, ⟨Rq, Rk⟩ = ⟨q, k⟩ and Σ α_j R v_j = R Σ α_j v_j: the caller rotates the
 query once, we score keys straight from their codes, accumulate values in the rotated space, and
@@ -88,7 +88,7 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
                      causal: bool, valid_len: int, mask: mx.array | None = None,
                      chunk: int = CHUNK, key_bits: int | None = None,
                      key_levels: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """Attention in the rotated space straight from packed codes. The one function a GPU kernel replaces.
+    """Attention in the rotated space straight from packed codes (rq_core.dispatch's reference path).
 
     Contract:
       q_rot    [B, Hq, L, d]   queries already rotated (q̃ = R q with kv head h // (Hq/Hkv)'s R)
@@ -100,18 +100,12 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
       offset   absolute position of query 0; key j sits at position j
       causal   query i sees keys j ≤ offset + i (with causal=False every valid key is seen)
       mask     optional [.., L, valid_len] keep-mask (bool) or additive mask, broadcastable to [B, Hq, L, T]
-      key_bits, key_levels: keys at their own width and codebook (None: `bits`, `levels`; no kernel then)
-      levels [n, 2] (and key_levels): pair codebooks, one `bits`-bit field a pair of coordinates (no kernel then)
+      key_bits, key_levels: keys at their own width and codebook (None: `bits`, `levels`)
+      levels [n, 2] (and key_levels): pair codebooks, one `bits`-bit field a pair of coordinates
     Returns (õ [B, Hq, L, d] float32 in the rotated space — apply Rᵀ — , logsumexp [B, Hq, L] float32)
     so the result can be merged with attention over another segment (see `merge`).
     """
-    from rq_core import kernels  # GPU kernels (Metal/CUDA) when MLX has a GPU; this path otherwise
-
     split = key_levels is not None
-    if not split and levels.ndim == 1 and kernels.can_dispatch(q_rot, k_codes, bits, mask, offset=offset, causal=causal,
-                                          valid_len=valid_len):
-        return kernels.packed_attention(q_rot, k_codes, k_norms, v_codes, v_norms, levels, bits=bits, scale=scale,
-                                        offset=offset, causal=causal, valid_len=valid_len)
     d = q_rot.shape[-1]
     inv_sqrt_d = 1.0 / math.sqrt(d)
     levels = levels.astype(mx.float32)

@@ -64,15 +64,8 @@ def cache_bytes(cache: Iterable) -> tuple[int, int]:
 
 
 def cache_arrays(cache: list) -> list[mx.array]:
-    """The arrays the caches hold (their attributes, and arrays in list or tuple attributes)."""
-    out = []
-    for c in cache:
-        for v in vars(c).values() if hasattr(c, "__dict__") else ():
-            if isinstance(v, mx.array):
-                out.append(v)
-            elif isinstance(v, (list, tuple)):
-                out += [a for a in v if isinstance(a, mx.array)]
-    return out
+    """The arrays the caches hold (each cache's `state`)."""
+    return [a for c in cache for a in c.state]
 
 
 def _peak_rss() -> int:

@@ -1,8 +1,8 @@
-"""Compiled CUDA kernels kept across processes (on by default on CUDA; RQ_KERNEL_CACHE=0 turns it off).
+"""Compiled CUDA kernels kept across processes (on by default on CUDA; RQ_KERNEL_CACHE=0 turns it off: env.config()).
 
 Why: MLX compiles a custom kernel with NVRTC in every process and never writes it to its PTX cache
 (`get_jit_module(..., use_disk_cache=false)`), so every `rq run` on an NVIDIA GPU spent its first decode
-step compiling attn_v5w (4.45 s on the H200, 2026-11-30). MLX does *read* that cache for every module,
+step compiling attn_fused_window (4.45 s on the H200). MLX does *read* that cache for every module,
 custom kernels included: `{cache}/{module}.ptx` (the compiled image) and `{module}.txt` (kernel name, TAB,
 lowered name), where module = `{kernel name}_{std::hash(generated source):x}`.
 
@@ -13,9 +13,8 @@ options) and write both files atomically before MLX evaluates the launch. MLX's 
 embedded in libmlx; ours (`_UTILS`) declares the two types the generated signatures name (Shape, Strides,
 sized by the installed MLX's config.h). Any failure leaves MLX to compile as before.
 
-Checked on the H200 (2026-11-30, `benchmarks/device_runs/run_s8b_gpu.sh`): a second process's first launch of attn_v5w
-took 0.024 s against 3.15 s, with output identical to MLX's own compile; `rq run`'s first decode step
-0.053 s against 2.67 s.
+On the H200 a second process's first launch of attn_fused_window took 0.024 s against 3.15 s, with output identical
+to MLX's own compile.
 """
 
 from __future__ import annotations
@@ -49,13 +48,13 @@ _UTILS_NAME = "mlx/backend/cuda/device/utils.cuh"
 
 
 def enabled() -> bool:
-    return env.get("RQ_KERNEL_CACHE", "1") != "0"
+    return env.config().disk_cache
 
 
 def first_run_note() -> str | None:
     """A line for the user when this looks like the first GPU run on this machine (MLX's PTX cache holds no
     compiled module yet): MLX then compiles its own CUDA kernels once, which took 159 s for the bundled model
-    on the H200 (2026-11-30); a silent wait that long reads as a hang."""
+    on the H200; a silent wait that long reads as a hang."""
     try:
         from rq_core.kernels import backend
 
@@ -129,9 +128,10 @@ def module_name(kernel_name: str, source: str) -> str:
 
 def cache_dir() -> Path:
     """MLX's PTX cache: MLX_PTX_CACHE_DIR, else {temp}/mlx/{version}/ptx (std::filesystem's temp dir)."""
-    env = os.environ.get("MLX_PTX_CACHE_DIR")
-    if env:
-        return Path(env).absolute()
+    # MLX's own variable, read where MLX reads it (not one of ours)
+    mlx_dir = os.environ.get("MLX_PTX_CACHE_DIR")
+    if mlx_dir:
+        return Path(mlx_dir).absolute()
     import mlx.core as mx
 
     tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)), "/tmp")

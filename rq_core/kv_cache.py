@@ -1,28 +1,28 @@
 """KV caches behind one protocol.
 
-A cache owns its keys/values *and* knows how to attend over them, because a compressed cache must
+A cache owns its keys/values *and* answers attention over them, because a compressed cache must
 never hand back a full-precision K or V of the context. Models call `cache.attend(q, k, v, ...)`
-with the new tokens' keys/values; the cache appends them and returns attention over everything.
+with the new tokens' keys/values; the cache appends them and returns attention over everything
+(a compressed cache stores, rq_core.dispatch decides how to attend). `state` lists the arrays a cache holds,
+what generation evaluates between steps.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass, replace
-from typing import Protocol, Union
+from typing import Protocol
 
 import mlx.core as mx
 import numpy as np
 
+from rq_core.dispatch import InflightQueue, Mask
 from rq_core.errors import RQError
-
-Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask [.., L, T]
 
 
 # Newest tokens a compressed cache keeps in fp16 unless a recipe or flag says otherwise: on the bundled model
 # 32 brought IsoQuant-3 wht_so4 from +2.24% to -0.30% ΔPPL (3 seeds; 16: +0.20%, 8: +2.44%) for ~0.013 of
-# fp16's bytes (benchmarks/README.md, kv-study); on a GPU it is one more split of the attention launch (attn_v5w).
+# fp16's bytes (benchmarks/README.md, kv-study); on a GPU it is one more split of the attention launch (attn_fused).
 DEFAULT_FP16_WINDOW = 32
 
 # Compressed layers kept at kv.edge_bits at each end of the model (the first and last full-attention layers) unless a
@@ -60,14 +60,6 @@ def prefill_fp16_value(value: object, what: str) -> int | None:
     return value
 
 
-# A prompt chunk of more rows than this attends to compressed tokens (kv.prefill_fp16) by decoding them for one fused
-# attention call; up to it, the decode kernels (attn_v5 takes ≤ 8 query rows) or the chunked reference path.
-PREFILL_DECODE_ROWS = 8
-
-# decoded attention outputs queued by bounded prefills (IsoQuantCache.prefill_inflight > 0), oldest first
-_INFLIGHT: deque = deque()
-
-
 @dataclass
 class KVSettings:
     """How full-attention layers store K/V. Sliding-window and Mamba layers ignore this.
@@ -91,7 +83,7 @@ class KVSettings:
     value_gain: bool = True
     seed: int = 0
     # keys at their own width (None: `bits`). 4 with bits 3 kept fp16's needle retention on the bundled model
-    # (README, "Needles and bits"). The GPU kernels take both widths (RQ_SPLIT_KERNELS=0: the reference path).
+    # (README, "Needles and bits"). The GPU kernels take both widths.
     key_bits: int | None = None
     # 2-D codebooks (keys' points, values' points): one index a pair of rotated coordinates, log2(n) / 2 bits a
     # coordinate. None: DEFAULT_PAIR_POINTS for isoquant3 at 3 bits (sphere codebook, no key_bits), else scalar
@@ -139,6 +131,11 @@ class KVCache(Protocol):
 
     def trim(self, n: int) -> int:
         """Drop the newest n tokens; returns how many were dropped."""
+        ...
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The arrays the cache holds (what an evaluation between steps must materialize)."""
         ...
 
     @property
@@ -193,6 +190,10 @@ class FP16Cache:
         n = min(self.offset, n)
         self.offset -= n
         return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
 
     @property
     def nbytes(self) -> int:
@@ -320,7 +321,7 @@ class IsoQuantCache:
                          else self.levels)
         self.k_words = (head_dim * kb + 31) // 32
         # pair codebooks: levels become [n, 2] point tables and bits / key_bits the fields' widths (log2 n, one field
-        # a pair of coordinates); kv_append and attn_v5 take 2-D levels, the other kernels decline
+        # a pair of coordinates); the kernels take 2-D levels
         self.pair_points = None
         if pair_points is not None:
             if key_bits is not None:
@@ -348,6 +349,8 @@ class IsoQuantCache:
         self.fp16_len = 0
         self.prefilling = True
         self._dense_r: mx.array | None = None  # the rotation as [H, d, d] matrices (a prompt chunk's decoded path)
+        # a bounded prefill's queued layers: this cache's own until with_edge_layers gives all of a model's one queue
+        self.inflight = InflightQueue()
 
     @property
     def offset(self) -> int:
@@ -358,6 +361,21 @@ class IsoQuantCache:
         """Views of the fp16 segment's tokens a .. b (default: all of it)."""
         b = self.fp16_len if b is None else b
         return self._fk[:, :, self._f0 + a : self._f0 + b], self._fv[:, :, self._f0 + a : self._f0 + b]
+
+    def fp16_segment(self) -> tuple[mx.array, mx.array]:
+        """Keys and values of the fp16 segment (the tokens after the packed ones), as views."""
+        return self._fp16()
+
+    def dense_rotation(self) -> mx.array:
+        """The rotation as [H, d, d] matrices, y = R x (made once)."""
+        if self._dense_r is None:
+            self._dense_r = self.rotation.dense_matrices()
+        return self._dense_r
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.k_codes, self.k_norms, self.v_codes, self.v_norms, self._fk, self._fv)
+                if a is not None]
 
     def _rebuffer(self, need: int, like: tuple[mx.array, mx.array] | None = None) -> None:
         """New fp16 buffers for `need` tokens and a quarter step more (rounded up to `step`), the segment copied to
@@ -456,7 +474,7 @@ class IsoQuantCache:
     # -- protocol --
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
                mask: Mask = None) -> mx.array:
-        from rq_core import attention
+        from rq_core import dispatch
 
         L = queries.shape[2]
         self._append_fp16(keys, values)
@@ -465,100 +483,15 @@ class IsoQuantCache:
         elif self.prefill_fp16 is not None and self.fp16_len > max(keys.shape[2], L, self.prefill_fp16):
             # a long prompt: its older tokens compressed now (never this chunk's own, which attend to themselves)
             self._spill(max(keys.shape[2], L, self.prefill_fp16))
-        q_pos0 = self.offset - L
-        causal = isinstance(mask, str) and L > 1
-        arr_mask = mask if isinstance(mask, mx.array) else None
-
-        if self.packed_len == 0:  # all fp16 (the prompt): the fused kernel does it
-            fk, fv = self._fp16()
-            m = None if (isinstance(mask, str) and L == 1) else mask
-            return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
-        if self.prefilling and L > PREFILL_DECODE_ROWS and arr_mask is None:
-            return self._attend_decoded(queries, scale=scale, causal=causal)
-
-        if arr_mask is None and (self.fp16_len == 0 or (not self.prefilling and self.fp16_len >= L)):
-            from rq_core import kernels  # one launch on a GPU (v5 or v4), window included; else None
-
-            window = self._fp16() if self.fp16_len else None
-            out = kernels.fused_attend(queries, self.rotation, self.k_codes, self.k_norms, self.v_codes, self.v_norms,
-                                       self.levels, bits=self.bits, scale=scale, offset=q_pos0, causal=causal,
-                                       valid_len=self.packed_len, window=window, key_bits=self.key_bits,
-                                       key_levels=self.k_levels if self.key_bits else None)
-            if out is not None:
-                return out
-        parts = []
-        q_rot = self.rotation.forward_queries(queries)
-        o, lse = attention.packed_attention(
-            q_rot, self.k_codes, self.k_norms, self.v_codes, self.v_norms, self.levels, bits=self.bits,
-            key_bits=self.key_bits, key_levels=self.k_levels if self.key_bits else None,
-            scale=scale, offset=q_pos0, causal=causal, valid_len=self.packed_len,
-            mask=None if arr_mask is None else arr_mask[..., : self.packed_len])
-        parts.append((self.rotation.inverse_queries(o), lse))
-        if self.fp16_len:
-            fk, fv = self._fp16()
-            parts.append(attention.dense_attention(
-                queries, fk, fv, scale=scale, offset=q_pos0, key_offset=self.packed_len, causal=causal,
-                mask=None if arr_mask is None else arr_mask[..., self.packed_len : self.offset]))
-        return attention.merge(parts).astype(queries.dtype)
-
-    def _attend_decoded(self, queries: mx.array, *, scale: float, causal: bool) -> mx.array:
-        """A prompt chunk over compressed older tokens (kv.prefill_fp16): the packed part decoded in the model's dtype
-        (one layer's K/V, inside this call only), the fp16 segment rotated, one fused attention in the rotated space.
-        The chunked float32 path would run (queries × packed tokens) through many small ops per chunk of keys."""
-        from rq_core import kernels
-        from rq_core.attention import decode
-
-        dt, n, d = queries.dtype, self.packed_len, self.head_dim
-        if self._dense_r is None:  # rotations as one matmul each: the op-by-op WHT holds ~20x its input while it runs
-            self._dense_r = self.rotation.dense_matrices()
-        R = self._dense_r  # [H, d, d], y = R x
-        B, Hq, L, _ = queries.shape
-        q_rot = (queries.astype(mx.float32).reshape(B, self.n_kv_heads, -1, d) @ R.swapaxes(-1, -2)).astype(dt)
-        # decode after this layer's queries exist, so that one layer's decoded K/V are alive at a time (without the
-        # edge an evaluation may decode every layer's packed tokens first: they depend only on the cache)
-        kc, kn, vc, vn = mx.depends([self.k_codes, self.k_norms, self.v_codes, self.v_norms], [q_rot])
-
-        def full(codes: mx.array, norms: mx.array, levels: mx.array, bits: int, fp16: mx.array) -> mx.array:
-            """The packed rows decoded, then the fp16 segment's rows rotated: [B, H, n + fp16_len, d] in dt."""
-            rot = (fp16.astype(mx.float32) @ R.swapaxes(-1, -2)).astype(dt)
-            out = kernels.decode_rows(codes, norms, levels, bits=bits, d=d, n=n, dtype=dt, rows=n + self.fp16_len)
-            if out is not None:  # one launch on a GPU, into a buffer with room for the segment (no concatenated copy)
-                out[:, :, n:] = rot
-                return out
-            s = (norms[:, :, :n].astype(mx.float32) * (1.0 / math.sqrt(d))).astype(dt)
-            return mx.concatenate([decode(codes[:, :, :n], levels.astype(dt), bits, d) * s[..., None], rot], axis=2)
-
-        fk, fv = self._fp16()
-        keys = full(kc, kn, self.k_levels, self.key_bits or self.bits, fk)
-        values = full(vc, vn, self.levels, self.bits, fv)
-        # mask "causal" aligns the L queries with the last L keys: the chunk's own tokens, as here
-        out = mx.fast.scaled_dot_product_attention(q_rot.reshape(B, Hq, L, d), keys, values, scale=scale,
-                                                   mask="causal" if causal else None)
-        out = (out.astype(mx.float32).reshape(B, self.n_kv_heads, -1, d) @ R).reshape(B, Hq, L, d).astype(dt)
-        # evaluated here, so that few layers' decoded K/V are alive at once: left to the model's evaluation, MLX held
-        # several layers' (H200, 16 layers x 32K, bound 4096: peak +4,521 MiB, +1,433 with a sync a layer, whole prompt
-        # in fp16 +3,448; mx.async_eval alone: +4,130, the host runs ahead). With `prefill_inflight` = n > 0 a layer is
-        # queued and the one n layers back waited for: the host encodes ahead of the GPU by at most n layers, so the
-        # GPU does not idle while the host builds the next layer (a wait each layer cost 12-28% of prefill time).
-        n_ahead = self.prefill_inflight
-        if n_ahead <= 0:
-            mx.eval(out)
-        else:
-            mx.async_eval(out)
-            _INFLIGHT.append(out)
-            while len(_INFLIGHT) > n_ahead:
-                mx.eval(_INFLIGHT.popleft())
-        return out
+        return dispatch.attend(self, queries, scale=scale, mask=mask)
 
     def end_prefill(self) -> None:
         self.prefilling = False
-        while _INFLIGHT:
-            mx.eval(_INFLIGHT.popleft())
+        self.inflight.drain()
         self._spill(self.fp16_window)
         # each layer's compression evaluated as its end_prefill runs: evaluated together, every layer's temporaries
         # (rotation, codebook search) were alive at once (bundled model on the CPU, 2,048 tokens: +227 MiB)
-        mx.eval([a for a in (self.k_codes, self.k_norms, self.v_codes, self.v_norms, self._fk, self._fv)
-                 if a is not None])
+        mx.eval(self.state)
 
     def trim(self, n: int) -> int:
         n = max(0, min(self.offset, n))
@@ -624,15 +557,19 @@ def check_edges(edge_layers: object, edge_bits: object, where: str = "kv") -> No
 
 def with_edge_layers(caches: list, settings: KVSettings) -> list:
     """caches with the first and last `settings.edge_layers` compressed ones (full-attention layers; sliding-window and
-    Mamba caches are not counted) rebuilt at settings.edge_settings(). Models' make_cache ends with this."""
+    Mamba caches are not counted) rebuilt at settings.edge_settings(), and one queue of a bounded prefill's layers
+    for all compressed ones. Models' make_cache ends with this."""
     n = settings.edge_layers
     idx = [i for i, c in enumerate(caches) if isinstance(c, IsoQuantCache)]
-    if n <= 0 or not idx:
-        return caches
-    edge = settings.edge_settings()
-    for i in sorted(set(idx[:n] + idx[-n:])):
-        c = caches[i]
-        caches[i] = make_kv_cache(edge, layer=c.layer, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    if n > 0 and idx:
+        edge = settings.edge_settings()
+        for i in sorted(set(idx[:n] + idx[-n:])):
+            c = caches[i]
+            caches[i] = make_kv_cache(edge, layer=c.layer, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+    queue = InflightQueue()  # one for the model: a bounded prefill queues at most prefill_inflight layers in all
+    for c in caches:
+        if isinstance(c, IsoQuantCache):
+            c.inflight = queue
     return caches
 
 

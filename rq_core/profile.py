@@ -18,7 +18,6 @@ the breakdown accounts for the attention it attributes.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -191,20 +190,12 @@ def find_components(model: nn.Module, caches: list) -> list[tuple[str, Any, str]
     return targets
 
 
-ATTN_PATH_ENV = "RQ_ATTN_PATH"  # rq_core.kernels: "fused" (default) or the four-kernel pipeline
+def _four_kernel_replay(calls: list) -> list:
+    """The recorded attention calls again, through the four-kernel pipeline (RQ_ATTN=four) instead of attn_fused."""
+    from rq_core import env
 
-
-def _with_env(name: str, value: str, fn: Callable[[], Any]) -> Any:
-    """Call fn (which builds the graph) with an environment variable set, then restore it."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+    with env.override(attention="four"):
+        return [c.replay() for c in calls]
 
 
 def _trim(caches: Iterable, n: int = 1) -> None:
@@ -275,7 +266,7 @@ def fill_caches(model: nn.Module, caches: list, n_tokens: int, *, fill: str = "s
     for c in caches:
         if hasattr(c, "end_prefill"):
             c.end_prefill()
-    sync(*[a for c in caches if hasattr(c, "__dict__") for a in _arrays(vars(c))])
+    sync(*[a for c in caches for a in c.state])
 
 
 # ------------------------------------------------------------------------------- attention stages
@@ -485,9 +476,7 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         if staged[0]["path"] == "kernels":
             # The GPU default may be a fused single-pass kernel; the stages add up to the four-kernel path.
             objs = [c.obj for c in kv_calls]
-            measures["kv_attention_four"] = (lambda: _with_env(ATTN_PATH_ENV, "four",
-                                                               lambda: [c.replay() for c in kv_calls]),
-                                             lambda objs=objs: _trim(objs))
+            measures["kv_attention_four"] = (lambda: _four_kernel_replay(kv_calls), lambda objs=objs: _trim(objs))
 
     layer_calls = [c for c in rec.calls if c.kind == "layer"]
     if layer_calls:

@@ -1,30 +1,22 @@
-"""attn_v4w / attn_v5w (v4 / v5 with the cache's fp16 window as one more split of the same launch) executed
-on the CPU by the kernel emulator
-(benchmarks/emulate_kernel.py: the CUDA rendering compiled as host C++) against float64 math: packed
-tokens dequantized, then the window's exact keys/values, one softmax over both."""
+"""attn_fused_window (attn_fused with the cache's fp16 window as one more split of the same launch) executed on the
+CPU by the kernel executor (tests/kernel_emu/emulate.py: the CUDA rendering compiled as host C++) against float64
+math: packed tokens dequantized, then the window's exact keys/values, one softmax over both."""
 
 import math
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from kernel_emu import attn_reference as KC
+from kernel_emu import emulate as EK
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import emulate_kernel as EK  # noqa: E402
-import kernels_check as KC  # noqa: E402
-
-import rq_core.kernels as K  # noqa: E402
+import rq_core.kernels as K
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel emulator needs g++")
 
 
 def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = False, bits: int = 3,
-               rot: int = 3, B: int = 1, Hkv: int = 2, blocks: int = 8, kernel: str = "attn_v4w",
-               nth: int = 128, stage: int = 0, vdec: int = 1, merge: int = 0, key_bits: int | None = None) -> dict:
+               rot: int = 3, B: int = 1, Hkv: int = 2, blocks: int = 8, nth: int = 128, stage: int = 0, vdec: int = 1, merge: int = 0, key_bits: int | None = None) -> dict:
     c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8),
                      key_bits=key_bits)
     scale = 1.0 / math.sqrt(d)
@@ -37,24 +29,20 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
     for n in ("wk", "wv"):
         views[n] = ((B, Hkv, NW, d), (Hkv * wcap * d, wcap * d, d, 1))
     R, groups = G * L, B * Hkv
-    if kernel == "attn_v4w":
-        ns = min(K.v4_plan(T, groups, blocks), K.MMA_TILE - 1) + 1  # as attention_v4: the window's split last
-        nth = K.NTH
-        shape_t = [("TILE", K.MMA_TILE)]
-    else:
-        ns = min(K.v5_plan(T, groups, blocks), K.V5_MAXNS - 1) + 1
-        shape_t = [("SACC", 2), ("PF", 1 if stage else 2), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)]
+    ns = min(K.fused_splits(T, groups, blocks), K.MAX_SPLITS - 1) + 1  # the window's split first
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
-    template = ([("TQ", "f32"), ("D", d), ("BITS", bits)] + ([("KBITS", key_bits or bits), ("PK", 0), ("PV", 0)] if kernel == "attn_v5w" else [])
-                + [("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
-                 ("ROT", rot), ("NTH", nth)] + shape_t + [("WCAUSAL", int(causal and L > 1))])
-    outs = EK.emulate(kernel, template,
+    template = [("TQ", "f32"), ("D", d), ("BITS", bits), ("KBITS", key_bits or bits), ("PK", 0), ("PV", 0),
+                ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0), ("ROT", rot), ("THREADS", nth), ("SACC", 2),
+                ("PF", 1 if stage else 2), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge),
+                ("WCAUSAL", int(causal and L > 1))]
+    views.pop("k_norms")  # T comes from tlen: the buffers go in whole, as the cache's do
+    outs = EK.emulate("attn_fused_window", template,
                       dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"],
-                           v_codes=vc, v_norms=c["vnorm"], counter=np.zeros(groups, np.uint32), wk=wk, wv=wv,
-                           **({"tlen": np.zeros(T, np.uint32)} if kernel == "attn_v5w" else {})),
-                      EK.one_launch_outputs(kernel, (B, G * Hkv, L, d), "f32", groups, ns, R),
+                           v_codes=vc, v_norms=c["vnorm"], counter=np.zeros(groups, np.uint32),
+                           tlen=np.zeros(T, np.uint32), wk=wk, wv=wv),
+                      EK.fused_outputs((B, G * Hkv, L, d), "f32", groups, ns, R),
                       (groups, ns), nth, views=views, types={"q": "f32", "out": "f32", "wk": "f16", "wv": "f16"})
-    EK.split_scratch(kernel, outs, groups, R)
+    EK.split_scratch(outs, groups, R)
     # float64 reference in the rotated space (scores and weights are rotation-invariant), rotated back
     hk = np.arange(G * Hkv) // G
     lv = KC.half_levels(c["levels"]).astype(np.float64)  # the levels as the matrix units see them
@@ -80,35 +68,21 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
 
 
 @pytest.mark.parametrize("case", [
-    dict(G=4, d=128, T=300, NW=5),  # several splits merged, then a short window
-    dict(G=2, d=64, T=130, NW=17, L=2, causal=True, bits=4),  # two queries, causal inside the window
-    dict(G=4, d=256, T=40, NW=37, L=2, causal=True),  # window past one pass of the token loops, D = 256
-    dict(G=8, d=128, T=200, NW=32, rot=0),  # no rotation: the window's output is not rotated either
-    dict(G=2, d=128, T=150, NW=3, rot=4),  # the dense rotation (TurboQuant): forward P on the window's output
-    dict(G=4, d=128, T=140, NW=9, rot=11),  # rwht_so4: signs before the WHT, on the window's output too
-])
-def test_v4_window_matches_float64(case):
-    r = run_window(np.random.default_rng(7), **case)
-    assert r["nan"] == 0 and r["counters"] == 0
-    assert r["err"] < 1e-5, r
-    assert r["lse_err"] < 1e-4, r
-
-
-@pytest.mark.parametrize("case", [
     dict(G=8, d=128, T=300, NW=32, nth=128),  # the default window on the default shape class
     dict(G=2, d=64, T=130, NW=17, L=2, causal=True, bits=4, nth=64),
     dict(G=4, d=128, T=700, NW=9, nth=128, stage=2),  # the copy-ring configuration
     dict(G=2, d=128, T=150, NW=3, rot=4, nth=64),
     dict(G=4, d=256, T=60, NW=37, L=2, causal=True, nth=64),  # head_dim 256: rows through registers (STAGE 0)
     dict(G=8, d=128, T=300, NW=32, nth=128, stage=2, rot=11),  # rwht_so4 on the default configuration
-    dict(G=8, d=128, T=300, NW=32, nth=256, stage=2, vdec=2),  # the pair decode (the default since 2026-11-30)
+    dict(G=8, d=128, T=200, NW=32, nth=128, rot=0),  # no rotation: the window's output is not rotated either
+    dict(G=8, d=128, T=300, NW=32, nth=256, stage=2, vdec=2),  # the pair decode (the default)
     dict(G=8, d=128, T=300, NW=32, nth=256, stage=2, vdec=2, merge=1),  # the warps' merge in one barrier
     dict(G=8, d=128, T=300, NW=32, nth=256, stage=0, vdec=2, key_bits=4),  # keys at 4 bits, values at 3 (K4V3)
     dict(G=4, d=256, T=200, NW=5, nth=128, vdec=2),  # pair decode, rows through registers (no ring)
     dict(G=8, d=128, T=900, NW=32, nth=384, stage=1, vdec=2, merge=1),  # long contexts' 384 threads, shared slabs
 ])
-def test_v5_window_matches_float64(case):
-    r = run_window(np.random.default_rng(11), kernel="attn_v5w", **case)
+def test_fused_window_matches_float64(case):
+    r = run_window(np.random.default_rng(11), **case)
     assert r["nan"] == 0 and r["counters"] == 0
     assert r["err"] < 1e-5, r
     assert r["lse_err"] < 1e-4, r

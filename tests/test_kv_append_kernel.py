@@ -1,8 +1,8 @@
 """kv_append (metal/kv_append.body): IsoQuantCache's append, quantize + pack of new K and V, in one launch.
 
-No GPU here: the CUDA rendering itself is executed on the CPU by benchmarks/emulate_kernel.py (threads as
+No GPU here: the CUDA rendering itself is executed on the CPU by tests/kernel_emu/emulate.py (threads as
 cooperative contexts) and compared with quantize_kv (the MLX-op reference) and float64 math through
-benchmarks/append_check.py, the script that runs the same checks on the GPU; the Metal rendering is
+tests/kernel_emu/append_reference.py, the checks tools/gpu_check.py runs on the GPU; the Metal rendering is
 syntax-checked against stubs. Plus the cache's dispatch (GPU: kernel, RQ_APPEND=ops or CPU: quantize_kv).
 """
 
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 import rq_core.kernels as K
+from kernel_emu import configure
 from rq_core.errors import RQError
 from rq_core.kv_cache import IsoQuantCache, quantize_kv
 
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = Path(__file__).resolve().parent / "kernel_stubs"
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.startswith("linux"),
                                reason="the CPU executor needs g++ and ucontext (Linux)")
@@ -78,7 +78,7 @@ CASES = [
 def test_cuda_source_matches_quantize_kv(case):
     """The kernel's codes equal quantize_kv's bit for bit except within float32 rounding of a threshold
     (counted), norms equal quantize_kv's and are within half an fp16 ulp of float64; outputs start poisoned."""
-    import append_check as AC
+    from kernel_emu import append_reference as AC
 
     rng = np.random.default_rng(len(str(case)) * 7 + case["d"])
     s = AC.summarize(AC.check_case(rng, case, "emu"))
@@ -97,7 +97,7 @@ def test_cuda_source_matches_quantize_kv(case):
     ("tj * values_strides[2]", "tj * keys_strides[2]"),  # values read through the keys' layout
 ])
 def test_a_broken_kernel_is_caught(old, new, tmp_path, monkeypatch):
-    import append_check as AC
+    from kernel_emu import append_reference as AC
 
     src = tmp_path / "metal"
     shutil.copytree(K.SRC_DIR, src)
@@ -118,7 +118,7 @@ def test_a_broken_kernel_is_caught(old, new, tmp_path, monkeypatch):
 def test_pair_codebooks_match_quantize_kv(nc):
     """Pair codebooks (kv.pair_points (128, 32)): the kernel's 7- and 5-bit fields equal quantize_kv's nearest points
     (a near-tie may differ: counted, none on random rows), norms equal, with norm correction too; f16 rows, wht_so4."""
-    import emulate_kernel as EK
+    from kernel_emu import emulate as EK
 
     c = IsoQuantCache(head_dim=128, n_kv_heads=2, layer=1, pair_points=(128, 32), norm_correction=nc)
     rng = np.random.default_rng(5)
@@ -143,14 +143,13 @@ def _cache(**kw):
 
 
 def test_cpu_keeps_the_ops_path(monkeypatch):
-    monkeypatch.delenv("RQ_APPEND", raising=False)
-    assert K.append_mode() == "kernel"
-    monkeypatch.setenv("RQ_APPEND", "fast")
-    with pytest.raises(RQError):
-        K.append_mode()
-    monkeypatch.setenv("RQ_APPEND", "ops")
-    assert K.append_mode() == "ops"
-    monkeypatch.delenv("RQ_APPEND")
+    from rq_core import env
+
+    assert env.KernelConfig.from_env({}).append == "kernel"
+    assert env.KernelConfig.from_env({"RQ_APPEND": "ops"}).append == "ops"
+    with pytest.raises(RQError, match="RQ_APPEND='fast' is not an append path"):
+        env.KernelConfig.from_env({"RQ_APPEND": "fast"})
+    configure(monkeypatch, append="kernel")
     c = _cache()
     k = mx.random.normal((1, 2, 3, 64)).astype(mx.float16)
     v = mx.random.normal((1, 2, 3, 64)).astype(mx.float16)
@@ -177,7 +176,7 @@ def test_dispatch_to_the_kernel(monkeypatch):
 
     monkeypatch.setattr(K, "available", lambda: True)
     monkeypatch.setattr(K, "kv_append_codes", fake)
-    monkeypatch.delenv("RQ_APPEND", raising=False)
+    configure(monkeypatch, append="kernel")
     c = _cache(norm_correction=True)
     c.prefilling = True
     k = mx.random.normal((1, 2, 5, 64)).astype(mx.float16)
@@ -189,7 +188,7 @@ def test_dispatch_to_the_kernel(monkeypatch):
     c._append_fp16(k[:, :, :1], k[:, :, :1])
     c._spill(0)  # one decoded token
     assert len(calls) == 2 and calls[1][0] == (1, 2, 1, 64) and c.packed_len == 6
-    monkeypatch.setenv("RQ_APPEND", "ops")
+    configure(monkeypatch, append="ops")
     c._append_fp16(k[:, :, :1], k[:, :, :1])
     c._spill(0)
     assert len(calls) == 2 and c.packed_len == 7
@@ -197,30 +196,17 @@ def test_dispatch_to_the_kernel(monkeypatch):
     def unsupported(*a, **kw):
         raise K.KernelUnsupported("test")
 
-    monkeypatch.delenv("RQ_APPEND")
+    configure(monkeypatch, append="kernel")
     monkeypatch.setattr(K, "kv_append_codes", unsupported)
     assert K.append_codes(k, k, c.rotation, c.levels, 3) is None
 
 
-def test_append_check_script_runs_on_cpu(tmp_path):
-    """benchmarks/append_check.py (what runs on the H200) has no Python errors: its timing half on CPU
-    with a labelled stand-in for the launch, JSON written."""
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "append_check.py"), "--cpu-emulate", "--skip-check",
-                        "--layers", "1", "--reps", "1", "--warmup", "0", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    import json
-
-    rep = json.loads((tmp_path / "append_check.json").read_text())
-    assert len(rep["timing"]) == 6 and all(t["stand_in"] and t["ops"] and t["kernel"] for t in rep["timing"])
-
-
 @needs_emu
 def test_gpu_wrapper_through_the_executor(monkeypatch):
-    """kernels.kv_append_codes (the launch arguments) and append_check's GPU path, with the CPU executor
+    """kernels.kv_append_codes (the launch arguments) and append_reference's GPU path, with the CPU executor
     standing in for mx.fast.cuda_kernel; then an IsoQuantCache spill through it equals the ops path."""
-    import append_check as AC
-    import emulate_kernel as EK
+    from kernel_emu import append_reference as AC
+    from kernel_emu import emulate as EK
 
     fake = EK.MLXStandIn("kv_append")
     monkeypatch.setattr(K, "backend", lambda: "cuda")
@@ -232,13 +218,13 @@ def test_gpu_wrapper_through_the_executor(monkeypatch):
     assert call["grid"] == (2 * 2 * 2 * 64, 2, 1) and call["threadgroup"] == (64, 1, 1)
     assert call["init_value"] == K.APPEND_POISON and dict(call["template"])["TK"] == "bf16"
     monkeypatch.setattr(K, "available", lambda: True)
-    monkeypatch.delenv("RQ_APPEND", raising=False)
+    configure(monkeypatch, append="kernel")
     c, ref = _cache(rotation="dense"), _cache(rotation="dense")
     k = mx.random.normal((1, 2, 3, 64)).astype(mx.float16)
     for cache in (c, ref):
         cache._append_fp16(k, k * 2)
     c._spill(0)
-    monkeypatch.setenv("RQ_APPEND", "ops")
+    configure(monkeypatch, append="ops")
     ref._spill(0)
     assert len(fake.calls) == 2 and fake.calls[-1]["init_value"] is None
     for a, b in ((c.k_codes, ref.k_codes), (c.k_norms, ref.k_norms), (c.v_codes, ref.v_codes),
@@ -251,13 +237,13 @@ def test_pair_cache_spills_through_the_wrapper(monkeypatch):
     """A pair-codebook cache (128, 32) on a 'GPU' (the CPU executor standing in for mx.fast.cuda_kernel): its spill
     goes through kernels.kv_append_codes (template PK / PV, rows of 14 and 10 words) and stores what the ops path
     stores."""
-    import emulate_kernel as EK
+    from kernel_emu import emulate as EK
 
     fake = EK.MLXStandIn("kv_append")
     monkeypatch.setattr(K, "backend", lambda: "cuda")
     monkeypatch.setattr(K, "_kernel", lambda name, be: fake)
     monkeypatch.setattr(K, "available", lambda: True)
-    monkeypatch.delenv("RQ_APPEND", raising=False)
+    configure(monkeypatch, append="kernel")
 
     def cache():
         c = IsoQuantCache(head_dim=128, n_kv_heads=2, layer=1, pair_points=(128, 32))
@@ -269,7 +255,7 @@ def test_pair_cache_spills_through_the_wrapper(monkeypatch):
     for x in (c, ref):
         x._append_fp16(k, k * 2)
     c._spill(0)
-    monkeypatch.setenv("RQ_APPEND", "ops")
+    configure(monkeypatch, append="ops")
     ref._spill(0)
     assert len(fake.calls) == 1
     t = dict(fake.calls[0]["template"])

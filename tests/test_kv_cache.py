@@ -208,25 +208,27 @@ def test_long_prompt_is_compressed_while_it_is_prefilled(pair_points, mode, rota
 def test_prefill_layers_in_flight_are_bounded(monkeypatch):
     """IsoQuantCache.prefill_inflight = n: a bounded prefill's decoded attention is queued (mx.async_eval) and the
     output n layers back waited for, so at most n are in flight; outputs equal the sync default's (n = 0, nothing
-    queued), and end_prefill drains the queue."""
-    from rq_core import kv_cache
+    queued), and end_prefill drains the queue. The caches of one model share one queue (with_edge_layers)."""
+    from rq_core.kv_cache import with_edge_layers
 
     D64 = 64
     chunks = [_rand((B, HQ, 12, D64), 300 + i) for i in range(3)]
 
     def run(n: int) -> tuple[list, list]:
         monkeypatch.setattr(IsoQuantCache, "prefill_inflight", n)
-        caches = [make_kv_cache(KVSettings(mode="isoquant3", fp16_window=2, prefill_fp16=12), layer=i, n_kv_heads=HKV,
-                                head_dim=D64) for i in range(4)]
+        kv = KVSettings(mode="isoquant3", fp16_window=2, prefill_fp16=12)
+        caches = with_edge_layers([make_kv_cache(kv, layer=i, n_kv_heads=HKV, head_dim=D64) for i in range(4)], kv)
+        queue = caches[0].inflight
+        assert all(c.inflight is queue for c in caches)
         outs, depth = [], []
         for j, x in enumerate(chunks):
             for li, c in enumerate(caches):  # layer after layer, as a model's forward pass
                 k, v = _rand((B, HKV, 12, D64), 400 + 10 * j + li), _rand((B, HKV, 12, D64), 500 + 10 * j + li)
                 outs.append(c.attend(x, k, v, scale=SCALE, mask="causal"))
-                depth.append(len(kv_cache._INFLIGHT))
+                depth.append(len(queue.pending))
         for c in caches:
             c.end_prefill()
-        assert not kv_cache._INFLIGHT
+        assert not queue.pending
         return outs, depth
 
     sync, d0 = run(0)

@@ -1,6 +1,6 @@
 """kv_decode (metal/kv_decode.body): packed rows back to rotated-space vectors, the decode a prompt chunk's attention
 over compressed tokens takes on a GPU (kv.prefill_fp16). No GPU here: the CUDA rendering runs on the CPU executor
-(benchmarks/emulate_kernel.py) standing in for mx.fast.cuda_kernel, against the MLX-op reference."""
+(tests/kernel_emu/emulate.py) standing in for mx.fast.cuda_kernel, against the MLX-op reference."""
 
 from __future__ import annotations
 
@@ -14,24 +14,23 @@ import numpy as np
 import pytest
 
 import rq_core.kernels as K
+from kernel_emu import configure
 from rq_core.attention import dequantize_rotated
 from rq_core.kv_cache import IsoQuantCache, KVSettings, make_kv_cache
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.startswith("linux"),
                                reason="needs g++ and ucontext (Linux)")
 
 
 def _on_executor(monkeypatch) -> dict:
-    import emulate_kernel as EK
+    from kernel_emu import emulate as EK
 
     stand: dict = {}
-    monkeypatch.setenv("RQ_KERNEL_CACHE", "0")
+    configure(monkeypatch, disk_cache=False, poison=True)  # outputs start as NaN: an element the kernel skips shows
     monkeypatch.setattr(K, "backend", lambda: "cuda")
     monkeypatch.setattr(K, "available", lambda: True)
-    monkeypatch.setattr(K, "POISON", True)  # outputs start as NaN: an element the kernel skips shows
     monkeypatch.setattr(K, "_kernel", lambda name, be: stand.setdefault(name, EK.MLXStandIn(name)))
     return stand
 

@@ -100,27 +100,30 @@ def test_pair_points_settings():
 
 
 def test_pair_codebooks_on_a_gpu_dispatch(monkeypatch):
-    """With a GPU backend, a pair-codebook cache appends with kv_append (its pair path) and attends with the fused
-    kernel (PK / PV)."""
+    """With a GPU backend, a pair-codebook cache appends with kv_append (its pair path) and attends with attn_fused
+    (PK / PV); RQ_ATTN=reference keeps the MLX-op path."""
+    from rq_core import env
     from rq_core import kernels as K
 
     appended, attended = [], []
     monkeypatch.setattr(K, "available", lambda: True)
-    monkeypatch.setattr(K, "append_mode", lambda: "kernel")
+    monkeypatch.setattr(env, "_CONFIG", env.KernelConfig())
     monkeypatch.setattr(K, "kv_append_codes", lambda *a, **k: appended.append(k) or None)
-    monkeypatch.setattr(K, "attention_v5", lambda *a, **k: attended.append((a, k)) or (a[0], None))
+    monkeypatch.setattr(K, "fused_attention", lambda *a, **k: attended.append((a, k)) or (a[0], None))
     d = 128  # a head dim the kernels cover (rows of whole words: 14 and 10)
     c = IsoQuantCache(head_dim=d, n_kv_heads=HKV, pair_points=(128, 32))
     k, v = _rand((B, HKV, 3, d), 1), _rand((B, HKV, 3, d), 2)
     K.append_codes(k, v, c.rotation, c.levels, c.bits, key_bits=c.key_bits, key_levels=c.k_levels)
     assert appended and appended[0]["key_bits"] == 7 and appended[0]["key_levels"] is c.k_levels
-    kc, kn, vc, vn = quantize_kv(k, c.rotation, c.k_levels, 7) + quantize_kv(v, c.rotation, c.levels, 5)
-    args = dict(bits=c.bits, scale=SCALE, offset=3, causal=False, valid_len=3, key_bits=c.key_bits,
-                key_levels=c.k_levels)
-    q = _rand((B, HQ, 1, d), 3)
-    assert K.fused_attend(q, c.rotation, kc, kn, vc, vn, c.levels, **args) is not None
+    c.attend(_rand((B, HQ, 3, d), 3), k, v, scale=SCALE, mask="causal")
+    c.end_prefill()  # the prompt compressed: 3 packed tokens
+    q = _rand((B, HQ, 1, d), 4)
+    c.attend(q, k[:, :, :1], v[:, :, :1], scale=SCALE)
     (a, kw), = attended
     assert a[6] is c.levels and kw["key_levels"] is c.k_levels and kw["key_bits"] == 7 and kw["bits"] == 5
+    monkeypatch.setattr(env, "_CONFIG", env.KernelConfig(attention="reference"))
+    c.attend(q, k[:, :, :1], v[:, :, :1], scale=SCALE)
+    assert len(attended) == 1
 
 
 def test_key_bits_setting():

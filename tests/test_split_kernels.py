@@ -1,6 +1,6 @@
-"""Keys at their own width (kv.key_bits) through the GPU kernels (kv_append and attn_v5w with KBITS), with the
-CPU executor (tests/kernel_emu) standing in for mx.fast.cuda_kernel: the whole path IsoQuantCache takes on a
-GPU with RQ_SPLIT_KERNELS=1, against the ops-and-reference path it takes without kernels."""
+"""Keys at their own width (kv.key_bits) through the GPU kernels (kv_append and attn_fused_window with KBITS), with
+the CPU executor (tests/kernel_emu) standing in for mx.fast.cuda_kernel: the whole path IsoQuantCache takes on a
+GPU, against the ops-and-reference path it takes without kernels."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import rq_core.kernels as K
+from kernel_emu import configure
 from rq_core.kv_cache import IsoQuantCache
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.startswith("linux"),
                                reason="needs g++ and ucontext (Linux)")
@@ -44,21 +44,19 @@ def _run(n_prompt: int, steps: int, seed: int, **kw) -> tuple[IsoQuantCache, lis
 
 def _kernels_on_executor(monkeypatch) -> dict:
     """A 'GPU' whose kernels run on the CPU executor (stand-ins for mx.fast.cuda_kernel, by kernel name)."""
-    import emulate_kernel as EK
+    from kernel_emu import emulate as EK
 
     stand: dict = {}
 
     def kernel(name: str):
         return stand.setdefault(name, EK.MLXStandIn(name))
 
-    monkeypatch.setenv("RQ_KERNEL_CACHE", "0")
-    monkeypatch.delenv("RQ_APPEND", raising=False)
+    configure(monkeypatch, disk_cache=False, append="kernel", attention="fused")
     monkeypatch.setattr(K, "backend", lambda: "cuda")
     monkeypatch.setattr(K, "available", lambda: True)
-    monkeypatch.setattr(K, "SPLIT_KERNELS", True)
     monkeypatch.setattr(K, "_kernel", lambda name, be: kernel(name))
-    monkeypatch.setattr(K, "_kernel_v5", lambda be, nth, minb, window=False, minified=True, trace=False:
-                        kernel("attn_v5w" if window else "attn_v5"))
+    monkeypatch.setattr(K, "_fused_kernel", lambda be, nth, minb, window=False, minified=True:
+                        kernel("attn_fused_window" if window else "attn_fused"))
     return stand
 
 
@@ -69,8 +67,8 @@ def test_split_widths_through_the_kernels(monkeypatch):
     stand = _kernels_on_executor(monkeypatch)
     gpu_cache, got = _run(60, 2, seed=4)
 
-    assert "kv_append" in stand and "attn_v5w" in stand  # the spill and the decode steps took the kernels
-    tmpl = dict(stand["attn_v5w"].calls[-1]["template"])
+    assert "kv_append" in stand and "attn_fused_window" in stand  # the spill and the decode steps took the kernels
+    tmpl = dict(stand["attn_fused_window"].calls[-1]["template"])
     assert tmpl["KBITS"] == 4 and tmpl["BITS"] == 3
     assert dict(stand["kv_append"].calls[-1]["template"])["KBITS"] == 4
     assert gpu_cache.k_codes.shape[-1] == 16 and gpu_cache.v_codes.shape[-1] == 12
@@ -88,13 +86,13 @@ def test_split_widths_through_the_kernels(monkeypatch):
 def test_kv_append_split_widths_match_quantize_kv(variant, nc, monkeypatch):
     """kv_append with 4-bit keys and 3-bit values: codes and norms equal quantize_kv's at each width, for every
     rotation kind and with norm correction (the keys' own levels and thresholds in consts)."""
-    import emulate_kernel as EK
+    from kernel_emu import emulate as EK
     from rq_core.codebook import sphere_codebook
     from rq_core.kv_cache import quantize_kv
     from rq_core.rotation import Rotation
 
     fake = EK.MLXStandIn("kv_append")
-    monkeypatch.setenv("RQ_KERNEL_CACHE", "0")
+    configure(monkeypatch, disk_cache=False)
     monkeypatch.setattr(K, "backend", lambda: "cuda")
     monkeypatch.setattr(K, "_kernel", lambda name, be: fake)
     rng = np.random.default_rng(5)
@@ -114,14 +112,14 @@ def test_kv_append_split_widths_match_quantize_kv(variant, nc, monkeypatch):
 
 @needs_emu
 def test_pair_codebooks_through_the_kernels(monkeypatch):
-    """kv.pair_points (128, 32) on a 'GPU': kv_append's pair path and attn_v5w with PK / PV (7- and 5-bit fields,
+    """kv.pair_points (128, 32) on a 'GPU': kv_append's pair path and attn_fused_window with PK / PV (7- and 5-bit fields,
     the keys' own table, the values' lane-replicated one), against the CPU's quantize_kv and reference attention."""
     ref_cache, ref = _run(60, 2, seed=6, pair_points=(128, 32))
     stand = _kernels_on_executor(monkeypatch)
     gpu_cache, got = _run(60, 2, seed=6, pair_points=(128, 32))
 
-    assert "kv_append" in stand and "attn_v5w" in stand
-    tmpl = dict(stand["attn_v5w"].calls[-1]["template"])
+    assert "kv_append" in stand and "attn_fused_window" in stand
+    tmpl = dict(stand["attn_fused_window"].calls[-1]["template"])
     assert (tmpl["PK"], tmpl["PV"], tmpl["KBITS"], tmpl["BITS"], tmpl["VDEC"]) == (128, 32, 7, 5, 2)
     assert gpu_cache.k_codes.shape[-1] == 14 and gpu_cache.v_codes.shape[-1] == 10
     n = gpu_cache.packed_len
@@ -142,8 +140,8 @@ def test_pair_codebooks_through_the_kernels(monkeypatch):
 def test_four_kernels_take_pair_codebooks_and_key_widths(case, strategy, monkeypatch):
     """The four-kernel pipeline (what `rq profile` times) with pair codebooks, and with keys at their own width:
     Kernel A through the keys' table, Kernel C (both strategies) through the values', against the float64 reference
-    (kernels_check's case and comparison; in-kernel rotation, causal over two queries)."""
-    import kernels_check as KC
+    (attn_reference's case and comparison; in-kernel rotation, causal over two queries)."""
+    from kernel_emu import attn_reference as KC
 
     _kernels_on_executor(monkeypatch)
     rng = np.random.default_rng(11)
@@ -152,16 +150,4 @@ def test_four_kernels_take_pair_codebooks_and_key_widths(case, strategy, monkeyp
                      key_bits=case["key_bits"], pair_points=case["pair"])
     err, nan, _ = KC.run_case(K, mx, c, T=case["T"], bits=case["bits"], path="four", strategy=strategy, causal=True,
                               offset=case["T"] - L, rot=3, key_bits=case["key_bits"])
-    assert nan == 0 and err < 2e-6, err
-
-
-@needs_emu
-def test_split_kernel_fp32_path_on_executor(monkeypatch):
-    """The fp32 split kernel (attn_split + attn_combine, `attention_split(mma=False)`), whose inner product shares
-    Kernel A's field extraction (common.h stream_field), against the float64 reference."""
-    import kernels_check as KC
-
-    _kernels_on_executor(monkeypatch)
-    c = KC.make_case(np.random.default_rng(12), B=1, Hkv=2, G=4, L=1, d=64, T=300, bits=3)
-    err, nan, _ = KC.run_case(K, mx, c, T=300, bits=3, path="fused", strategy=None, causal=False, offset=299, rot=3)
     assert nan == 0 and err < 2e-6, err

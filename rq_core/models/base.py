@@ -565,6 +565,10 @@ class SlidingWindowCache:
         return n
 
     @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
+
+    @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
@@ -701,6 +705,10 @@ class RotatingWindowCache:
         self.offset -= n
         self.valid -= n
         return n
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.keys, self.values) if a is not None]
 
     @property
     def nbytes(self) -> int:

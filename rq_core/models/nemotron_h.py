@@ -134,6 +134,7 @@ class NoCache:
 
     nbytes = 0
     fp16_nbytes = 0
+    state: tuple = ()
 
 
 class MoEGate(nn.Module):

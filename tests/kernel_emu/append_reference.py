@@ -1,47 +1,28 @@
-"""kv_append (quantize + pack new K and V in ONE launch) against quantize_kv, and what an append costs per layer.
+"""kv_append (quantize + pack new K and V in one launch) against quantize_kv and float64 math.
 
-    source .device/bin/gpu-env && python3 benchmarks/append_check.py --out $OUT    # the GPU (MLX CUDA or Metal)
-    python3 benchmarks/append_check.py --cpu-emulate [--quick]                      # here: the CUDA rendering of
-        metal/kv_append.body run by benchmarks/emulate_kernel.py; timing with a labelled stand-in
+Every case draws fresh K/V rows (fp16 by default; bf16, fp32, a zero row, a strided slice of a cache buffer with
+batch 2), a fresh rotation seed and layer; the kernel's outputs start poisoned. The kernel's codes must equal
+quantize_kv's (MLX ops, the reference) except for coordinates whose float64 z = sqrt(d) R x / |x| lies within TOL of
+a codebook threshold; those are counted, any other difference fails. Codes are also checked the same way against
+float64 math written from docs/FORMAT.md. Norms (float16) must equal quantize_kv's within one fp16 ulp and
+float64's within half an ulp plus float32 error.
 
-1. Correctness. Every case draws fresh K/V rows (fp16 by default; bf16, fp32, a zero row, a strided slice of a
-   cache buffer with batch 2), a fresh rotation seed and layer; the kernel's outputs start poisoned
-   (kernels.POISON). The kernel's codes must equal quantize_kv's (MLX ops, the reference, on the same device)
-   except for coordinates whose float64 z = √d·R·x/‖x‖ lies within --tol of a codebook threshold; those
-   boundary cases are counted and reported, any other difference fails. Codes are also checked the same way
-   against float64 math written from docs/FORMAT.md. Norms (float16) must equal quantize_kv's within one
-   fp16 ulp (the count of unequal ones is reported) and float64's within half an ulp plus float32 error.
-2. Timing (GPU only). The Qwen3-30B-A3B attention shape (4 kv heads, head_dim 128, batch 1, one new token),
-   16 IsoQuantCache layers per evaluation, median over --reps of (wall time / layers), for RQ_APPEND=ops
-   (quantize_kv's MLX ops) and RQ_APPEND=kernel, isoquant3 (wht_so4) and turbo3 (dense):
-     quantize  compress_kv only (K and V codes and norms)
-     +writes   compress_kv + the four slice writes into the packed buffers (IsoQuantCache._append_packed)
-     decode    the whole decode-step append: the fp16 segment write + _spill (what attend() does per token)
-
-Exit status: 0 all passed, 1 a check failed, 2 a step could not run (each such step prints one line and the
-script goes on).
+Used by the tests (the CUDA rendering on the CPU executor, `check_case(rng, case, "emu")`) and by
+tools/gpu_check.py (the GPU, `check_case(rng, case, "gpu")`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import signal
-import statistics
 import sys
-import tempfile
-import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 TOL = 1e-5  # |z64 - threshold| below which a code may differ (float32 rounding of norm, WHT, blocks, dense sums)
 
@@ -189,7 +170,7 @@ def build(rng, c: dict):
 def boundary_rows(rng, shape, rot, levels: np.ndarray, frac: float = 0.25) -> np.ndarray:
     """float32 rows whose float64 z = √d·R·x/‖x‖ puts `frac` of the coordinates on a codebook threshold
     (up to the rounding of x to float32): where float32 paths may legitimately disagree."""
-    import kernels_check as KC
+    from kernel_emu import attn_reference as KC
 
     import rq_core.kernels as K
 
@@ -214,7 +195,7 @@ def boundary_rows(rng, shape, rot, levels: np.ndarray, frac: float = 0.25) -> np
 
 def reference64(x: np.ndarray, rot, levels: np.ndarray):
     """z = √d·R·x/‖x‖ and n = ‖x‖ in float64, with the rotation's float32 parameters (what both paths use)."""
-    import kernels_check as KC
+    from kernel_emu import attn_reference as KC
 
     import rq_core.kernels as K
 
@@ -296,18 +277,16 @@ def run_gpu(k_mx, v_mx, rot, levels, bits, nc):
 
     import rq_core.kernels as K
 
-    old = K.POISON
-    K.POISON = True
-    try:
+    from rq_core import env
+
+    with env.override(poison=True):
         out = K.kv_append_codes(k_mx, v_mx, rot, levels, bits, norm_correction=nc)
         mx.eval(*out)
-    finally:
-        K.POISON = old
     return [np.array(a) for a in out]
 
 
 def run_emu(kin: Rows, vin: Rows, dtype, rot, levels, bits, nc, seed=0):
-    import emulate_kernel as EK
+    from kernel_emu import emulate as EK
 
     import rq_core.kernels as K
 
@@ -374,230 +353,3 @@ def summarize(res: dict) -> dict:
         s["norm_f64_ulp_max"] = max(s["norm_f64_ulp_max"], r["norm_f64_ulp_max"])
         s["ok"] &= r["ok"]
     return s
-
-
-# ---------------------------------------------------------------------------------------------
-# timing
-
-
-def time_append(mode: str, variant: str, what: str, *, layers: int, reps: int, warmup: int, Hkv=4, D=128,
-                bits=3) -> float:
-    """Median µs per layer of one append kind over `layers` IsoQuantCaches per evaluation (RQ_APPEND=mode)."""
-    import mlx.core as mx
-
-    from rq_core.kv_cache import IsoQuantCache
-
-    os.environ["RQ_APPEND"] = mode
-    rng = np.random.default_rng(0)
-    caches, news = [], []
-    for i in range(layers):
-        c = IsoQuantCache(head_dim=D, n_kv_heads=Hkv, layer=i, bits=bits, rotation=variant)
-        c.prefilling = False
-        pk = mx.array(rng.standard_normal((1, Hkv, 300, D)).astype(np.float16))
-        pv = mx.array(rng.standard_normal((1, Hkv, 300, D)).astype(np.float16))
-        c._append_fp16(pk, pv)
-        c._spill(0)  # 300 packed tokens in 512-token buffers
-        k1 = mx.array(rng.standard_normal((1, Hkv, 1, D)).astype(np.float16))
-        v1 = mx.array(rng.standard_normal((1, Hkv, 1, D)).astype(np.float16))
-        caches.append(c)
-        news.append((k1, v1))
-    mx.eval([(c.k_codes, c.k_norms, c.v_codes, c.v_norms) for c in caches], news)
-    base = caches[0].packed_len
-
-    def step():
-        outs = []
-        for c, (k1, v1) in zip(caches, news):
-            if what == "quantize":
-                outs.append(c.compress_kv(k1, v1))
-                continue
-            c.packed_len = base
-            if what == "+writes":
-                c._append_packed(*c.compress_kv(k1, v1))
-            else:  # decode: what attend() does with one new token (fp16 segment write, then _spill)
-                c.fp16_len = 0
-                c._append_fp16(k1, v1)
-                c._spill(0)
-            outs.append((c.k_codes, c.k_norms, c.v_codes, c.v_norms))
-        mx.eval(outs)
-
-    times = []
-    for r in range(warmup + reps):
-        t0 = time.perf_counter()
-        step()
-        if r >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) / layers * 1e6
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-class StepTimeout(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise StepTimeout("step timed out")
-
-
-def one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
-
-
-def main() -> int:
-    global TOL
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="folder for append_check.json")
-    ap.add_argument("--cpu-emulate", action="store_true",
-                    help="no GPU: run the kernel's CUDA rendering on the CPU executor (benchmarks/emulate_kernel.py)")
-    ap.add_argument("--quick", action="store_true", help="bits 3 only in the main grid")
-    ap.add_argument("--seed", type=int, default=None, help="case seed (default: fresh)")
-    ap.add_argument("--tol", type=float, default=TOL)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--skip-timing", action="store_true")
-    ap.add_argument("--step-timeout", type=int, default=240, help="seconds per step (check, each timing)")
-    ap.add_argument("--keep-ptx-cache", action="store_true",
-                    help="reuse MLX's on-disk PTX cache (keyed by kernel name, not source: stale after an edit)")
-    ap.add_argument("--tf32", action="store_true",
-                    help="leave MLX's float32 matmuls in TF32 (its default on NVIDIA GPUs): the dense reference "
-                         "then strays from float64 (reported as 'quantize_kv off float64')")
-    args = ap.parse_args()
-    if not args.keep_ptx_cache and "MLX_PTX_CACHE_DIR" not in os.environ:
-        os.environ["MLX_PTX_CACHE_DIR"] = tempfile.mkdtemp(prefix="rq_ptx_")
-    if not args.tf32:
-        os.environ.setdefault("MLX_ENABLE_TF32", "0")  # the reference in full float32 (set before MLX loads)
-
-    import mlx.core as mx
-
-    import rq_core.kernels as K
-
-    TOL = args.tol
-    be = K.backend()
-    gpu = K.available()
-    mode = "gpu" if gpu else "emu" if args.cpu_emulate else None
-    print(f"append_check: MLX {mx.__version__}, device {mx.default_device()}, backend {be}, kernel mode {mode}",
-          flush=True)
-    report: dict = dict(mlx=mx.__version__, device=str(mx.default_device()), backend=be, mode=mode, tol=TOL,
-                        mlx_enable_tf32=os.environ.get("MLX_ENABLE_TF32"),
-                        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), cases=[], timing=[])
-    status = 0
-    signal.signal(signal.SIGALRM, _alarm)
-
-    # 1. correctness
-    if args.skip_check:
-        pass
-    elif mode is None:
-        print("check: skipped (no GPU backend here; --cpu-emulate runs the CUDA source on the CPU executor)")
-        status = max(status, 2)
-    else:
-        seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-        report["seed"] = seed
-        rng = np.random.default_rng(seed)
-        cases = case_list(full=not args.quick, gpu=gpu)
-        print(f"check: {len(cases)} cases, seed {seed}, boundary tolerance {TOL:g}", flush=True)
-        print(f"{'case':44s} {'values':>8s} {'bnd/ops':>7s} {'bnd/f64':>7s} {'far':>4s} {'gap max':>8s} "
-              f"{'norm!=':>6s} {'ulp':>4s}  result", flush=True)
-        signal.alarm(args.step_timeout)
-        try:
-            for c in cases:
-                t0 = time.perf_counter()
-                try:
-                    s = summarize(check_case(rng, c, mode))
-                except StepTimeout:
-                    raise
-                except Exception as e:  # a compile or launch failure: one line, go on
-                    print(f"{label(c):44s} could not run: {one_line(e)}", flush=True)
-                    report["cases"].append(dict(case=c, label=label(c), error=one_line(e),
-                                                detail=traceback.format_exc()[-4000:]))
-                    status = max(status, 2)
-                    continue
-                s["seconds"] = round(time.perf_counter() - t0, 2)
-                report["cases"].append(dict(case=c, label=label(c), **s))
-                if not s["ok"]:
-                    status = max(status, 1)
-                print(f"{label(c):44s} {s['values']:8d} {s['ops_boundary']:7d} {s['f64_boundary']:7d} "
-                      f"{s['ops_far'] + s['f64_far']:4d} {s['gap_max']:8.1e} {s['norm_unequal']:6d} "
-                      f"{s['norm_ulp_max']:4.1f}  {'ok' if s['ok'] else 'FAIL ' + s.get('error', '')}"
-                      + (f"  (quantize_kv off float64 on {s['ops_ref_wrong']} codes)" if s["ops_ref_wrong"] else ""),
-                      flush=True)
-        except StepTimeout:
-            print(f"check: stopped after {args.step_timeout} s (--step-timeout)", flush=True)
-            status = max(status, 2)
-        finally:
-            signal.alarm(0)
-        done = [r for r in report["cases"] if "ok" in r]
-        tot = {k: sum(r[k] for r in done) for k in ("values", "ops_boundary", "f64_boundary", "ops_far", "f64_far",
-                                                   "ops_ref_wrong", "norm_unequal")}
-        report["check_totals"] = dict(cases=len(cases), passed=sum(r["ok"] for r in done), **tot)
-        print(f"check: {report['check_totals']['passed']}/{len(cases)} cases passed; {tot['values']} codes; boundary "
-              f"mismatches {tot['ops_boundary']} vs quantize_kv, {tot['f64_boundary']} vs float64; other mismatches "
-              f"{tot['ops_far'] + tot['f64_far']}; norms unequal to quantize_kv's {tot['norm_unequal']}; quantize_kv "
-              f"itself off float64 on {tot['ops_ref_wrong']}", flush=True)
-
-    # 2. timing
-    if not args.skip_timing:
-        stand_in = not gpu
-        restore = None
-        if stand_in:  # CPU: exercise the kernel path's plumbing with quantize_kv standing in for the launch
-            print("timing: no GPU: the 'kernel' rows below use quantize_kv as a STAND-IN (plumbing only, not the "
-                  "kernel; CPU times)", flush=True)
-            from rq_core.kv_cache import quantize_kv
-
-            def fake(keys, values, rotation, levels, bits, *, norm_correction=False, **_):
-                return (*quantize_kv(keys, rotation, levels, bits, norm_correction=norm_correction),
-                        *quantize_kv(values, rotation, levels, bits, norm_correction=norm_correction))
-
-            restore = (K.available, K.kv_append_codes)
-            K.available, K.kv_append_codes = (lambda: True), fake
-        old_env = os.environ.get("RQ_APPEND")
-        print(f"timing: Hkv 4, head_dim 128, batch 1, 1 token, 3-bit; {args.layers} layers per evaluation, median "
-              f"of {args.reps} reps (+{args.warmup} warm-up); µs per layer", flush=True)
-        print(f"{'rotation':10s} {'what':10s} {'ops':>9s} {'kernel':>9s} {'ratio':>7s}", flush=True)
-        try:
-            for variant in ("wht_so4", "dense"):
-                for what in ("quantize", "+writes", "decode"):
-                    row = dict(rotation=variant, what=what, stand_in=stand_in)
-                    for m in ("ops", "kernel"):
-                        signal.alarm(args.step_timeout)
-                        try:
-                            row[m] = round(time_append(m, variant, what, layers=args.layers, reps=args.reps,
-                                                       warmup=args.warmup), 1)
-                        except Exception as e:
-                            row[m] = None
-                            row[f"{m}_error"] = one_line(e)
-                            print(f"timing {variant} {what} {m}: could not run: {one_line(e)}", flush=True)
-                            status = max(status, 2)
-                        finally:
-                            signal.alarm(0)
-                    ratio = row["ops"] / row["kernel"] if row.get("ops") and row.get("kernel") else None
-                    row["ratio"] = None if ratio is None else round(ratio, 2)
-                    report["timing"].append(row)
-                    fmt = lambda v: f"{v:9.1f}" if v is not None else f"{'-':>9s}"  # noqa: E731
-                    print(f"{variant:10s} {what:10s} {fmt(row['ops'])} {fmt(row['kernel'])} "
-                          f"{(f'{ratio:6.1f}x' if ratio else '      -')}", flush=True)
-        finally:
-            if old_env is None:
-                os.environ.pop("RQ_APPEND", None)
-            else:
-                os.environ["RQ_APPEND"] = old_env
-            if restore:
-                K.available, K.kv_append_codes = restore
-
-    report["status"] = status
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "append_check.json.tmp"
-        tmp.write_text(json.dumps(report, indent=1) + "\n")
-        os.replace(tmp, out / "append_check.json")
-        print(f"wrote {out / 'append_check.json'}")
-    print(json.dumps(dict(status=status, check=report.get("check_totals"), timing=report["timing"])))
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@
 The kernel body is compiled unchanged as host C++ (g++, C++20): one cooperative context per CUDA thread,
 blocks run one after another in a shuffled order, __syncthreads / warp shuffles / mma.sync emulated
 (the mma fragment layouts written from the PTX ISA, not taken from metal/prelude_cuda.h). It executes the
-kernel's logic (indexing, tiles, splits, online softmax, v4's last-block merge and counter reset) without
+kernel's logic (indexing, tiles, splits, online softmax, the last block's merge and counter reset) without
 a GPU; it says nothing about speed or about memory ordering between blocks.
 
 Memory checks, as the hardware faults ("misaligned address"): threadgroup arrays are laid out as the compiler
@@ -13,13 +13,15 @@ pointer can be); every cp.async copy needs 16-byte aligned global source and thr
 their buffers, and every vector reinterpretation in the prelude (uint4 / float4 loads, half2 <-> uint) the
 alignment of its type (tests/kernel_emu/cuda_emu.h: emu::check). Distinct faults are listed once each.
 
-    python3 benchmarks/emulate_kernel.py            # v4 and v5 cases, plus v3 (attn_mma2 + attn_merge) as a control
+    python3 tests/kernel_emu/emulate.py
 
 Exit status 1 if any case fails.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import math
 import os
 import re
@@ -30,15 +32,16 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 
-import kernels_check as KC  # noqa: E402
+from kernel_emu import attn_reference as KC  # noqa: E402
 
 import rq_core.kernels as K  # noqa: E402
+from rq_core import env  # noqa: E402
 
-EMU = ROOT / "tests" / "kernel_emu"
+EMU = Path(__file__).resolve().parent
 CTYPE = {"f32": "float", "u32": "uint32_t", "i32": "int32_t", "f16": "__half", "bf16": "__nv_bfloat16"}
 NPTYPE = {"f32": np.float32, "u32": np.uint32, "i32": np.int32, "f16": np.float16}
 
@@ -48,15 +51,47 @@ def _dt(a: np.ndarray) -> str:
             np.dtype(np.float16): "f16"}[a.dtype]
 
 
+CXX = ["g++", "-std=c++20", "-O1", "-w"]
+
+
+def binary_cache_dir() -> Path:
+    """Where compiled executor programs are kept: one per program source hash, shared by every test process."""
+    return Path(tempfile.gettempdir()) / "rq_kernel_emu"
+
+
+@functools.lru_cache(maxsize=None)
+def _headers_digest() -> str:
+    h = hashlib.sha256(" ".join(CXX).encode())
+    for f in sorted(EMU.rglob("*.h")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def compiled(program: str, name: str) -> Path:
+    """The executable of `program` (a whole C++ translation unit), compiled once per source hash: the same kernel
+    class is run by many tests and cases, and g++ takes most of a run's time."""
+    key = hashlib.sha256((_headers_digest() + "\0" + program).encode()).hexdigest()[:32]
+    out = binary_cache_dir() / f"{name}-{key}.exe"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="rq_emu_build_", dir=out.parent) as d:
+        cpp = Path(d) / f"{name}.cpp"
+        cpp.write_text(program)
+        exe = Path(d) / f"{name}.exe"
+        r = subprocess.run([*CXX, f"-I{EMU}", str(cpp), "-o", str(exe)], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"compile failed:\n{r.stderr[:4000]}")
+        os.replace(exe, out)  # atomic: a concurrent test process sees the whole binary or none
+    return out
+
+
 def _emu_source(name: str, template: list, types: dict) -> str:
     """The CUDA source with the executor's substitutions, minified as MLX gets it (the substitutions
     match the source as written, so it is rendered unminified first)."""
-    minify = os.environ.get("RQ_KERNEL_MINIFY", "1") != "0"
-    os.environ["RQ_KERNEL_MINIFY"] = "0"
-    try:
+    minify = env.config().minify
+    with env.override(minify=False):
         src = _emu_substitute(K.full_source(name, "cuda", template, types))
-    finally:
-        os.environ["RQ_KERNEL_MINIFY"] = "1" if minify else "0"
     return K.minify(src) if minify else src
 
 
@@ -66,7 +101,7 @@ def _emu_substitute(src: str) -> str:
     src, n = re.subn(re.escape(sig) + r" \{\n  asm volatile.*?\n\}\n", sig + " { emu::mma(c.x, a.x, b.x); }\n", src,
                      flags=re.S)
     assert n == 1, "mma_f16 not found in the CUDA prelude"
-    # attn_v5's asynchronous copies (inline PTX): done at once (the kernel's warp syncs order them), with
+    # attn_fused's asynchronous copies (inline PTX): done at once (the kernel's warp syncs order them), with
     # the hardware's checks: 16-byte aligned global source, 16-byte aligned threadgroup destination
     for fn, emu in (("INLINE void cp_async16(TG uint* dst, DEV const uint* src)",
                      "{ emu::cp_async16(dst, src); }"),
@@ -134,7 +169,11 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
     tmp = Path(workdir)
     src = _emu_source(name, template, types)
     body = K.render(name, "cuda")[1]
-    lines = ['#include "mlx/backend/cuda/device/utils.cuh"', "#include <algorithm>", "#include <random>", src,
+    # The program depends on the kernel source, the argument list and the dtypes only; sizes, views, offsets,
+    # the grid, the seed and the layout are read at run time from params.txt, so one binary serves every call
+    # of a kernel class (compiled once, kept in binary_cache_dir() by the hash of its source).
+    lines = ['#include "mlx/backend/cuda/device/utils.cuh"', "#include <algorithm>", "#include <random>",
+             "#include <string>", src,
              "// a device buffer: 256-byte aligned allocation, the array `off` elements in, registered for the checks",
              "template <class T> struct Buf {",
              "  T* p; size_t n;",
@@ -143,15 +182,24 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
              "    p = reinterpret_cast<T*>(raw) + off;",
              "    emu::regions.push_back({reinterpret_cast<const char*>(p), n * sizeof(T), name, false}); }",
              "  T* data() { return p; } };",
-             "template <class T> Buf<T> load(const char* p, size_t n, size_t off, const char* name) {",
-             "  Buf<T> v(n, off, name); FILE* f = std::fopen(p, \"rb\"); if (!f) std::abort();",
+             "static std::string dir;",
+             "static FILE* params;",
+             "static long long arg() { long long v; if (std::fscanf(params, \"%lld\", &v) != 1) std::abort(); return v; }",
+             "template <class T> Buf<T> load(const char* name) {",
+             "  size_t n = arg(), off = arg(); Buf<T> v(n, off, name);",
+             "  FILE* f = std::fopen((dir + \"/\" + name + \".bin\").c_str(), \"rb\"); if (!f) std::abort();",
              "  if (std::fread(v.p, sizeof(T), n, f) != n) std::abort(); std::fclose(f); return v; }",
-             "template <class T> Buf<T> filled(size_t n, T x, const char* name) {",
-             "  Buf<T> v(n, 0, name); std::fill(v.p, v.p + n, x); return v; }",
-             "template <class T> void save(const char* p, const Buf<T>& v) {",
-             "  FILE* f = std::fopen(p, \"wb\"); std::fwrite(v.p, sizeof(T), v.n, f); std::fclose(f); }",
-             "int main() {", "  using namespace mlx::core::cu;",
-             f"  emu::worst_layout = {'true' if layout == 'worst' else 'false'};"]
+             "template <class T> Buf<T> filled(T x, const char* name) {",
+             "  Buf<T> v(arg(), 0, name); std::fill(v.p, v.p + v.n, x); return v; }",
+             "template <class A> void fill_dims(A& a) { int n = arg(); for (int i = 0; i < n; ++i) a[i] = arg(); }",
+             "template <class T> void save(const char* name, const Buf<T>& v) {",
+             "  FILE* f = std::fopen((dir + \"/\" + name + \".out\").c_str(), \"wb\"); std::fwrite(v.p, sizeof(T), v.n, f);",
+             "  std::fclose(f); }",
+             "int main(int argc, char** argv) {", "  using namespace mlx::core::cu;",
+             "  if (argc != 2) return 4;",
+             "  dir = argv[1]; params = std::fopen((dir + \"/params.txt\").c_str(), \"r\"); if (!params) return 4;",
+             "  emu::worst_layout = arg() != 0;"]
+    params = [int(layout == "worst")]
     args = []
     for n in spec.inputs:
         a = inputs[n]
@@ -160,49 +208,48 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
         types.setdefault(n, code)
         (tmp / f"{n}.bin").write_bytes(np.ascontiguousarray(arr).tobytes())
         ct = CTYPE[code]
-        off = int(offsets.get(n, 0))
-        lines.append(f'  auto in_{n} = load<{ct}>("{tmp / (n + ".bin")}", {arr.size}, {off}, "{n}");')
+        lines.append(f'  auto in_{n} = load<{ct}>("{n}");')
+        params += [arr.size, int(offsets.get(n, 0))]
         args.append(f"in_{n}.data()")
         shape, strides = views.get(n, (arr.shape, tuple(s // arr.itemsize for s in arr.strides)))
         if f"{n}_shape" in body:
-            lines.append(f"  Shape sh_{n}{{}}; " + " ".join(f"sh_{n}[{i}] = {v};" for i, v in enumerate(shape)))
+            lines.append(f"  Shape sh_{n}{{}}; fill_dims(sh_{n});")
+            params += [len(shape), *shape]
             args.append(f"sh_{n}")
         if f"{n}_strides" in body:
-            lines.append(f"  Strides st_{n}{{}}; " + " ".join(f"st_{n}[{i}] = {v};" for i, v in enumerate(strides)))
+            lines.append(f"  Strides st_{n}{{}}; fill_dims(st_{n});")
+            params += [len(strides), *strides]
             args.append(f"st_{n}")
     for n in spec.outputs:
         shape, code = outputs[n]
-        size = int(np.prod(shape))
         ct = CTYPE[code]
         nan = {"f32": "NAN", "f16": "__float2half_rn(NAN)", "bf16": "__nv_bfloat16{0x7fc0}",
                "u32": "0xB2D05E00u"}[code]  # u32: kernels.APPEND_POISON's value
-        lines.append(f'  auto out_{n} = filled<{ct}>({size}, {nan}, "{n}");')
+        lines.append(f'  auto out_{n} = filled<{ct}>({nan}, "{n}");')
+        params.append(int(np.prod(shape)))
         args.append(f"out_{n}.data()")
     kname = f"custom_kernel_rq_{name}"
+    params += [grid[0], grid[1], nth, seed]
     lines += [
-        f"  std::vector<std::pair<unsigned, unsigned>> blocks;",
-        f"  for (unsigned y = 0; y < {grid[1]}u; ++y)",
-        f"    for (unsigned x = 0; x < {grid[0]}u; ++x) blocks.push_back({{x, y}});",
-        f"  std::mt19937 rng({seed}); std::shuffle(blocks.begin(), blocks.end(), rng);",
-        f"  emu::bdim = {{{nth}u, 1u, 1u}}; emu::gdim = {{{grid[0]}u, {grid[1]}u, 1u}};",
+        "  unsigned gx = arg(), gy = arg(), nth = arg(); unsigned seed = arg();",
+        "  std::vector<std::pair<unsigned, unsigned>> blocks;",
+        "  for (unsigned y = 0; y < gy; ++y)",
+        "    for (unsigned x = 0; x < gx; ++x) blocks.push_back({x, y});",
+        "  std::mt19937 rng(seed); std::shuffle(blocks.begin(), blocks.end(), rng);",
+        "  emu::bdim = {nth, 1u, 1u}; emu::gdim = {gx, gy, 1u};",
         f"  emu::body = [&]() {{ {kname}({', '.join(args)}); }};",
-        "  for (auto [x, y] : blocks) { emu::bid = {x, y, 0u}; if (!emu::run_block(" + str(nth) + ")) return 2; }",
+        "  for (auto [x, y] : blocks) { emu::bid = {x, y, 0u}; if (!emu::run_block(nth)) return 2; }",
     ]
     for n in spec.outputs:
-        lines.append(f'  save("{tmp / (n + ".out")}", out_{n});')
-    if "counter" in spec.inputs:  # v4 must leave its counters zeroed: read them back
-        lines.append(f'  save("{tmp / "counter.out"}", in_counter);')
-    lines += [f'  {{ FILE* f = std::fopen("{tmp / "smem.txt"}", "w"); std::fprintf(f, "%zu\\n", emu::smem_top); '
+        lines.append(f'  save("{n}", out_{n});')
+    if "counter" in spec.inputs:  # the split counters must come back zeroed: read them back
+        lines.append('  save("counter", in_counter);')
+    lines += ['  { FILE* f = std::fopen((dir + "/smem.txt").c_str(), "w"); std::fprintf(f, "%zu\\n", emu::smem_top); '
               "std::fclose(f); }",
               "  return emu::report() ? 0 : 3;", "}"]
-    cpp = tmp / f"{name}.cpp"
-    cpp.write_text("\n".join(lines) + "\n")
-    exe = tmp / f"{name}.exe"
-    r = subprocess.run(["g++", "-std=c++20", "-O1", "-w", f"-I{EMU}", str(cpp), "-o", str(exe)], capture_output=True,
-                       text=True)
-    if r.returncode:
-        raise RuntimeError(f"compile failed:\n{r.stderr[:4000]}")
-    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    (tmp / "params.txt").write_text(" ".join(str(int(v)) for v in params) + "\n")
+    exe = compiled("\n".join(lines) + "\n", name)
+    r = subprocess.run([str(exe), str(tmp)], capture_output=True, text=True, timeout=600)
     if r.returncode == 3:
         raise RuntimeError(f"memory faults (a GPU stops at the first):\n{r.stderr[:4000]}")
     if r.returncode:
@@ -222,7 +269,7 @@ def emulate(name: str, template: list, inputs: dict, outputs: dict, grid: tuple[
 
 
 def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str, key_bits: int | None = None):
-    """The kernel inputs of a kernels_check case: q, consts, packed codes, norms (k_norms as the [:, :, :T] view)."""
+    """The kernel inputs of an attn_reference case: q, consts, packed codes, norms (k_norms as the [:, :, :T] view)."""
     q = c["q"]
     if qdtype == "f16":
         qin = q.astype(np.float16)
@@ -244,25 +291,23 @@ def _case_inputs(c, T: int, bits: int, scale: float, qdtype: str, key_bits: int 
     return qin, q64, kc, vc, consts, views
 
 
-def one_launch_outputs(kernel: str, out_shape: tuple, tq: str, groups: int, ns: int, R: int) -> dict:
-    """The outputs of a one-launch kernel for emulate(): v4's four, or v5's out and one scratch."""
-    B, Hq, L, d = out_shape
-    if kernel.startswith("attn_v5"):
-        return dict(out=(out_shape, tq), scratch=((K.v5_scratch_size(groups, ns, R, d),), "f32"))
-    return dict(out=(out_shape, tq), lse=((B, Hq, L), "f32"), o_part=((groups, ns, R, d), "f32"),
-                ml_part=((groups, ns, R, 2), "f32"))
+def fused_outputs(out_shape: tuple, tq: str, groups: int, ns: int, R: int) -> dict:
+    """attn_fused's outputs for emulate(): out and one scratch."""
+    d = out_shape[-1]
+    return dict(out=(out_shape, tq), scratch=((K.fused_scratch_size(groups, ns, R, d),), "f32"))
 
 
-def split_scratch(kernel: str, outs: dict, groups: int, R: int) -> None:
-    """v5: lse as attention_v5 reads it from the end of the scratch output."""
-    if kernel.startswith("attn_v5"):
-        outs["lse"] = outs["scratch"][-groups * R:].reshape(outs["out"].shape[:3])
+def split_scratch(outs: dict, groups: int, R: int) -> None:
+    """lse as fused_attention reads it from the end of the scratch output."""
+    outs["lse"] = outs["scratch"][-groups * R:].reshape(outs["out"].shape[:3])
 
 
-def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0,
-           kernel="attn_v4", nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=None,
-           key_bits=None, pair_points=None):
-    """kernel="attn_v5" (run_v5) runs the v5 body with the same inputs and checks; nth: its threads per block.
+def run_fused(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1, Hkv=2, blocks=16, seed=0,
+              nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=None,
+              key_bits=None, pair_points=None):
+    """attn_fused's CUDA rendering on the executor, against float64 (an attn_reference case): relative errors against
+    the exact and the half-rounded levels, lse error, NaN left from the poison, counters left set, splits, threadgroup
+    bytes. nth / pf / vdec / stage / sacc / merge: the template's; blocks: the grid's block target.
     offsets / layout: emulate's (inputs placed off their buffers' aligned start; threadgroup layout).
     pair_points (PK, PV): pair codebooks (bits / key_bits their fields' widths, log2 PV / log2 PK)."""
     c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8),
@@ -271,31 +316,24 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
     qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype, key_bits)
     R = G * L
     groups = B * Hkv
-    merge = K.V5_MERGE if merge is None else merge
-    if kernel == "attn_v5":
-        ns = K.v5_plan(T, groups, blocks)
-        nth = nth or K.v5_nth(T)
-    else:
-        ns = K.v4_plan(T, groups, blocks)
-        nth = K.NTH
+    merge = K.FUSED_MERGE if merge is None else merge
+    ns = K.fused_splits(T, groups, blocks)
+    nth = nth or K.fused_threads(T)
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     counter = np.zeros(groups, np.uint32)
-    if kernel == "attn_v5":  # v5 takes T from tlen: its buffers go in whole (capacity past T), as the cache's do
-        views.pop("k_norms")
+    views.pop("k_norms")  # T comes from tlen: the buffers go in whole (capacity past T), as the cache's do
     tq = qdtype
     pk, pv = pair_points or (0, 0)
-    template = [("TQ", tq), ("D", d), ("BITS", bits)] + ([("KBITS", key_bits or bits), ("PK", pk), ("PV", pv)]
-                                                        if kernel == "attn_v5" else []) + [
-                ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)),
-                ("ROT", rot), ("NTH", nth)] + ([("TILE", K.MMA_TILE)] if kernel == "attn_v4" else [("SACC", sacc), ("PF", pf), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)])
-    outs = emulate(kernel, template,
+    template = [("TQ", tq), ("D", d), ("BITS", bits), ("KBITS", key_bits or bits), ("PK", pk), ("PV", pv),
+                ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)), ("ROT", rot), ("THREADS", nth),
+                ("SACC", sacc), ("PF", pf), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)]
+    outs = emulate("attn_fused", template,
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
-                        v_norms=c["vnorm"], counter=counter,
-                        **({"tlen": np.zeros(T, np.uint32)} if kernel == "attn_v5" else {})),
-                   one_launch_outputs(kernel, (B, G * Hkv, L, d), tq, groups, ns, R),
+                        v_norms=c["vnorm"], counter=counter, tlen=np.zeros(T, np.uint32)),
+                   fused_outputs((B, G * Hkv, L, d), tq, groups, ns, R),
                    (groups, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed, offsets=offsets,
                    layout=layout)
-    split_scratch(kernel, outs, groups, R)
+    split_scratch(outs, groups, R)
     ref = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,
                        offset=T - L, causal=causal, T=T, rot=rot, key_levels=c["klevels"])
     got = outs["out"].astype(np.float64)
@@ -318,46 +356,6 @@ def run_v4(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B=1,
     # every output written (no NaN left from the poison), and the counters left zeroed for the next launch
     return dict(err=err, err_half=err_half, lse_err=lse_err, nan=int(np.isnan(got).sum()), ns=ns,
                 counters=int(outs["counter_after"].sum()), smem_bytes=outs["smem_bytes"])
-
-
-def run_v5(rng, **kw):
-    """attn_v5 through the executor: run_v4's inputs and checks (blocks: the grid's block target)."""
-    return run_v4(rng, kernel="attn_v5", **kw)
-
-
-def run_v3(rng, *, G, d, T, bits=3, rot=3, B=1, Hkv=2, seed=0):
-    """Control: v3 (attn_mma2 then attn_merge), which ran correctly on the H200, through the same executor."""
-    L = 1
-    c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits)
-    scale = 1.0 / math.sqrt(d)
-    qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, "f32")
-    R, groups = G * L, B * Hkv
-    old = K.TARGET_BLOCKS
-    K.TARGET_BLOCKS = 16
-    try:
-        ns, _ = K.split_plan(T, groups, K.MMA_TILE)
-    finally:
-        K.TARGET_BLOCKS = old
-    mats = c["mats"].astype(np.float32)
-    template = [("TQ", "f32"), ("D", d), ("BITS", bits), ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0),
-                ("ROT", rot), ("NTH", K.NTH), ("TILE", K.MMA_TILE)]
-    parts = emulate("attn_mma2", template,
-                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
-                         v_norms=c["vnorm"]),
-                    dict(o_part=((groups, ns, R, d), "f32"), ml_part=((groups, ns, R, 2), "f32")),
-                    (groups, ns), K.NTH, views=views, types={"q": "f32"}, seed=seed)
-    out = emulate("attn_merge", [("D", d), ("R", R), ("ROT", rot), ("HKV", Hkv), ("NTC", max(d, 256)), ("MAXS", 64)],
-                  dict(o_part=parts["o_part"], ml_part=parts["ml_part"], mats=mats),
-                  dict(out=((B, G * Hkv, L, d), "f32"), lse=((B, G * Hkv, L), "f32")),
-                  (B * G * Hkv * L, 1), max(d, 256), seed=seed)
-    ref = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,
-                       offset=T - L, causal=False, T=T, rot=rot)
-    ref_h = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], KC.half_levels(c["levels"]),
-                         scale=scale, offset=T - L, causal=False, T=T, rot=rot)
-    got = np.nan_to_num(out["out"].astype(np.float64), nan=1e9)
-    return dict(err=float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
-                err_half=float(np.linalg.norm(got - ref_h) / np.linalg.norm(ref_h)),
-                nan=int(np.isnan(out["out"]).sum()), ns=ns)
 
 
 def run_kv_append(keys, values, mats: np.ndarray, consts: np.ndarray, *, shape: tuple[int, int, int, int], bits: int,
@@ -419,50 +417,39 @@ def main() -> int:
     rng = np.random.default_rng(7)
     fails = 0
     cases = [
-        ("v3 control", lambda: run_v3(rng, G=8, d=128, T=300)),
-        ("v4 G=8 d=128 T=300 f32", lambda: run_v4(rng, G=8, d=128, T=300)),
-        ("v4 G=8 d=128 T=1 f16", lambda: run_v4(rng, G=8, d=128, T=1, qdtype="f16")),
-        ("v4 G=4 d=128 T=700 L=2 causal bf16", lambda: run_v4(rng, G=4, d=128, T=700, L=2, causal=True, qdtype="bf16")),
-        ("v4 G=8 d=64 4-bit T=530 rot=0", lambda: run_v4(rng, G=8, d=64, T=530, bits=4, rot=0, seed=3)),
-        ("v4 G=2 d=128 T=400 dense B=2", lambda: run_v4(rng, G=2, d=128, T=400, rot=4, B=2)),
-        ("v5 G=8 d=128 T=300 f32 384 thr", lambda: run_v5(rng, G=8, d=128, T=300, nth=384)),
-        ("v5 G=8 d=128 T=1 f16", lambda: run_v5(rng, G=8, d=128, T=1, qdtype="f16")),
-        ("v5 G=4 d=128 T=700 L=2 causal bf16", lambda: run_v5(rng, G=4, d=128, T=700, L=2, causal=True,
-                                                               qdtype="bf16", nth=256)),
-        ("v5 G=8 d=64 4-bit T=530 rot=0 pf=1", lambda: run_v5(rng, G=8, d=64, T=530, bits=4, rot=0, pf=1, nth=128)),
-        ("v5 G=2 d=128 T=400 dense B=2", lambda: run_v5(rng, G=2, d=128, T=400, rot=4, B=2, nth=256)),
-        ("v5 G=8 d=256 T=300 512 thr", lambda: run_v5(rng, G=8, d=256, T=300, nth=512)),
-        ("v5 G=8 d=128 T=1000 cp.async ring 2, rounds' merge", lambda: run_v5(rng, G=8, d=128, T=1000, nth=256, pf=1,
-                                                                               stage=2, merge=0)),
-        # the ring configurations that faulted on the H200 ("misaligned address"), and other row widths W
-        # (4, 8, 12, 32 words), with threadgroup arrays also at their worst legal alignment
-        ("v5 G=8 d=128 T=4100 ring 4 128 thr", lambda: run_v5(rng, G=8, d=128, T=4100, nth=128, pf=1, stage=4)),
-        ("v5 G=8 d=128 T=700 ring 2 worst layout", lambda: run_v5(rng, G=8, d=128, T=700, nth=256, pf=1, stage=2,
+        ("G=8 d=128 T=300 f32 384 thr", lambda: run_fused(rng, G=8, d=128, T=300, nth=384)),
+        ("G=8 d=128 T=1 f16", lambda: run_fused(rng, G=8, d=128, T=1, qdtype="f16")),
+        ("G=4 d=128 T=700 L=2 causal bf16", lambda: run_fused(rng, G=4, d=128, T=700, L=2, causal=True,
+                                                              qdtype="bf16", nth=256)),
+        ("G=8 d=64 4-bit T=530 rot=0 pf=1", lambda: run_fused(rng, G=8, d=64, T=530, bits=4, rot=0, pf=1, nth=128)),
+        ("G=2 d=128 T=400 dense B=2", lambda: run_fused(rng, G=2, d=128, T=400, rot=4, B=2, nth=256)),
+        ("G=8 d=256 T=300 512 thr", lambda: run_fused(rng, G=8, d=256, T=300, nth=512)),
+        ("G=8 d=128 T=1000 ring 2, rounds' merge", lambda: run_fused(rng, G=8, d=128, T=1000, nth=256, pf=1, stage=2,
+                                                                     merge=0)),
+        # copy-ring configurations and other row widths W (4, 8, 12, 32 words), threadgroup arrays also at their
+        # worst legal alignment
+        ("G=8 d=128 T=4100 ring 4 128 thr", lambda: run_fused(rng, G=8, d=128, T=4100, nth=128, pf=1, stage=4)),
+        ("G=8 d=128 T=700 ring 2 worst layout", lambda: run_fused(rng, G=8, d=128, T=700, nth=256, pf=1, stage=2,
                                                                   layout="worst")),
-        ("v5 G=8 d=64 2-bit T=530 ring 2 worst", lambda: run_v5(rng, G=8, d=64, T=530, bits=2, nth=256, pf=1,
+        ("G=8 d=64 2-bit T=530 ring 2 worst", lambda: run_fused(rng, G=8, d=64, T=530, bits=2, nth=256, pf=1,
                                                                 stage=2, layout="worst")),
-        ("v5 G=8 d=128 2-bit T=300 ring 3", lambda: run_v5(rng, G=8, d=128, T=300, bits=2, nth=128, pf=1, stage=3)),
-        ("v5 G=4 d=256 4-bit T=400 ring 2 f16", lambda: run_v5(rng, G=4, d=256, T=400, bits=4, nth=64, pf=1,
+        ("G=8 d=128 2-bit T=300 ring 3", lambda: run_fused(rng, G=8, d=128, T=300, bits=2, nth=128, pf=1, stage=3)),
+        ("G=4 d=256 4-bit T=400 ring 2 f16", lambda: run_fused(rng, G=4, d=256, T=400, bits=4, nth=64, pf=1,
                                                                stage=2, qdtype="f16", layout="worst")),
-        ("v4 G=8 d=128 T=300 worst layout", lambda: run_v4(rng, G=8, d=128, T=300, layout="worst")),
-        # session 8: the pair decode (the default), the one-barrier merge, keys at their own width
-        ("v5 pair decode ring 2 (default)", lambda: run_v5(rng, G=8, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2)),
-        ("v5 pair decode d=256 rows in registers", lambda: run_v5(rng, G=8, d=256, T=300, nth=256, pf=2, vdec=2)),
-        ("v5 pair decode + one-barrier merge", lambda: run_v5(rng, G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2,
+        ("pair decode ring 2", lambda: run_fused(rng, G=8, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2)),
+        ("pair decode d=256 rows in registers", lambda: run_fused(rng, G=8, d=256, T=300, nth=256, pf=2, vdec=2)),
+        ("pair decode + one-barrier merge", lambda: run_fused(rng, G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2,
                                                               merge=1)),
-        ("v5 4-bit keys 3-bit values", lambda: run_v5(rng, G=8, d=128, T=700, nth=256, pf=2, vdec=2, key_bits=4)),
-        ("v5 4-bit keys 2-bit values ring 1", lambda: run_v5(rng, G=8, d=128, T=600, bits=2, nth=256, pf=1, stage=1,
+        ("4-bit keys 3-bit values", lambda: run_fused(rng, G=8, d=128, T=700, nth=256, pf=2, vdec=2, key_bits=4)),
+        ("4-bit keys 2-bit values ring 1", lambda: run_fused(rng, G=8, d=128, T=600, bits=2, nth=256, pf=1, stage=1,
                                                              vdec=2, key_bits=4)),
-        # session 10: more splits than one round of the last block's partial loads (17)
-        ("v5 20 splits (two load rounds)", lambda: run_v5(rng, G=8, d=128, T=2600, nth=256, pf=1, stage=2, vdec=2,
-                                                         merge=1, blocks=40)),
-        # session 11: half queries with 33 splits (one round of partial loads under NC33), the rounds' merge in bf16
-        ("v5 f16 33 splits", lambda: run_v5(rng, G=8, d=128, T=4300, nth=256, pf=1, stage=2, vdec=2, merge=1,
+        ("20 splits (two load rounds)", lambda: run_fused(rng, G=8, d=128, T=2600, nth=256, pf=1, stage=2, vdec=2,
+                                                          merge=1, blocks=40)),
+        ("f16 33 splits", lambda: run_fused(rng, G=8, d=128, T=4300, nth=256, pf=1, stage=2, vdec=2, merge=1,
                                             blocks=66, qdtype="f16")),
-        # session 12: 384 threads with a one-slot ring, the merge's warps sharing slabs in two rounds (NSL = 6)
-        ("v5 384 thr ring 1 shared slabs", lambda: run_v5(rng, G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2,
+        ("384 thr ring 1 shared slabs", lambda: run_fused(rng, G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2,
                                                           merge=1, blocks=12)),
-        ("v5 bf16 rounds' merge", lambda: run_v5(rng, G=4, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2, merge=0,
+        ("bf16 rounds' merge", lambda: run_fused(rng, G=4, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2, merge=0,
                                                  qdtype="bf16")),
     ]
     for label, fn in cases:
@@ -472,7 +459,7 @@ def main() -> int:
             fails += 1
             print(f"FAIL {label}: {e}", flush=True)
             continue
-        # the pass test of kernels_check.py: against float64 math with the levels rounded to half
+        # the pass test of tools/gpu_check.py: against float64 math with the levels rounded to half
         tol = 8e-3 if "bf16" in label else 1e-3 if "f16" in label else 5e-5
         ok = r["nan"] == 0 and r.get("err_half", r["err"]) < tol and r.get("lse_err", 0.0) < 1e-3 \
             and r.get("counters", 0) == 0

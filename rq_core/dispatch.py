@@ -1,0 +1,222 @@
+"""How a compressed cache's attention is computed: one function, `attend`, and its rules (docs/KERNELS.md).
+
+The cache stores (packed codes of its older tokens, an fp16 segment of its newest); this module decides how to attend
+over both, from the shapes and the settings in force (rq_core.env.config()):
+
+  1. nothing packed yet (the prompt)                -> mx.fast SDPA over the fp16 segment
+  2. a prompt chunk of more than PREFILL_DECODE_ROWS rows over packed tokens
+                                                    -> the packed part decoded (kv_decode on a GPU), one SDPA
+  3. RQ_ATTN=fused (default), no array mask, and the fp16 segment empty or (decoding) holding the queries
+                                                    -> attn_fused, one launch, the segment as one more split
+  4. otherwise, or where the kernel declines the shapes
+                                                    -> packed part + fp16 segment attended apart, merged by
+                                                       logsumexp; the packed part by the MLX-op reference
+                                                       (rq_core.attention) or, with RQ_ATTN=four on a GPU, by the
+                                                       four-kernel pipeline `rq profile` times
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Protocol, Union
+
+import mlx.core as mx
+
+from rq_core import attention, env
+
+Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask [.., L, T]
+
+# A prompt chunk of more rows than this attends to compressed tokens (kv.prefill_fp16) by decoding them for one fused
+# attention call; up to it, the decode kernel (attn_fused takes <= 8 query rows) or the chunked reference path.
+PREFILL_DECODE_ROWS = 8
+
+
+class InflightQueue:
+    """Decoded attention outputs queued by a bounded prefill, oldest first: one queue for all layers of a model (the
+    model's make_cache shares it through kv_cache.with_edge_layers), so the host runs at most `prefill_inflight`
+    layers ahead of the GPU."""
+
+    def __init__(self) -> None:
+        self.pending: deque = deque()
+
+    def push(self, out: mx.array, n_ahead: int) -> None:
+        mx.async_eval(out)
+        self.pending.append(out)
+        while len(self.pending) > n_ahead:
+            mx.eval(self.pending.popleft())
+
+    def drain(self) -> None:
+        while self.pending:
+            mx.eval(self.pending.popleft())
+
+
+class PackedStore(Protocol):
+    """What `attend` reads of a compressed cache (rq_core.kv_cache.IsoQuantCache)."""
+
+    offset: int
+    packed_len: int
+    fp16_len: int
+    prefilling: bool
+    prefill_inflight: int
+    inflight: InflightQueue
+    n_kv_heads: int
+    head_dim: int
+    rotation: object
+    bits: int
+    key_bits: int | None
+    levels: mx.array
+    k_levels: mx.array
+    k_codes: mx.array
+    k_norms: mx.array
+    v_codes: mx.array
+    v_norms: mx.array
+
+    def fp16_segment(self) -> tuple[mx.array, mx.array]: ...
+
+    def dense_rotation(self) -> mx.array: ...
+
+
+def attend(store: PackedStore, queries: mx.array, *, scale: float, mask: Mask = None) -> mx.array:
+    """Attention of queries [B, Hq, L, D] (the newest L tokens, already appended) over everything `store` holds."""
+    cfg = env.config()
+    L = queries.shape[2]
+    q_pos0 = store.offset - L
+    causal = isinstance(mask, str) and L > 1
+    arr_mask = mask if isinstance(mask, mx.array) else None
+
+    if store.packed_len == 0:  # all fp16 (the prompt): the fused SDPA kernel does it
+        fk, fv = store.fp16_segment()
+        m = None if (isinstance(mask, str) and L == 1) else mask
+        return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
+    if store.prefilling and L > PREFILL_DECODE_ROWS and arr_mask is None:
+        return _attend_decoded(store, queries, scale=scale, causal=causal, kernels_on=cfg.attention != "reference")
+    if cfg.attention == "fused" and arr_mask is None and (
+            store.fp16_len == 0 or (not store.prefilling and store.fp16_len >= L)):
+        out = _fused(store, queries, scale=scale, offset=q_pos0, causal=causal)
+        if out is not None:
+            return out
+    return _segments(store, queries, scale=scale, offset=q_pos0, causal=causal, mask=arr_mask,
+                     four=cfg.attention == "four")
+
+
+def _fused(store: PackedStore, queries: mx.array, *, scale: float, offset: int, causal: bool) -> mx.array | None:
+    """attn_fused over the packed codes with the rotation done in-kernel and the fp16 segment as one more split, or
+    None where the kernels do not run here or decline the shapes."""
+    from rq_core import kernels
+
+    if not kernels.available():
+        return None
+    levels, bits, key_bits = store.levels, store.bits, store.key_bits
+    pair = levels.ndim == 2  # pair codebooks (kv.pair_points): both tables [n, 2]
+    B, Hq, L, D = queries.shape
+    Hkv = store.k_codes.shape[1]
+    split = key_bits is not None and (key_bits != bits or pair)
+    nf = D // 2 if pair else D
+    if Hq % Hkv or store.k_codes.shape[3] * 32 != nf * (key_bits if split else bits) \
+            or store.v_codes.shape[3] * 32 != nf * bits:
+        return None
+    if pair and (not split or store.k_levels.ndim != 2):
+        return None
+    window = store.fp16_segment() if store.fp16_len else None
+    try:
+        rot, mats = kernels.rotation_args(store.rotation)
+        return kernels.fused_attention(
+            queries, mats, store.k_codes, store.k_norms, store.v_codes, store.v_norms, levels, bits=bits, scale=scale,
+            valid_len=store.packed_len, offset=offset, causal=causal, rot=rot, window=window,
+            key_bits=key_bits if split else None, key_levels=store.k_levels if split else None, want_lse=False)[0]
+    except kernels.KernelUnsupported:
+        return None
+
+
+def _segments(store: PackedStore, queries: mx.array, *, scale: float, offset: int, causal: bool,
+              mask: mx.array | None, four: bool) -> mx.array:
+    """The packed part in the rotated space and the fp16 segment in the model's, merged by logsumexp."""
+    q_rot = store.rotation.forward_queries(queries)
+    packed = _four_kernels(store, q_rot, scale=scale, offset=offset, causal=causal) if four and mask is None else None
+    if packed is None:
+        packed = attention.packed_attention(
+            q_rot, store.k_codes, store.k_norms, store.v_codes, store.v_norms, store.levels, bits=store.bits,
+            key_bits=store.key_bits, key_levels=store.k_levels if store.key_bits else None,
+            scale=scale, offset=offset, causal=causal, valid_len=store.packed_len,
+            mask=None if mask is None else mask[..., : store.packed_len])
+    o, lse = packed
+    parts = [(store.rotation.inverse_queries(o), lse)]
+    if store.fp16_len:
+        fk, fv = store.fp16_segment()
+        parts.append(attention.dense_attention(
+            queries, fk, fv, scale=scale, offset=offset, key_offset=store.packed_len, causal=causal,
+            mask=None if mask is None else mask[..., store.packed_len : store.offset]))
+    return attention.merge(parts).astype(queries.dtype)
+
+
+def _four_kernels(store: PackedStore, q_rot: mx.array, *, scale: float, offset: int,
+                  causal: bool) -> tuple[mx.array, mx.array] | None:
+    """(õ, lse) over the packed part by qk_dot, softmax and value_accum (queries already rotated), or None where the
+    kernels do not run here or decline the shapes."""
+    from rq_core import kernels
+
+    T, L = store.packed_len, q_rot.shape[2]
+    if not kernels.available():
+        return None
+    if causal and offset + 1 >= T:
+        causal = False  # every query sees every packed key
+    if causal and offset != T - L:
+        return None  # a causal window the kernels do not express (they take offset = valid_len - L)
+    kb, kl = (store.key_bits, store.k_levels) if store.key_bits else (store.bits, store.levels)
+    try:
+        s = kernels.qk_dot(q_rot, store.k_codes, store.k_norms, kl, bits=kb, scale=scale, valid_len=T, offset=offset,
+                           causal=causal)
+        lse = mx.logsumexp(s, axis=-1)
+        lse = mx.where(lse < -1e29, -mx.inf, lse)
+        o = kernels.value_accum(kernels.softmax(s), store.v_codes, store.v_norms, store.levels, bits=store.bits)
+    except kernels.KernelUnsupported:
+        return None
+    return o, lse
+
+
+def _attend_decoded(store: PackedStore, queries: mx.array, *, scale: float, causal: bool,
+                    kernels_on: bool) -> mx.array:
+    """A prompt chunk over compressed older tokens (kv.prefill_fp16): the packed part decoded in the model's dtype
+    (one layer's K/V, inside this call only), the fp16 segment rotated, one fused attention in the rotated space.
+    The chunked float32 path would run (queries x packed tokens) through many small ops per chunk of keys."""
+    from rq_core import kernels
+
+    dt, n, d = queries.dtype, store.packed_len, store.head_dim
+    R = store.dense_rotation()  # [H, d, d], y = R x: one matmul each (the op-by-op WHT holds ~20x its input)
+    B, Hq, L, _ = queries.shape
+    q_rot = (queries.astype(mx.float32).reshape(B, store.n_kv_heads, -1, d) @ R.swapaxes(-1, -2)).astype(dt)
+    # decode after this layer's queries exist, so that one layer's decoded K/V are alive at a time (without the
+    # edge an evaluation may decode every layer's packed tokens first: they depend only on the cache)
+    kc, kn, vc, vn = mx.depends([store.k_codes, store.k_norms, store.v_codes, store.v_norms], [q_rot])
+    fk, fv = store.fp16_segment()
+
+    def full(codes: mx.array, norms: mx.array, levels: mx.array, bits: int, fp16: mx.array) -> mx.array:
+        """The packed rows decoded, then the fp16 segment's rows rotated: [B, H, n + fp16_len, d] in dt."""
+        rot = (fp16.astype(mx.float32) @ R.swapaxes(-1, -2)).astype(dt)
+        out = None
+        if kernels_on:
+            out = kernels.decode_rows(codes, norms, levels, bits=bits, d=d, n=n, dtype=dt, rows=n + store.fp16_len)
+        if out is not None:  # one launch on a GPU, into a buffer with room for the segment (no concatenated copy)
+            out[:, :, n:] = rot
+            return out
+        s = (norms[:, :, :n].astype(mx.float32) * (1.0 / math.sqrt(d))).astype(dt)
+        return mx.concatenate([attention.decode(codes[:, :, :n], levels.astype(dt), bits, d) * s[..., None], rot],
+                              axis=2)
+
+    keys = full(kc, kn, store.k_levels, store.key_bits or store.bits, fk)
+    values = full(vc, vn, store.levels, store.bits, fv)
+    # mask "causal" aligns the L queries with the last L keys: the chunk's own tokens, as here
+    out = mx.fast.scaled_dot_product_attention(q_rot.reshape(B, Hq, L, d), keys, values, scale=scale,
+                                               mask="causal" if causal else None)
+    out = (out.astype(mx.float32).reshape(B, store.n_kv_heads, -1, d) @ R).reshape(B, Hq, L, d).astype(dt)
+    # evaluated here, so that few layers' decoded K/V are alive at once: left to the model's evaluation, MLX held
+    # several layers' (H200, 16 layers x 32K, bound 4096: peak +4,521 MiB, +1,433 with a sync a layer, whole prompt
+    # in fp16 +3,448; mx.async_eval alone: +4,130, the host runs ahead). With `prefill_inflight` = n > 0 a layer is
+    # queued and the one n layers back waited for: the host encodes ahead of the GPU by at most n layers, so the
+    # GPU does not idle while the host builds the next layer (a wait each layer cost 12-28% of prefill time).
+    if store.prefill_inflight <= 0:
+        mx.eval(out)
+    else:
+        store.inflight.push(out, store.prefill_inflight)
+    return out

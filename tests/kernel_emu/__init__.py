@@ -1,0 +1,10 @@
+"""The kernels' CPU executor, float64 references and the helpers the kernel tests share."""
+
+
+def configure(monkeypatch, **changes) -> None:
+    """The kernel settings (rq_core.env.config()) with `changes` in force for one test."""
+    from dataclasses import replace
+
+    from rq_core import env
+
+    monkeypatch.setattr(env, "_CONFIG", replace(env.config(), **changes))

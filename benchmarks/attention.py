@@ -179,22 +179,22 @@ def turbo3(L, i):
     Pi = L["dense"][i]  # [Hkv, D, D]
     q = L["q"][i].astype(mx.float32).reshape(1, HKV, G, D)
     qr = (q @ Pi.swapaxes(-1, -2)[None]).reshape(1, HQ, 1, D)
-    o = K.attention_v5(qr, None, L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"], bits=BITS, scale=SCALE,
+    o = K.fused_attention(qr, None, L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"], bits=BITS, scale=SCALE,
                        valid_len=T, rot=0, want_lse=False)[0]
     return (o.astype(mx.float32).reshape(1, HKV, G, D) @ Pi[None]).reshape(1, HQ, 1, D)
 
 
-def iso_v5(L, i, nth=None, minb=None, blocks=None, pf=None, vdec=None, stage=None):
+def iso_fused(L, i, nth=None, blocks=None, pf=None, vdec=None, stage=None):
     """The fused kernel (rotation, split-context attention, merge and inverse rotation in one launch); the launch
-    configuration as given (threads per block, launch bound, block target, load-ahead depth, value decode, copy-ring
+    configuration as given (threads per block, block target, load-ahead depth, value decode, copy-ring
     stages), else rq_core.kernels' defaults."""
     T = L["kc"][i].shape[2]
-    return K.attention_v5(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
-                          bits=BITS, scale=SCALE, valid_len=T, nth=nth, minb=minb, blocks=blocks, pf=pf, vdec=vdec,
+    return K.fused_attention(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+                          bits=BITS, scale=SCALE, valid_len=T, nth=nth, blocks=blocks, pf=pf, vdec=vdec,
                           stage=stage, want_lse=False)[0]
 
 
-def iso_v5_window(L, i, nw=32, key="win"):
+def iso_fused_window(L, i, nw=32, key="win"):
     """The fused kernel with the cache's fp16 window (the newest nw tokens unquantized) as one more split of the
     same launch."""
     T = L["kc"][i].shape[2]
@@ -202,7 +202,7 @@ def iso_v5_window(L, i, nw=32, key="win"):
         L[key] = [(mx.random.normal((1, HKV, nw, D)).astype(mx.float16),
                    mx.random.normal((1, HKV, nw, D)).astype(mx.float16)) for _ in range(len(L["kc"]))]
         mx.eval(L[key])
-    return K.attention_v5(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
+    return K.fused_attention(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
                           bits=BITS, scale=SCALE, valid_len=T, window=L[key][i], want_lse=False)[0]
 
 
@@ -218,10 +218,10 @@ def pair_inputs(L) -> None:
     mx.eval(L["kcp"], L["vcp"], L["pk"], L["pv"])
 
 
-def iso_v5_pair(L, i):
+def iso_fused_pair(L, i):
     """The fused kernel with pair codebooks (kv.pair_points (128, 32)); pair_inputs(L) first."""
     T = L["kcp"][i].shape[2]
-    return K.attention_v5(L["q"][i], L["mats"][i], L["kcp"][i], L["kn"][i], L["vcp"][i], L["vn"][i], L["pv"], bits=5,
+    return K.fused_attention(L["q"][i], L["mats"][i], L["kcp"][i], L["kn"][i], L["vcp"][i], L["vn"][i], L["pv"], bits=5,
                           key_bits=7, key_levels=L["pk"], scale=SCALE, valid_len=T, want_lse=False)[0]
 
 
@@ -296,9 +296,9 @@ METHODS = {  # name -> fn(L, i); the README's table runs all of them
     "TurboQuant-3 (dense)": turbo3,
     "IsoQuant-3 four-kernel": iso_four,
     "IsoQuant-3 four-kernel pair codebooks": iso_four_pair,
-    "IsoQuant-3 fused": iso_v5,
-    "IsoQuant-3 fused + fp16 window 32": iso_v5_window,
-    "IsoQuant-3 fused pair codebooks": iso_v5_pair,
+    "IsoQuant-3 fused": iso_fused,
+    "IsoQuant-3 fused + fp16 window 32": iso_fused_window,
+    "IsoQuant-3 fused pair codebooks": iso_fused_pair,
 }
 
 
@@ -330,9 +330,9 @@ def main() -> None:
     ap.add_argument("--skip-stages", action="store_true", help="no stage-by-stage times of the four kernels")
     ap.add_argument("--methods", default="", help="comma-separated substrings (or =exact names): time only "
                     "matching methods (fp16 SDPA always runs: it is the baseline)")
-    ap.add_argument("--fused-configs", default="", help="comma-separated NTH:MINB:BLOCKS[:PF[:VDEC[:STAGE]]]: "
-                    "extra rows of the fused kernel (threads per block, launch bound, block target, load-ahead depth, "
-                    "value decode, copy-ring stages; default: rq_core.kernels' V5_* settings)")
+    ap.add_argument("--fused-configs", default="", help="comma-separated THREADS:BLOCKS[:PF[:VDEC[:STAGE]]]: "
+                    "extra rows of the fused kernel (threads per block, block target, load-ahead depth, "
+                    "value decode, copy-ring stages; default: rq_core.kernels' settings)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     info = {"device": str(mx.default_device()), "backend": K.backend(), "layers": a.layers, "chain": a.chain,
@@ -353,7 +353,7 @@ def main() -> None:
         L = build(T, nl, rng, qmm=wanted("qmm 8-bit") or wanted("qmm 4-bit"))
         methods = {name: (lambda i, f=f: f(L, i)) for name, f in METHODS.items()}
         for cfg in [tuple(int(v) for v in x.split(":")) for x in a.fused_configs.split(",") if x]:
-            methods["IsoQuant-3 fused " + "/".join(map(str, cfg))] = lambda i, cfg=cfg: iso_v5(L, i, *cfg)
+            methods["IsoQuant-3 fused " + "/".join(map(str, cfg))] = lambda i, cfg=cfg: iso_fused(L, i, *cfg)
         methods = {k: f for k, f in methods.items() if wanted(k)}
         if any("pair codebooks" in k for k in methods):
             pair_inputs(L)

@@ -122,10 +122,10 @@ def main() -> int:
     runs = []
     for T in [int(t) for t in a.contexts.split(",")]:
         L = A.build(T, a.layers, np.random.default_rng(0), qmm="qmm" in a.methods)
-        table_ = {"fp16": lambda i: A.fp16_sdpa(L, i), "fused": lambda i: A.iso_v5(L, i),
+        table_ = {"fp16": lambda i: A.fp16_sdpa(L, i), "fused": lambda i: A.iso_fused(L, i),
                   "qmm8": lambda i: A.qmm(L, i, 8), "qmm4": lambda i: A.qmm(L, i, 4),
                   "turbo3": lambda i: A.turbo3(L, i), "four": lambda i: A.iso_four(L, i),
-                  "fused-window": lambda i: A.iso_v5_window(L, i), "fused-pair": lambda i: A.iso_v5_pair(L, i)}
+                  "fused-window": lambda i: A.iso_fused_window(L, i), "fused-pair": lambda i: A.iso_fused_pair(L, i)}
         if "fused-pair" in a.methods.split(","):
             A.pair_inputs(L)
         res = {}

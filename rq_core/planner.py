@@ -159,7 +159,7 @@ def prefill_fp16_bytes(config: dict, kv_mode: str, context: int, prefill_fp16: O
     """A compressing cache's fp16 K/V while a prompt of `context` tokens is prefilled: the whole prompt's (it attends to
     itself exactly until the prefill ends), or with kv.prefill_fp16 that many tokens (at least a chunk) and the K/V
     of the context at 2 bytes of the layers whose decoded attention may be alive at once: the one waited for and
-    IsoQuantCache.prefill_inflight queued ahead of it (kv_cache._attend_decoded). 0 for an fp16 cache (its K/V is the
+    IsoQuantCache.prefill_inflight queued ahead of it (dispatch._attend_decoded). 0 for an fp16 cache (its K/V is the
     KV line)."""
     from rq_core.kv_cache import IsoQuantCache
 

@@ -426,6 +426,35 @@ def _forced_agreement(model: Any, prompt: np.ndarray, cont: list[int], kv: KVSet
     return agree, len(cont)
 
 
+def gate_verdicts(v: dict, th: dict) -> list[dict]:
+    """The twelve gates (GATES order) from measured values `v` and thresholds `th` (gates.toml's [gates]).
+
+    `v`: the GATES' names for measured values, except needle_retention (from needle_accuracy and
+    needle_accuracy_fp16) and no_degenerate_repetition (from repeat and repeat_fp16, repeated-4-gram shares);
+    finite, eos_honoured and deterministic are booleans."""
+    out: list[dict] = []
+
+    def gate(name: str, value: float, passed: bool, rule: str) -> None:
+        out.append({"name": name, "value": value, "threshold": rule, "passed": bool(passed)})
+
+    for name in ("ppl_rel_delta", "ppl_rel_delta_full", "mean_kl", "p99_kl"):
+        gate(name, v[name], v[name] <= th[name], f"<= {th[name]}")
+    for name in ("top1_agreement", "greedy_agreement"):
+        gate(name, v[name], v[name] >= th[name], f">= {th[name]}")
+    acc, acc_ref = v["needle_accuracy"], v["needle_accuracy_fp16"]
+    gate("needle_retention", acc - acc_ref, acc >= acc_ref - th["needle_retention"],
+         f"accuracy >= fp16's ({acc_ref:.2f}) - {th['needle_retention']}")
+    gate("finite", float(bool(v["finite"])), v["finite"], "no NaN/Inf")
+    d = v["repeat"] - v["repeat_fp16"]
+    gate("no_degenerate_repetition", d, d <= th["no_degenerate_repetition"],
+         f"repeated-4-gram share - fp16's <= {th['no_degenerate_repetition']}")
+    gate("eos_honoured", float(bool(v["eos_honoured"])), v["eos_honoured"], "stops at the first EOS, EOS not emitted")
+    gate("deterministic", float(bool(v["deterministic"])), v["deterministic"], "same seed, same sampled tokens")
+    gate("kv_bytes_ratio", v["kv_bytes_ratio"], v["kv_bytes_ratio"] <= th["kv_bytes_ratio"],
+         f"<= {th['kv_bytes_ratio']}")
+    return out
+
+
 @dataclass
 class GateReport:
     label: str
@@ -487,25 +516,12 @@ class GateRunner:
         return res["modes"][label(kv)]["accuracy"]
 
     def run(self, kv: KVSettings) -> GateReport:
-        th = self.cfg["gates"]
         m, ref = self.em.model, self.reference()
         rep = GateReport(label(kv))
-
-        def gate(name: str, value: float, passed: bool, rule: str) -> None:
-            rep.gates.append({"name": name, "value": value, "threshold": rule, "passed": bool(passed)})
-
         c, _ = compare(m, self.ids, kv, context=self.context, step=self.step, max_windows=self.windows,
                        ref=ref["win"])
         cf, _ = compare(m, self.ids, kv, context=self.full_context, step=self.step,
                         max_windows=self.full_windows, ref=ref["full"])
-        gate("ppl_rel_delta", c.rel_delta_ppl, c.rel_delta_ppl <= th["ppl_rel_delta"],
-             f"<= {th['ppl_rel_delta']}")
-        gate("ppl_rel_delta_full", cf.rel_delta_ppl, cf.rel_delta_ppl <= th["ppl_rel_delta_full"],
-             f"<= {th['ppl_rel_delta_full']}")
-        gate("mean_kl", c.mean_kl, c.mean_kl <= th["mean_kl"], f"<= {th['mean_kl']}")
-        gate("p99_kl", c.p99_kl, c.p99_kl <= th["p99_kl"], f"<= {th['p99_kl']}")
-        gate("top1_agreement", c.top1_agreement, c.top1_agreement >= th["top1_agreement"],
-             f">= {th['top1_agreement']}")
 
         prompts = self._prompt_set()
         agree = total = 0
@@ -513,8 +529,6 @@ class GateRunner:
             a, n = _forced_agreement(m, p, cont, kv)
             agree += a
             total += n
-        ga = agree / max(total, 1)
-        gate("greedy_agreement", ga, ga >= th["greedy_agreement"], f">= {th['greedy_agreement']}")
 
         acc = self._niah(kv)
         rep.details.update({
@@ -522,22 +536,17 @@ class GateRunner:
             "full_context": self.full_context, "full_tokens": cf.tokens, "ppl_full": cf.ppl,
             "ppl_full_fp16": cf.ppl_ref, "needle_accuracy": acc, "needle_accuracy_fp16": ref["niah"],
             "needle_trials": len(self.niah_lengths) * len(self.niah_depths) * self.niah_trials})
-        gate("needle_retention", acc - ref["niah"], acc >= ref["niah"] - th["needle_retention"],
-             f"accuracy >= fp16's ({ref['niah']:.2f}) - {th['needle_retention']}")
-        gate("finite", float(c.finite and cf.finite), c.finite and cf.finite, "no NaN/Inf")
-
         own = [_greedy(m, p, kv, self.gen_tokens) for p in prompts]
-        rep_mode = float(np.mean([_repeat_fraction(t) for t in own]))
-        rep_ref = float(np.mean([_repeat_fraction(t) for t in ref["greedy"]]))
-        gate("no_degenerate_repetition", rep_mode - rep_ref, rep_mode - rep_ref <= th["no_degenerate_repetition"],
-             f"repeated-4-gram share - fp16's <= {th['no_degenerate_repetition']}")
-
-        gate("eos_honoured", *self._eos(kv, prompts[0], own[0]), "stops at the first EOS, EOS not emitted")
-        gate("deterministic", *self._determinism(kv, prompts[0]), "same seed, same sampled tokens")
-
         # bytes at the scored context (prompt + 16 decoded tokens), where a fixed fp16 window is a share a user sees
         ratio = self._kv_ratio(kv, self.ids[: max(1, self.context - 16)].astype(np.int32))
-        gate("kv_bytes_ratio", ratio, ratio <= th["kv_bytes_ratio"], f"<= {th['kv_bytes_ratio']}")
+        rep.gates = gate_verdicts({
+            "ppl_rel_delta": c.rel_delta_ppl, "ppl_rel_delta_full": cf.rel_delta_ppl, "mean_kl": c.mean_kl,
+            "p99_kl": c.p99_kl, "top1_agreement": c.top1_agreement, "greedy_agreement": agree / max(total, 1),
+            "needle_accuracy": acc, "needle_accuracy_fp16": ref["niah"], "finite": c.finite and cf.finite,
+            "repeat": float(np.mean([_repeat_fraction(t) for t in own])),
+            "repeat_fp16": float(np.mean([_repeat_fraction(t) for t in ref["greedy"]])),
+            "eos_honoured": self._eos(kv, prompts[0], own[0])[1],
+            "deterministic": self._determinism(kv, prompts[0])[1], "kv_bytes_ratio": ratio}, self.cfg["gates"])
         return rep
 
     def _eos(self, kv: KVSettings, prompt: np.ndarray, own: list[int]) -> tuple[float, bool]:

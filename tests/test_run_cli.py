@@ -266,3 +266,51 @@ def test_prefill_fp16_flag() -> None:
     assert da["kv_prefill_fp16"] is None  # the whole prompt in fp16
     assert "--prefill-fp16 = -1 must be >= 0" in _error_line(_rq("--prompt", "x", "--prefill-fp16", "-1"))
     assert "token count or 'all'" in _error_line(_rq("--prompt", "x", "--prefill-fp16", "lots"))
+
+
+def _np_filtered(logits, temp, top_p=1.0, top_k=0, min_p=0.0):
+    """The distribution the sampler should draw from, computed in numpy: softmax(logits / temp), then top-k,
+    top-p (of what is left, renormalised) and min-p (against the most likely), renormalised."""
+    import numpy as np
+
+    z = np.asarray(logits, np.float64) / temp
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = np.ones_like(p, bool)
+    order = np.argsort(-p, kind="stable")
+    if 0 < top_k < len(p):
+        keep[order[top_k:]] = False
+    if top_p < 1:
+        q = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+        before = np.cumsum(q[order]) - q[order]  # mass of the more likely tokens
+        keep[order[before >= top_p]] = False
+    if min_p > 0:
+        keep &= p >= min_p * p.max()
+    out = np.where(keep, p, 0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temp, top_p, top_k, min_p", [
+    (1.0, 1.0, 3, 0.0), (0.7, 1.0, 0, 0.1), (1.3, 0.8, 5, 0.0), (1.0, 0.9, 4, 0.2), (2.0, 1.0, 0, 0.0),
+    (1.0, 1.0, 1, 0.0), (1.0, 1.0, 0, 1.0),
+])
+def test_sampler_filters_match_numpy(temp, top_p, top_k, min_p) -> None:
+    """filter_logits leaves the numpy distribution, and sample() draws from it (frequencies over many rows)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from rq_core.generate import filter_logits, sample
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1.5, size=12).astype(np.float32)
+    want = _np_filtered(logits, temp, top_p, top_k, min_p)
+    got = np.array(mx.softmax(filter_logits(mx.array(logits[None]), temp, top_p, top_k, min_p), axis=-1))[0]
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert (want == 0).sum() > 0 or (top_k == 0 and min_p == 0 and top_p == 1)  # a filter that drops nothing tests nothing
+    mx.random.seed(1)
+    n = 40000
+    draws = np.array(sample(mx.array(np.tile(logits, (n, 1))), temp, top_p, top_k, min_p))
+    freq = np.bincount(draws, minlength=len(logits)) / n
+    assert np.all(freq[want == 0] == 0)
+    tol = 5 * np.sqrt(want * (1 - want) / n) + 1e-9  # five standard errors a token
+    assert np.all(np.abs(freq - want) <= tol), (freq, want)

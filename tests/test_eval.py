@@ -137,7 +137,7 @@ def test_gates_file_validation(tmp_path):
 
 
 def test_cli_ppl_json_on_bundled_model():
-    r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--rotation", "so4", "--context", "64",
+    r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--kv-config", "rotation=so4", "--context", "64",
                             "--windows", "1", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
@@ -155,8 +155,8 @@ def test_cli_ppl_fp16_window():
         return json.loads(r.stdout)
 
     ref = ppl()
-    full = ppl("--kv", "isoquant3", "--fp16-window", "64")
-    short = ppl("--kv", "isoquant3", "--fp16-window", "4")
+    full = ppl("--kv", "isoquant3", "--kv-config", "fp16_window=64")
+    short = ppl("--kv", "isoquant3", "--kv-config", "fp16_window=4")
     assert full["fp16_window"] == 64 and ref["fp16_window"] == 0
     assert ppl("--kv", "isoquant3")["fp16_window"] == 32  # the default, as `rq run`'s
     assert full["ppl"] == pytest.approx(ref["ppl"], rel=1e-5)
@@ -165,10 +165,10 @@ def test_cli_ppl_fp16_window():
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, pair_points=())) == "isoquant3/wht_so4+w32"
     assert ev.label(ev.kv_settings("turbo3", fp16_window=32, value_gain=False)) == "turbo3+w32+nogain"
     # kv.value_gain changes what decode reads, and the JSON says which was measured
-    gain, plain = _iso_ppl(), _iso_ppl("--no-value-gain")
+    gain, plain = _iso_ppl(), _iso_ppl("--kv-config", "value_gain=off")
     assert gain["value_gain"] is True and plain["value_gain"] is False and gain["ppl"] != plain["ppl"]
     # kv.edge_layers: on by default (one layer at each end at 4 bits), measured, reported and labelled
-    none = _iso_ppl("--edge-layers", "0")
+    none = _iso_ppl("--kv-config", "edge_layers=0")
     assert (gain["edge_layers"], gain["edge_bits"]) == (1, 4) and (none["edge_layers"], none["edge_bits"]) == (0, None)
     assert gain["ppl"] != none["ppl"]
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, edge_layers=1)) == "isoquant3/wht_so4+w32+p128x32+e1"
@@ -177,14 +177,14 @@ def test_cli_ppl_fp16_window():
 def _iso_ppl(*extra) -> dict:
     """`rq eval ppl --kv isoquant3` on one short window, JSON."""
     r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--context", "64", "--windows", "1",
-                            "--fp16-window", "4", "--json", *extra])
+                            "--kv-config", "fp16_window=4", "--json", *extra])
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
 
 
 def test_cli_ppl_key_bits():
     """--key-bits: keys at their own width, reported; 4-bit keys change the perplexity measured."""
-    base, k4 = _iso_ppl(), _iso_ppl("--key-bits", "4")
+    base, k4 = _iso_ppl(), _iso_ppl("--kv-config", "key_bits=4")
     assert base["key_bits"] is None and k4["key_bits"] == 4
     assert k4["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, key_bits=4)) == "isoquant3/wht_so4+w32+k4"
@@ -194,7 +194,7 @@ def test_cli_ppl_key_bits():
 def test_cli_ppl_pair_points():
     """isoquant3's default is the pair codebooks (128, 32), reported in the JSON; --pair-points sets them and 'off'
     gives the scalar codebooks; the codebooks change the perplexity."""
-    base, pp, scalar = _iso_ppl(), _iso_ppl("--pair-points", "128,32"), _iso_ppl("--pair-points", "off")
+    base, pp, scalar = _iso_ppl(), _iso_ppl("--kv-config", "pair_points=128,32"), _iso_ppl("--kv-config", "pair_points=off")
     assert base["pair_points"] == [128, 32] and base["ppl"] == pp["ppl"] and scalar["pair_points"] is None
     assert scalar["ppl"] != pytest.approx(base["ppl"], rel=1e-6)
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, pair_points=(128, 32))) == \
@@ -205,9 +205,9 @@ def test_cli_ppl_prefill_fp16():
     """--prefill-fp16 N with --prefill-chunk: the window's prefill is compressed as its chunks arrive, which changes
     what the scored half reads (a different perplexity), reported in the JSON; a bound as long as the prefill changes
     nothing."""
-    base = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "all")
-    bounded = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "8")
-    whole = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "32")
+    base = _iso_ppl("--prefill-chunk", "8", "--kv-config", "prefill_fp16=all")
+    bounded = _iso_ppl("--prefill-chunk", "8", "--kv-config", "prefill_fp16=8")
+    whole = _iso_ppl("--prefill-chunk", "8", "--kv-config", "prefill_fp16=32")
     default = _iso_ppl("--prefill-chunk", "8")  # the default bound (4,096) is longer than this prefill
     assert base["prefill_fp16"] is None and bounded["prefill_fp16"] == 8 and bounded["prefill_chunk"] == 8
     assert default["prefill_fp16"] == 4096 and default["ppl"] == pytest.approx(base["ppl"], rel=1e-6)
@@ -215,14 +215,14 @@ def test_cli_ppl_prefill_fp16():
     assert whole["ppl"] == pytest.approx(base["ppl"], rel=1e-6)
 
 
-@pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--fp16-window", "-1"],
-                                  ["eval", "ppl", "--prefill-fp16", "-1"], ["eval", "ppl", "--prefill-chunk", "0"], ["eval", "ppl", "--kv", "turbo3", "--rotation", "so3"],
-                                  ["eval", "ppl", "--kv", "isoquant3", "--key-bits", "9"],
-                                  ["eval", "ppl", "--kv", "isoquant3", "--pair-points", "128,33"],
-                                  ["eval", "ppl", "--kv", "isoquant3", "--pair-points", "128"],
-                                  ["eval", "niah", "--pair-points", "128,32", "--key-bits", "4"],
+@pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--kv-config", "fp16_window=-1"],
+                                  ["eval", "ppl", "--kv-config", "prefill_fp16=-1"], ["eval", "ppl", "--prefill-chunk", "0"], ["eval", "ppl", "--kv", "turbo3", "--kv-config", "rotation=so9"],
+                                  ["eval", "ppl", "--kv", "isoquant3", "--kv-config", "key_bits=9"],
+                                  ["eval", "ppl", "--kv", "isoquant3", "--kv-config", "pair_points=128,33"],
+                                  ["eval", "ppl", "--kv", "isoquant3", "--kv-config", "pair_points=128"],
+                                  ["eval", "niah", "--kv-config", "pair_points=128,32", "--kv-config", "key_bits=4"],
                                   ["eval", "ppl", "--context", "100000"], ["eval", "niah", "--depths", "1.5"],
-                                  ["eval", "gates", "--rotation", "bogus"]])
+                                  ["eval", "gates", "--kv-config", "rotation=bogus"]])
 def test_cli_bad_input_is_one_line(argv):
     r = runner.invoke(app, argv)
     assert r.exit_code == 2
@@ -235,8 +235,8 @@ def test_cli_gates_tiny_settings(tmp_path):
                 "prompt_len = 32\ngen_tokens = 8\nniah_lengths = [64]\nniah_depths = [0.5]\nniah_trials = 1\nseed = 0\n")
     g = tmp_path / "gates.toml"
     g.write_text(settings + text[text.index("[gates]"):])
-    r = runner.invoke(app, ["eval", "gates", "--kv", "isoquant3", "--rotation", "so4", "--gates", str(g), "--json",
-                            "--fp16-window", "0"])  # 64 tokens: the default 32-token window would be half of them
+    r = runner.invoke(app, ["eval", "gates", "--kv", "isoquant3", "--kv-config", "rotation=so4", "--gates", str(g),
+                            "--json", "--kv-config", "fp16_window=0"])  # 64 tokens: the default 32-token window would be half of them
     d = json.loads(r.stdout)
     assert [x["name"] for x in d["gates"]] == list(ev.GATES)
     assert d["passed"] == sum(x["passed"] for x in d["gates"])

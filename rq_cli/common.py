@@ -239,6 +239,11 @@ class RQCommand(typer.core.TyperCommand):
         return rv
 
 
+# rq_core.recipe.KV_KEYS less mode (that is --kv), spelled out so that --help does not import MLX (a test keeps
+# them equal)
+KV_CONFIG_KEYS = ("bits", "rotation", "codebook", "fp16_window", "prefill_fp16", "norm_correction", "value_gain",
+                  "seed", "key_bits", "pair_points", "edge_layers", "edge_bits")
+
 # The options and arguments that several commands share, each defined once here; a command's default goes in
 # its signature (`temp: Temp = 0.0`).
 ModelArg = Annotated[Optional[str], typer.Argument(
@@ -264,12 +269,14 @@ KvCompressed = Annotated[Optional[str], typer.Option(
          "kv.mode, else isoquant3, since this command measures a compressed cache against fp16).")]
 KvConfig = Annotated[Optional[List[str]], typer.Option(
     "--kv-config", metavar="KEY=VALUE", show_default=False,
-    help="Set a kv.* recipe key over the checkpoint's recipe.toml, e.g. pair_points=off, edge_layers=0, "
-         "fp16_window=64, rotation=so4, prefill_fp16=all (repeatable; checked as a recipe is).")]
+    help="Set a key of the recipe's kv table over the checkpoint's recipe.toml, e.g. pair_points=off, "
+         "edge_layers=0, fp16_window=64, rotation=so4, prefill_fp16=all (repeatable; checked as a recipe is). "
+         f"Keys: {', '.join(KV_CONFIG_KEYS)}.")]
 MemoryBudget = Annotated[Optional[str], typer.Option(
     "--memory-budget", metavar="SIZE", show_default=False,
     help="Keep the run inside SIZE (e.g. 16GB): routed experts beyond what fits are paged from the expert pages "
-         "(see `rq pack`).")]
+         "(see `rq pack`). Default: the recipe's pager.memory_budget when the checkpoint is packed, else everything "
+         "resident.")]
 Pager = Annotated[Optional[str], typer.Option(
     "--pager", metavar="POLICY", show_default=False,
     help="Expert paging policy with --memory-budget: lru or mmap (default: the recipe's pager.policy, else lru).")]
@@ -314,6 +321,17 @@ def kv_settings(rec: Any, kv: Optional[str], kv_config: Optional[list[str]], def
     if kv is not None:
         base = dataclasses.replace(base, mode=kv)
     return apply_kv_config(base, kv_config or [])
+
+
+def memory_budget_of(rec: Any, path: Path, memory_budget: Optional[str], pages: Optional[str] = None) -> Optional[str]:
+    """--memory-budget, else the recipe's pager.memory_budget when the checkpoint is packed for paging, else None
+    (everything resident)."""
+    if memory_budget is None and rec is not None and rec.pager.memory_budget:
+        from rq_core.pack import INDEX, find_pages
+
+        if (find_pages(path, pages) / INDEX).is_file():
+            return rec.pager.memory_budget
+    return memory_budget
 
 
 def pager_policy(rec: Any, pager: Optional[str]) -> str:

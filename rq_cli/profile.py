@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-
 import typer
 from rich.table import Table
 
 from rq_cli.common import (COUNT, FRACTION, POSITIVE, Json, KvCompressed, KvConfig, MemoryBudget, ModelArg, ModelOpt,
-                           Pager, check_kv_flags, console, gpu_first_run_note, handle_errors, kv_settings, model_arg,
-                           pager_policy, print_json, recipe_of)
+                           Pager, check_kv_flags, console, gpu_first_run_note, handle_errors, kv_settings,
+                           memory_budget_of, model_arg, pager_policy, print_json, recipe_of)
 from rq_core.errors import RQError
 
 
@@ -85,16 +84,18 @@ def profile(
     json_out: Json = False,
 ) -> None:
     """Time one decode step per context: the five attention kernels, and KV attention vs experts, SSM, rest."""
-    from rq_core.checkpoint import load, text_config
+    from rq_core.checkpoint import load, resolve_model_path, text_config
     from rq_core.profile import profile_model
 
     model = model_arg(model, model_opt)
     contexts = parse_contexts(context)
     check_kv_flags(kv, kv_config)
     # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
-    ckpt = load(model, tokenizer=False, cpu_float32=memory_budget is None)
+    path = resolve_model_path(model)
+    rec = recipe_of(path)
+    memory_budget = memory_budget_of(rec, path, memory_budget)
+    ckpt = load(path, tokenizer=False, cpu_float32=memory_budget is None)
     gpu_first_run_note()
-    rec = recipe_of(ckpt.path)
     settings = kv_settings(rec, kv, kv_config, default_mode="isoquant3")  # the cache `rq run` makes
     kv = settings.mode
     limit = text_config(ckpt.config).get("max_position_embeddings")

@@ -7,9 +7,10 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, Kv, KvConfig, MaxTokens, MinP, ModelArg, ModelOpt, Pager,
-                           PrefillChunk, Range, Seed, Temp, TopK, TopP, check_kv_flags, console, gpu_first_run_note,
-                           handle_errors, kv_settings, model_arg, pager_policy, print_json, recipe_of)
+from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, Kv, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
+                           ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, check_kv_flags, console,
+                           gpu_first_run_note, handle_errors, kv_settings, memory_budget_of, model_arg, pager_policy,
+                           print_json, recipe_of)
 from rq_core.errors import RQError
 
 
@@ -27,12 +28,8 @@ def _settings(path, kv: Optional[str], kv_config: Optional[list[str]], memory_bu
     defaults: fp16, a 32-token window for compressed modes, everything resident, lru), then the flags."""
     rec = recipe_of(path)
     settings = kv_settings(rec, kv, kv_config)
-    from rq_core.pack import INDEX, find_pages
-
-    if rec is not None and memory_budget is None and rec.pager.memory_budget and \
-            (find_pages(path, pages) / INDEX).is_file():
-        memory_budget = rec.pager.memory_budget  # packed for paging: keep the recipe's budget
-    return settings, memory_budget, pager_policy(rec, pager), "recipe.toml" if rec is not None else "defaults"
+    return (settings, memory_budget_of(rec, path, memory_budget, pages), pager_policy(rec, pager),
+            "recipe.toml" if rec is not None else "defaults")
 
 
 @handle_errors(max_tokens=COUNT, temp=Range(min=0), top_p=Range(0, 1, min_open=True), top_k=COUNT, min_p=FRACTION,
@@ -53,10 +50,7 @@ def run(
     seed: Seed = 0,
     kv: Kv = None,
     kv_config: KvConfig = None,
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget", metavar="SIZE", show_default=False,
-                                                help="Keep the run inside SIZE (e.g. 16GB): routed experts beyond what "
-                                                     "fits are paged from the expert pages (see `rq pack`). Default: "
-                                                     "the recipe's pager.memory_budget when the checkpoint is packed."),
+    memory_budget: MemoryBudget = None,
     pager: Pager = None,
     pages: Optional[str] = typer.Option(None, "--pages", metavar="DIR", show_default=False,
                                         help="The expert pages' folder with --memory-budget (`rq pack --out DIR`; "

@@ -8,9 +8,9 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from rq_cli.common import (FRACTION, POSITIVE, SEED, KvCompressed, KvConfig, MemoryBudget, ModelArg, ModelOpt,
-                           Pager, Range, Seed, TopP, check_kv_flags, console, gpu_first_run_note, handle_errors,
-                           kv_settings, model_arg, pager_policy, print_json, recipe_of)
+from rq_cli.common import (FRACTION, POSITIVE, SEED, KvCompressed, KvConfig, MemoryBudget, ModelArg, ModelOpt, Pager,
+                           Range, Seed, TopP, check_kv_flags, console, gpu_first_run_note, handle_errors, kv_settings,
+                           memory_budget_of, model_arg, pager_policy, print_json, recipe_of)
 from rq_core.errors import RQError
 
 MB = 1 << 20
@@ -86,7 +86,7 @@ def soak(
     json_out: bool = typer.Option(False, "--json", help="Print the final report as one JSON object."),
 ) -> None:
     """Generate continuously from varied prompts; exit 1 when memory grows, speed drifts or a check fails."""
-    from rq_core.checkpoint import load
+    from rq_core.checkpoint import load, resolve_model_path
     from rq_core.soak import Soak, SoakSettings, Thresholds, default_interval
 
     model = model_arg(model, model_opt)
@@ -98,9 +98,11 @@ def soak(
         raise RQError("the duration must be positive")
     check_kv_flags(kv, kv_config)
     # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
-    ckpt = load(model, cpu_float32=memory_budget is None)
+    path = resolve_model_path(model)
+    rec = recipe_of(path)
+    memory_budget = memory_budget_of(rec, path, memory_budget)
+    ckpt = load(path, cpu_float32=memory_budget is None)
     gpu_first_run_note()
-    rec = recipe_of(ckpt.path)
     kvs = kv_settings(rec, kv, kv_config, default_mode="isoquant3")  # rq run's cache
     kv = kvs.mode
     settings = SoakSettings(duration_s=duration, interval_s=interval or default_interval(duration), kv_mode=kv,

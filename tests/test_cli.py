@@ -87,3 +87,10 @@ def test_error_lines_keep_brackets() -> None:
     assert r.exit_code == 2 and r.output.strip() == "error: x must lie in [begin, end] (got [bold]7[/bold])", r.output
     r = CliRunner().invoke(t, [])
     assert r.exit_code == 2 and r.output.strip() == "error: a path like /tmp/[abc]/model", r.output
+
+
+def test_kv_config_help_names_every_recipe_key() -> None:
+    from rq_cli.common import KV_CONFIG_KEYS
+    from rq_core.recipe import KV_KEYS
+
+    assert set(KV_CONFIG_KEYS) == set(KV_KEYS) - {"mode"}

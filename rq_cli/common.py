@@ -25,7 +25,24 @@ console = Console(stderr=True)
 _USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
-class OneLineErrors(typer.core.TyperGroup):
+def _no_type_tags(params: list, metavars: dict[str, str]) -> list:
+    """Help without type tags: a flag shows nothing after it, a value its metavar, an argument its name."""
+    for p in params:
+        if isinstance(p, typer.core.TyperArgument):
+            p.display_type_rich = lambda ctx: None  # the help's argument column shows its name alone
+        elif p.metavar is None:
+            p.metavar = "" if getattr(p, "is_flag", False) else metavars.get(p.bare_type(), "TEXT")
+    return params
+
+
+class RQGroup(typer.core.TyperGroup):
+    """A group of commands (`rq`, `rq eval`) whose help has no type tags, as RQCommand's."""
+
+    def get_params(self, ctx: Any) -> list:
+        return _no_type_tags(super().get_params(ctx), RQCommand._METAVARS)
+
+
+class OneLineErrors(RQGroup):
     """The root command: a usage error (unknown flag, a value that is not a number) is one line too."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
@@ -220,13 +237,7 @@ class RQCommand(typer.core.TyperCommand):
     _METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
 
     def get_params(self, ctx: Any) -> list:
-        params = super().get_params(ctx)  # the command's, and --help
-        for p in params:
-            if isinstance(p, typer.core.TyperArgument):
-                p.display_type_rich = lambda ctx: None  # the help's argument column shows its name alone
-            elif p.metavar is None:
-                p.metavar = "" if getattr(p, "is_flag", False) else self._METAVARS.get(p.bare_type(), "TEXT")
-        return params
+        return _no_type_tags(super().get_params(ctx), self._METAVARS)  # the command's, and --help
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         rv = [self.options_metavar] if self.options_metavar else []

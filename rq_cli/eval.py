@@ -7,11 +7,11 @@ from typing import Optional
 import typer
 
 from rq_cli.common import (POSITIVE, SEED, Json, Kv, KvCompressed, KvConfig, ModelArg, ModelOpt, PrefillChunk,
-                           RQCommand, check_kv_flags, console, gpu_first_run_note, handle_errors, kv_settings,
+                           RQCommand, RQGroup, check_kv_flags, console, gpu_first_run_note, handle_errors, kv_settings,
                            model_arg, parse_list, print_json, recipe_of)
 from rq_core.errors import RQError
 
-app = typer.Typer(no_args_is_help=True)
+app = typer.Typer(no_args_is_help=True, cls=RQGroup)
 
 
 def _ids(em, text: Optional[str]):

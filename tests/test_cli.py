@@ -36,14 +36,14 @@ def test_help_has_no_type_tags_or_braces() -> None:
 
     cmds = _commands()
     assert len(cmds) >= 9
-    for argv, _ in cmds:
+    for argv, _ in [([], None), (["eval"], None), *cmds]:
         r = CliRunner().invoke(app, [*argv, "--help"], env={"COLUMNS": "200"})
         assert r.exit_code == 0, r.output
         for tag in ("<bool>", "<str>", "<int>", "<float>", "{", "}"):
             assert tag not in r.output, (argv, tag, r.output)
         assert not re.search(r"\bmeasured\b", r.output), (argv, r.output)
         usage = next(ln for ln in r.output.splitlines() if "Usage:" in ln)
-        if argv != ["calibrate-codebook"]:
+        if argv not in ([], ["eval"], ["calibrate-codebook"]):
             assert usage.split()[-1] in ("MODEL", "[MODEL]") and "model" not in usage, usage
 
 
@@ -94,3 +94,20 @@ def test_kv_config_help_names_every_recipe_key() -> None:
     from rq_core.recipe import KV_KEYS
 
     assert set(KV_CONFIG_KEYS) == set(KV_KEYS) - {"mode"}
+
+
+def test_quantize_and_pack_take_model_option(tmp_path) -> None:
+    import json
+    from pathlib import Path
+
+    golden = Path(__file__).parent / "golden" / "qwen2_moe" / "model"
+    recipe = Path(__file__).parent / "data" / "tiny-rtn.toml"
+    a = CliRunner().invoke(app, ["quantize", str(golden), "-r", str(recipe), "--plan", "--json"])
+    b = CliRunner().invoke(app, ["quantize", "--model", str(golden), "-r", str(recipe), "--plan", "--json"])
+    assert a.exit_code == b.exit_code == 0, (a.output, b.output)
+    assert json.loads(a.stdout) == json.loads(b.stdout)
+    r = CliRunner().invoke(app, ["quantize", "-r", str(recipe), "--plan"])
+    assert r.exit_code == 2 and r.output.startswith("error: missing MODEL"), r.output
+    r = CliRunner().invoke(app, ["pack", "--model", str(golden), "--out", str(tmp_path / "pages"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["pack"]["experts"] > 0

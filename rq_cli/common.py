@@ -9,7 +9,8 @@ import inspect
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+import typing
+from typing import Annotated, Any, Callable, Iterator, List, Optional
 
 import typer
 from rich.console import Console
@@ -24,7 +25,24 @@ console = Console(stderr=True)
 _USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 
-class OneLineErrors(typer.core.TyperGroup):
+def _no_type_tags(params: list, metavars: dict[str, str]) -> list:
+    """Help without type tags: a flag shows nothing after it, a value its metavar, an argument its name."""
+    for p in params:
+        if isinstance(p, typer.core.TyperArgument):
+            p.display_type_rich = lambda ctx: None  # the help's argument column shows its name alone
+        elif p.metavar is None:
+            p.metavar = "" if getattr(p, "is_flag", False) else metavars.get(p.bare_type(), "TEXT")
+    return params
+
+
+class RQGroup(typer.core.TyperGroup):
+    """A group of commands (`rq`, `rq eval`) whose help has no type tags, as RQCommand's."""
+
+    def get_params(self, ctx: Any) -> list:
+        return _no_type_tags(super().get_params(ctx), RQCommand._METAVARS)
+
+
+class OneLineErrors(RQGroup):
     """The root command: a usage error (unknown flag, a value that is not a number) is one line too."""
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
@@ -89,11 +107,26 @@ SEED = Range(0, 2**63 - 1)  # what mx.random.seed takes
 FRACTION = Range(0, 1)
 
 
+def param_decls(fn: Callable, name: str) -> tuple[str, ...]:
+    """The flags a parameter is typed as (`--max-tokens`, `-n`), from its typer.Option default or its Annotated
+    alias (common.py); () for an argument."""
+    p = inspect.signature(fn).parameters[name]
+    if hasattr(p.default, "param_decls"):
+        return tuple(p.default.param_decls or ())
+    hint = typing.get_type_hints(fn, include_extras=True).get(name)
+    info = next((m for m in getattr(hint, "__metadata__", ()) if hasattr(m, "param_decls")), None)
+    if info is None:
+        return ()
+    # inside Annotated, typer reads the first flag (which typer.Option takes as its default) as a flag
+    first = (info.default,) if isinstance(info.default, str) and info.default.startswith("-") else ()
+    return first + tuple(info.param_decls or ())
+
+
 def _flag_names(fn: Callable) -> dict[str, str]:
     """Parameter name -> the flag the user typed it as (`--temp`, or the argument's NAME)."""
     names = {}
-    for name, p in inspect.signature(fn).parameters.items():
-        decls = [d for d in getattr(p.default, "param_decls", None) or () if d.startswith("--")]
+    for name in inspect.signature(fn).parameters:
+        decls = [d for d in param_decls(fn, name) if d.startswith("--")]
         names[name] = decls[0] if decls else name.upper()
     return names
 
@@ -110,6 +143,9 @@ def check_args(kwargs: dict[str, Any], ranges: dict[str, Range], flags: dict[str
             ranges[name].check(v, flag)
         elif isinstance(v, (str, Path)):
             check_utf8(str(v), flag)
+        elif isinstance(v, (list, tuple)):  # a repeatable option
+            for x in v:
+                check_utf8(str(x), flag)
 
 
 def handle_errors(fn: Optional[Callable] = None, /, **ranges: Range) -> Callable:
@@ -194,64 +230,124 @@ def gpu_first_run_note() -> None:
         console.print(f"[dim]rq: {note}[/dim]")
 
 
-# --key-bits / --pair-points, shared by `rq eval` and `rq profile`
-FP16_WINDOW = typer.Option(None, "--fp16-window",
-                           help="Newest tokens kept unquantized in a compressed cache (default 32, as `rq run`; 0 = none).")
+class RQCommand(typer.core.TyperCommand):
+    """A command whose help reads as mlx-lm's and llama.cpp's: a value's metavar (N, SIZE, MODE) instead of a type
+    tag, nothing after a flag, and arguments in the usage line as MODEL or [MODEL]."""
+
+    _METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
+
+    def get_params(self, ctx: Any) -> list:
+        return _no_type_tags(super().get_params(ctx), self._METAVARS)  # the command's, and --help
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        rv = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if isinstance(p, typer.core.TyperArgument):
+                name = p.metavar or p.name.upper()
+                rv.append(name if p.required else f"[{name}]")
+            else:
+                rv.extend(p.get_usage_pieces(ctx))
+        return rv
 
 
-EDGE_LAYERS = typer.Option(None, "--edge-layers",
-                           help="The first and last N compressed layers keep keys and values at 4 bits (default 1; "
-                                "0 = none): on the bundled model they made 90% of the 3-bit cache's KL against fp16.")
+# rq_core.recipe.KV_KEYS less mode (that is --kv), spelled out so that --help does not import MLX (a test keeps
+# them equal)
+KV_CONFIG_KEYS = ("bits", "rotation", "codebook", "fp16_window", "prefill_fp16", "norm_correction", "value_gain",
+                  "seed", "key_bits", "pair_points", "edge_layers", "edge_bits")
+
+# The options and arguments that several commands share, each defined once here; a command's default goes in
+# its signature (`temp: Temp = 0.0`).
+ModelArg = Annotated[Optional[str], typer.Argument(
+    metavar="MODEL", show_default=False,
+    help="Checkpoint directory or Hugging Face hub id (default: the bundled model).")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", metavar="MODEL", show_default=False, help="The model, as the MODEL argument.")]
+MaxTokens = Annotated[int, typer.Option("--max-tokens", "-n", metavar="N", help="Most tokens to generate.")]
+Temp = Annotated[float, typer.Option("--temp", metavar="T", help="Sampling temperature (0 = greedy).")]
+TopP = Annotated[float, typer.Option("--top-p", metavar="P", help="Nucleus sampling: keep the most likely tokens "
+                                                                 "whose mass reaches P (1 = off).")]
+TopK = Annotated[int, typer.Option("--top-k", metavar="K", help="Sample from the K most likely tokens (0 = off).")]
+MinP = Annotated[float, typer.Option("--min-p", metavar="P", help="Drop tokens less likely than P times the most "
+                                                                 "likely one (0 = off).")]
+Seed = Annotated[int, typer.Option("--seed", metavar="N", help="Random seed for sampling.")]
+Kv = Annotated[Optional[str], typer.Option(
+    "--kv", metavar="MODE", show_default=False,
+    help="KV cache of full-attention layers: fp16, isoquant3 or turbo3 (default: the checkpoint's recipe.toml "
+         "kv.mode, else fp16).")]
+KvCompressed = Annotated[Optional[str], typer.Option(
+    "--kv", metavar="MODE", show_default=False,
+    help="KV cache of full-attention layers: fp16, isoquant3 or turbo3 (default: the checkpoint's recipe.toml "
+         "kv.mode, else isoquant3, since this command measures a compressed cache against fp16).")]
+KvConfig = Annotated[Optional[List[str]], typer.Option(
+    "--kv-config", metavar="KEY=VALUE", show_default=False,
+    help="Set a key of the recipe's kv table over the checkpoint's recipe.toml, e.g. pair_points=off, "
+         "edge_layers=0, fp16_window=64, rotation=so4, prefill_fp16=all (repeatable; checked as a recipe is). "
+         f"Keys: {', '.join(KV_CONFIG_KEYS)}.")]
+MemoryBudget = Annotated[Optional[str], typer.Option(
+    "--memory-budget", metavar="SIZE", show_default=False,
+    help="Keep the run inside SIZE (e.g. 16GB): routed experts beyond what fits are paged from the expert pages "
+         "(see `rq pack`). Default: the recipe's pager.memory_budget when the checkpoint is packed, else everything "
+         "resident.")]
+Pager = Annotated[Optional[str], typer.Option(
+    "--pager", metavar="POLICY", show_default=False,
+    help="Expert paging policy with --memory-budget: lru or mmap (default: the recipe's pager.policy, else lru).")]
+PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", metavar="N", help="Prompt tokens per prefill step.")]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
-def _count_arg(n: Optional[int], flag: str, default: str) -> int:
-    """A non-negative count flag: rq_core.kv_cache's `default` (as `rq run`'s) when not given."""
-    if n is None:
-        from rq_core import kv_cache
-
-        return getattr(kv_cache, default)
-    if n < 0:
-        raise RQError(f"{flag} must be >= 0 (got {n})")
-    return n
-
-
-def edge_layers_arg(n: Optional[int]) -> int:
-    return _count_arg(n, "--edge-layers", "DEFAULT_EDGE_LAYERS")
+def model_arg(positional: Optional[str], option: Optional[str], required: bool = False) -> Optional[str]:
+    """MODEL or --model (the same model given both ways is fine); None: the bundled model."""
+    if positional is not None and option is not None and positional != option:
+        raise RQError(f"two models given: {positional} and --model {option}")
+    m = positional if positional is not None else option
+    if m is None and required:
+        raise RQError("missing MODEL (a checkpoint directory or hub id, or --model)")
+    return m
 
 
-def fp16_window_arg(n: Optional[int]) -> int:
-    return _count_arg(n, "--fp16-window", "DEFAULT_FP16_WINDOW")
+def recipe_of(path: Path) -> Any:
+    """The checkpoint's recipe.toml (written by `rq quantize`), or None."""
+    if (Path(path) / "recipe.toml").is_file():
+        from rq_core import recipe
+
+        return recipe.load(Path(path) / "recipe.toml")
+    return None
 
 
-KEY_BITS = typer.Option(None, "--key-bits", help="Keys at this many bits, values at the mode's 3 (e.g. 4: needles "
-                                                 "kept on the bundled model, 14% more KV bytes).")
-PAIR_POINTS = typer.Option(None, "--pair-points",
-                           help="Codebooks: keys' and values' points a pair of rotated coordinates (default 128,32 for "
-                                "isoquant3: IsoQuant-3's bytes), or 'off' for scalar codebooks (the paper's).")
+def check_kv_flags(kv: Optional[str], kv_config: Optional[list[str]]) -> None:
+    """A bad --kv or --kv-config fails before a model loads."""
+    kv_settings(None, kv, kv_config)
 
 
-def key_bits_arg(kv: str, n: Optional[int]) -> Optional[int]:
-    """--key-bits for a compressed mode (fp16 ignores it); checked as the cache checks bits."""
-    if n is None or kv == "fp16":
-        return None
-    from rq_core.codebook import check_bits
+def kv_settings(rec: Any, kv: Optional[str], kv_config: Optional[list[str]], default_mode: str = "fp16") -> Any:
+    """The KV cache settings every command builds: the recipe's [kv] (else the defaults `rq run` uses, in
+    `default_mode`), then --kv, then each --kv-config KEY=VALUE, checked as a recipe is."""
+    from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KV_MODES, KVSettings
+    from rq_core.recipe import apply_kv_config
 
-    return check_bits(n)
+    if kv is not None and kv not in KV_MODES:
+        raise RQError(f"unknown --kv {kv!r} (choose from: {', '.join(KV_MODES)})")
+    base = rec.kv if rec is not None else KVSettings(mode=default_mode, fp16_window=DEFAULT_FP16_WINDOW,
+                                                     edge_layers=DEFAULT_EDGE_LAYERS)
+    if kv is not None:
+        base = dataclasses.replace(base, mode=kv)
+    return apply_kv_config(base, kv_config or [])
 
 
-def pair_points_arg(kv: str, spec: Optional[str], key_bits: Optional[int]) -> Optional[tuple]:
-    """--pair-points "K,V" or "off" (scalar codebooks: ()) for a compressed mode (fp16 ignores it); None when not
-    given (the settings' default)."""
-    if spec is None or kv == "fp16":
-        return None
-    if spec.strip().lower() == "off":
-        return ()
-    if key_bits is not None:
-        raise RQError("--key-bits and --pair-points cannot be combined")
-    from rq_core.codebook import check_pair_points
+def memory_budget_of(rec: Any, path: Path, memory_budget: Optional[str], pages: Optional[str] = None) -> Optional[str]:
+    """--memory-budget, else the recipe's pager.memory_budget when the checkpoint is packed for paging, else None
+    (everything resident)."""
+    if memory_budget is None and rec is not None and rec.pager.memory_budget:
+        from rq_core.pack import INDEX, find_pages
 
-    return check_pair_points(parse_list(spec, int, "--pair-points"))
+        if (find_pages(path, pages) / INDEX).is_file():
+            return rec.pager.memory_budget
+    return memory_budget
 
+
+def pager_policy(rec: Any, pager: Optional[str]) -> str:
+    """--pager, else the recipe's [pager] policy, else lru."""
+    return pager if pager is not None else rec.pager.policy if rec is not None else "lru"
 
 def parse_list(s: str, cast, name: str) -> list:
     try:

@@ -6,60 +6,46 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import (COUNT, EDGE_LAYERS, FP16_WINDOW, KEY_BITS, PAIR_POINTS, POSITIVE, SEED, console,
-                           edge_layers_arg, fp16_window_arg, gpu_first_run_note, handle_errors, key_bits_arg,
-                           pair_points_arg, parse_list, print_json)
+from rq_cli.common import (POSITIVE, SEED, Json, Kv, KvCompressed, KvConfig, ModelArg, ModelOpt, PrefillChunk,
+                           RQCommand, RQGroup, check_kv_flags, console, gpu_first_run_note, handle_errors, kv_settings,
+                           model_arg, parse_list, print_json, recipe_of)
 from rq_core.errors import RQError
 
-app = typer.Typer(no_args_is_help=True)
+app = typer.Typer(no_args_is_help=True, cls=RQGroup)
 
-MODEL_ARG = typer.Argument(None, help="Checkpoint directory or Hugging Face hub id (default: the bundled model).")
+
 def _ids(em, text: Optional[str]):
     from rq_core.eval import encode_ids, load_heldout_text
 
     return encode_ids(em.tokenizer, load_heldout_text(text))
 
 
-@app.command("ppl")
-@handle_errors(context=POSITIVE, windows=POSITIVE, step=POSITIVE, prefill_chunk=POSITIVE, key_bits=POSITIVE,
-               fp16_window=COUNT, edge_layers=COUNT)
+@app.command("ppl", cls=RQCommand)
+@handle_errors(context=POSITIVE, windows=POSITIVE, step=POSITIVE, prefill_chunk=POSITIVE)
 def ppl(
-    model: Optional[str] = MODEL_ARG,
-    kv: str = typer.Option("fp16", "--kv", help="KV cache: fp16, isoquant3 or turbo3."),
-    rotation: Optional[str] = typer.Option(None, "--rotation",
-                                           help="IsoQuant rotation: wht_so4 (default), wht, so4, so3, "
-                                                "rwht_so4 (random signs first)."),
-    context: Optional[int] = typer.Option(None, "--context", help="Window length (default: the model's context)."),
-    windows: Optional[int] = typer.Option(None, "--windows", help="Score at most this many windows."),
-    step: int = typer.Option(32, "--step", help="Decode tokens per step while scoring (1 = token by token)."),
-    text: Optional[str] = typer.Option(None, "--text", help="Text file to score (default: the bundled held-out plays)."),
-    key_bits: Optional[int] = KEY_BITS,
-    pair_points: Optional[str] = PAIR_POINTS,
-    fp16_window: Optional[int] = FP16_WINDOW,
-    edge_layers: Optional[int] = EDGE_LAYERS,
-    prefill_fp16: Optional[str] = typer.Option(None, "--prefill-fp16",
-                                               help="A compressed cache keeps at most N of a window's prefilled tokens "
-                                                    "in fp16, compressing older ones as the chunks arrive, or 'all' "
-                                                    "(default: 4096, as rq run)."),
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prefilled tokens per step."),
-    value_gain: bool = typer.Option(True, "--value-gain/--no-value-gain",
-                                    help="Scale the values' stored norms by the codebook's reconstruction gain "
-                                         "1 / (1 - D) (kv.value_gain; default on)."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    kv: Kv = None,
+    kv_config: KvConfig = None,
+    context: Optional[int] = typer.Option(None, "--context", metavar="N", show_default=False,
+                                          help="Window length (default: the model's context)."),
+    windows: Optional[int] = typer.Option(None, "--windows", metavar="N", show_default=False,
+                                          help="Score at most this many windows."),
+    step: int = typer.Option(32, "--step", metavar="N",
+                             help="Decode tokens per step while scoring (1 = token by token)."),
+    text: Optional[str] = typer.Option(None, "--text", metavar="FILE", show_default=False,
+                                       help="Text file to score (default: the bundled held-out plays)."),
+    prefill_chunk: PrefillChunk = 512,
+    json_out: Json = False,
 ) -> None:
     """Perplexity over held-out text: each window's first half is prefilled, the second half is scored
     as decode reads the (compressed) cache."""
-    from rq_core.eval import check_context, kv_settings, load_eval_model, perplexity
+    from rq_core.eval import check_context, load_eval_model, perplexity
 
-    from rq_core.kv_cache import DEFAULT_PREFILL_FP16, prefill_fp16_value
-
-    bound = DEFAULT_PREFILL_FP16 if prefill_fp16 is None else prefill_fp16_value(prefill_fp16, "--prefill-fp16")
-    if rotation is not None and kv != "isoquant3":
-        raise RQError("--rotation applies to --kv isoquant3 only (turbo3 uses a dense rotation)")
-    settings = kv_settings(kv, rotation, fp16_window=fp16_window_arg(fp16_window), key_bits=key_bits_arg(kv, key_bits),
-                           pair_points=pair_points_arg(kv, pair_points, key_bits), prefill_fp16=bound,
-                           value_gain=value_gain, edge_layers=edge_layers_arg(edge_layers))
+    model = model_arg(model, model_opt)
+    check_kv_flags(kv, kv_config)
     em = load_eval_model(model)
+    settings = kv_settings(recipe_of(em.path), kv, kv_config)
     gpu_first_run_note()
     ctx = check_context(em.context if context is None else context, em.context)
     res = perplexity(em.model, _ids(em, text), settings, context=ctx, step=step, max_windows=windows,
@@ -73,35 +59,37 @@ def ppl(
                   f"{res.context}, KV {res.kv_mode}{rot}", highlight=False)
 
 
-@app.command("niah")
-@handle_errors(trials=POSITIVE, seed=SEED, key_bits=POSITIVE, fp16_window=COUNT, edge_layers=COUNT)
+@app.command("niah", cls=RQCommand)
+@handle_errors(trials=POSITIVE, seed=SEED)
 def niah_cmd(
-    model: Optional[str] = MODEL_ARG,
-    kv: str = typer.Option("isoquant3,turbo3", "--kv", help="KV modes to test (comma-separated); fp16 always runs."),
-    rotation: Optional[str] = typer.Option(None, "--rotation", help="IsoQuant rotation (default wht_so4)."),
-    lengths: str = typer.Option("512,1024,2048", "--lengths", help="Prompt lengths in tokens (comma-separated)."),
-    depths: str = typer.Option("0.1,0.5,0.9", "--depths", help="Needle depths in [0, 1] (comma-separated)."),
-    trials: int = typer.Option(4, "--trials", help="Needles per cell."),
-    seed: int = typer.Option(0, "--seed"),
-    key_bits: Optional[int] = KEY_BITS,
-    pair_points: Optional[str] = PAIR_POINTS,
-    fp16_window: Optional[int] = FP16_WINDOW,
-    edge_layers: Optional[int] = EDGE_LAYERS,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    kv: str = typer.Option("isoquant3,turbo3", "--kv", metavar="MODES",
+                           help="KV modes to test, comma-separated (several, unlike the other commands' one: each is "
+                                "compared with fp16, which always runs)."),
+    kv_config: KvConfig = None,
+    lengths: str = typer.Option("512,1024,2048", "--lengths", metavar="N,...",
+                                help="Prompt lengths in tokens (comma-separated)."),
+    depths: str = typer.Option("0.1,0.5,0.9", "--depths", metavar="X,...",
+                               help="Needle depths in [0, 1] (comma-separated)."),
+    trials: int = typer.Option(4, "--trials", metavar="N", help="Needles per cell."),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Random seed of the needles' numbers and places."),
+    json_out: Json = False,
 ) -> None:
     """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end."""
-    from rq_core.eval import kv_settings, load_eval_model, needle_token_pieces, niah
+    from rq_core.eval import load_eval_model, needle_token_pieces, niah
 
+    model = model_arg(model, model_opt)
     Ls = parse_list(lengths, int, "--lengths")
     Ds = parse_list(depths, float, "--depths")
     if any(not 0 <= d <= 1 for d in Ds):
         raise RQError("--depths must lie in [0, 1]")
     modes = ["fp16"] + [m for m in parse_list(kv, str, "--kv") if m != "fp16"]
-    settings = [kv_settings(m, rotation if m == "isoquant3" else None, fp16_window=fp16_window_arg(fp16_window),
-                            key_bits=key_bits_arg(m, key_bits), pair_points=pair_points_arg(m, pair_points, key_bits),
-                            edge_layers=edge_layers_arg(edge_layers))
-                for m in modes]
+    for m in modes:
+        check_kv_flags(m, kv_config)
     em = load_eval_model(model)
+    rec = recipe_of(em.path)
+    settings = [kv_settings(rec, m, kv_config) for m in modes]
     gpu_first_run_note()
     too_long = [L for L in Ls if L > em.context]
     if too_long:
@@ -129,28 +117,25 @@ def niah_cmd(
                           f"(McNemar exact p = {pr['mcnemar_p']:.3f})")
 
 
-@app.command("gates")
-@handle_errors(key_bits=POSITIVE, fp16_window=COUNT, edge_layers=COUNT)
+@app.command("gates", cls=RQCommand)
+@handle_errors
 def gates_cmd(
-    model: Optional[str] = MODEL_ARG,
-    kv: str = typer.Option("isoquant3", "--kv", help="KV mode to gate against fp16."),
-    rotation: Optional[str] = typer.Option(None, "--rotation", help="IsoQuant rotation (default wht_so4)."),
-    gates_file: Optional[str] = typer.Option(None, "--gates", help="Thresholds TOML (default: the bundled gates.toml)."),
-    key_bits: Optional[int] = KEY_BITS,
-    pair_points: Optional[str] = PAIR_POINTS,
-    fp16_window: Optional[int] = FP16_WINDOW,
-    edge_layers: Optional[int] = EDGE_LAYERS,
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    kv: KvCompressed = None,
+    kv_config: KvConfig = None,
+    gates_file: Optional[str] = typer.Option(None, "--gates", metavar="FILE", show_default=False,
+                                             help="Thresholds TOML (default: the bundled gates.toml)."),
+    json_out: Json = False,
 ) -> None:
     """Twelve quality gates of a KV mode against fp16; exits 1 if any gate fails."""
-    from rq_core.eval import GateRunner, kv_settings, load_eval_model, load_gates
+    from rq_core.eval import GateRunner, load_eval_model, load_gates
 
-    if rotation is not None and kv != "isoquant3":
-        raise RQError("--rotation applies to --kv isoquant3 only")
+    model = model_arg(model, model_opt)
+    check_kv_flags(kv, kv_config)
     cfg = load_gates(gates_file)
-    settings = kv_settings(kv, rotation, fp16_window=fp16_window_arg(fp16_window), key_bits=key_bits_arg(kv, key_bits),
-                           pair_points=pair_points_arg(kv, pair_points, key_bits), edge_layers=edge_layers_arg(edge_layers))
     em = load_eval_model(model)
+    settings = kv_settings(recipe_of(em.path), kv, kv_config, default_mode="isoquant3")
     gpu_first_run_note()
     rep = GateRunner(em, cfg, _ids(em, None)).run(settings)
     if json_out:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from rq_cli import calibrate, eval as eval_cmd, pack, profile, quantize, run, soak
-from rq_cli.common import OneLineErrors
+from rq_cli.common import OneLineErrors, RQCommand
 
 app = typer.Typer(
     name="rq",
@@ -30,12 +30,12 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
                                        help="Print the version and exit.")) -> None:
     pass
 
-app.command("quantize", help="Quantize a checkpoint by role with a TOML recipe.")(quantize.quantize)
-app.command("calibrate-codebook", help="Compute a Lloyd-Max codebook for the KV cache.")(calibrate.calibrate_codebook)
-app.command("pack", help="Lay out experts as aligned page files for the pager.")(pack.pack)
-app.command("run", help="Generate text with a (quantized) model.")(run.run)
-app.command("profile", help="Time attention kernels and say whether KV compression pays.")(profile.profile)
-app.command("soak", help="Generate for minutes or hours, tracking memory, speed and quality.")(soak.soak)
+app.command("quantize", cls=RQCommand, help="Quantize a checkpoint by role with a TOML recipe.")(quantize.quantize)
+app.command("calibrate-codebook", cls=RQCommand, help="Compute a Lloyd-Max codebook for the KV cache.")(calibrate.calibrate_codebook)
+app.command("pack", cls=RQCommand, help="Lay out experts as aligned page files for the pager.")(pack.pack)
+app.command("run", cls=RQCommand, help="Generate text with a (quantized) model.")(run.run)
+app.command("profile", cls=RQCommand, help="Time attention kernels and say whether KV compression pays.")(profile.profile)
+app.command("soak", cls=RQCommand, help="Generate for minutes or hours, tracking memory, speed and quality.")(soak.soak)
 app.add_typer(eval_cmd.app, name="eval", help="Quality: perplexity, needle retrieval, gates.")
 
 if __name__ == "__main__":

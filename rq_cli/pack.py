@@ -6,14 +6,15 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import console, handle_errors, print_json, progress_bar
+from rq_cli.common import ModelOpt, console, handle_errors, model_arg, print_json, progress_bar
 
 
 @handle_errors
 def pack(
-    ckpt: Optional[str] = typer.Argument(None, help="A (quantized) checkpoint directory or hub id (default: the "
+    ckpt: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False, help="A (quantized) checkpoint directory or hub id (default: the "
                                                    "bundled model)."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Write the pages to this folder instead of "
+    model_opt: ModelOpt = None,
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="DIR", help="Write the pages to this folder instead of "
                                       "CKPT/experts (then `rq run CKPT --pages DIR`), e.g. for a read-only "
                                       "checkpoint or the bundled model."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -22,6 +23,7 @@ def pack(
     from rq_core.pack import pack as run_pack
     from rq_core.planner import fmt_bytes
 
+    ckpt = model_arg(ckpt, model_opt)
     with progress_bar(disable=json_out) as progress:
         res = run_pack(ckpt, out=out, progress=progress)
     if json_out:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.table import Table
 
-from rq_cli.common import (COUNT, EDGE_LAYERS, FP16_WINDOW, FRACTION, KEY_BITS, PAIR_POINTS, POSITIVE, console,
-                           edge_layers_arg, fp16_window_arg, gpu_first_run_note, handle_errors, key_bits_arg,
-                           pair_points_arg, print_json)
+from rq_cli.common import (COUNT, FRACTION, POSITIVE, Json, KvCompressed, KvConfig, MemoryBudget, ModelArg, ModelOpt,
+                           Pager, check_kv_flags, console, gpu_first_run_note, handle_errors, kv_settings,
+                           memory_budget_of, model_arg, pager_policy, print_json, recipe_of)
 from rq_core.errors import RQError
 
 
@@ -66,41 +64,40 @@ def _table(report: dict) -> None:
                       "contexts; compressing the KV cache saves memory but will not speed up decoding.")
 
 
-@handle_errors(key_bits=POSITIVE, fp16_window=COUNT, edge_layers=COUNT, threshold=FRACTION, repeats=POSITIVE,
-               warmup=COUNT)
+@handle_errors(threshold=FRACTION, repeats=POSITIVE, warmup=COUNT)
 def profile(
-    model: Optional[str] = typer.Argument(None, help="Checkpoint directory or hub id (default: the bundled model)."),
-    context: str = typer.Option("512,2048", "--context", "-c", help="Context lengths, comma-separated (2K = 2048)."),
-    kv: str = typer.Option("isoquant3", "--kv", help="KV cache mode: fp16, isoquant3, turbo3."),
-    rotation: str = typer.Option("wht_so4", "--rotation", help="Rotation variant of a compressed KV mode."),
-    key_bits: Optional[int] = KEY_BITS,
-    pair_points: Optional[str] = PAIR_POINTS,
-    fp16_window: Optional[int] = FP16_WINDOW,
-    edge_layers: Optional[int] = EDGE_LAYERS,
-    threshold: float = typer.Option(0.20, "--threshold", help="KV-attention share above which compression pays."),
-    fill: str = typer.Option("synthetic", "--fill",
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    context: str = typer.Option("512,2048", "--context", "-c", metavar="N,...",
+                                help="Context lengths, comma-separated (2K = 2048)."),
+    kv: KvCompressed = None,
+    kv_config: KvConfig = None,
+    threshold: float = typer.Option(0.20, "--threshold", metavar="X",
+                                    help="KV-attention share above which compression pays."),
+    fill: str = typer.Option("synthetic", "--fill", metavar="HOW",
                              help="How the context is built: synthetic (random K/V appended) or prefill "
                                   "(random tokens through the model)."),
-    repeats: int = typer.Option(7, "--repeats", help="Timed repeats per measurement (median reported)."),
-    warmup: int = typer.Option(2, "--warmup", help="Untimed warm-up runs per measurement."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
-                                                help="Page routed experts from disk to fit this budget (e.g. 16GB)."),
-    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru or mmap."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    repeats: int = typer.Option(7, "--repeats", metavar="N", help="Timed repeats per measurement (median reported)."),
+    warmup: int = typer.Option(2, "--warmup", metavar="N", help="Untimed warm-up runs per measurement."),
+    memory_budget: MemoryBudget = None,
+    pager: Pager = None,
+    json_out: Json = False,
 ) -> None:
     """Time one decode step per context: the five attention kernels, and KV attention vs experts, SSM, rest."""
-    from rq_core.checkpoint import load, text_config
-    from rq_core.kv_cache import KVSettings
+    from rq_core.checkpoint import load, resolve_model_path, text_config
     from rq_core.profile import profile_model
 
+    model = model_arg(model, model_opt)
     contexts = parse_contexts(context)
+    check_kv_flags(kv, kv_config)
     # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
-    ckpt = load(model, tokenizer=False, cpu_float32=memory_budget is None)
+    path = resolve_model_path(model)
+    rec = recipe_of(path)
+    memory_budget = memory_budget_of(rec, path, memory_budget)
+    ckpt = load(path, tokenizer=False, cpu_float32=memory_budget is None)
     gpu_first_run_note()
-    settings = KVSettings(mode=kv, rotation=rotation, key_bits=key_bits_arg(kv, key_bits),
-                          pair_points=pair_points_arg(kv, pair_points, key_bits),
-                          fp16_window=fp16_window_arg(fp16_window),
-                          edge_layers=edge_layers_arg(edge_layers))  # the cache `rq run` makes
+    settings = kv_settings(rec, kv, kv_config, default_mode="isoquant3")  # the cache `rq run` makes
+    kv = settings.mode
     limit = text_config(ckpt.config).get("max_position_embeddings")
     if limit and max(contexts) > limit:
         console.print(f"[yellow]note:[/] context {max(contexts)} is beyond the model's {limit} positions "
@@ -110,7 +107,8 @@ def profile(
     if memory_budget is not None:
         from rq_cli.run_pager import attach_pager
 
-        pager_obj = attach_pager(ckpt, memory_budget, pager, False, json_out, context=max(contexts) + 64,
+        pager_obj = attach_pager(ckpt, memory_budget, pager_policy(rec, pager), False, json_out,
+                                 context=max(contexts) + 64,
                                  prefill_chunk=512, kv_mode=kv, edge_layers=settings.edge_layers)
 
     def progress(r: dict) -> None:

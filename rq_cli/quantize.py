@@ -6,13 +6,15 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import console, handle_errors, print_json, progress_bar
+from rq_cli.common import ModelOpt, console, handle_errors, model_arg, print_json, progress_bar
 from rq_core.errors import RQError
 
 
 @handle_errors
 def quantize(
-    model: str = typer.Argument(..., help="Checkpoint directory or Hugging Face hub id."),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
+                                          help="Checkpoint directory or Hugging Face hub id (or --model)."),
+    model_opt: ModelOpt = None,
     recipe: str = typer.Option(..., "--recipe", "-r", help="Bundled recipe name (e.g. qwen3-16gb) or a .toml path."),
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Output directory (new or empty; written atomically, never replaced)."),
     calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text file (default: bundled text)."),
@@ -25,6 +27,8 @@ def quantize(
     """Quantize a checkpoint by role with a TOML recipe."""
     from rq_core import recipe as rq_recipe
     from rq_core.checkpoint import load_config, resolve_model_path
+
+    model = model_arg(model, model_opt, required=True)
 
     rec = rq_recipe.load(recipe)
     if plan:

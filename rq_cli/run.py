@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from typing import Optional
 
 import typer
 
-from rq_cli.common import (COUNT, POSITIVE, SEED, Range, console, gpu_first_run_note, handle_errors, pair_points_arg,
-                           print_json)
+from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, Kv, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
+                           ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, check_kv_flags, console,
+                           gpu_first_run_note, handle_errors, kv_settings, memory_budget_of, model_arg, pager_policy,
+                           print_json, recipe_of)
 from rq_core.errors import RQError
-
-KV_CHOICES = ("fp16", "isoquant3", "turbo3")
 
 
 def _fmt_bytes(n: int) -> str:
@@ -23,111 +22,66 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _settings(path, kv: Optional[str], kv_window: Optional[int], memory_budget: Optional[str],
-              pager: Optional[str], rotation: Optional[str] = None, prefill_fp16: Optional[str] = None,
-              edge_layers: Optional[int] = None, pages: Optional[str] = None) -> tuple:
-    """(KVSettings, memory budget, pager policy, where they came from): flags first, then the
-    checkpoint's recipe.toml, then the defaults (fp16, a 32-token window for compressed modes, everything resident, lru)."""
-    from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KVSettings, prefill_fp16_value
-
-    rec = None
-    if (path / "recipe.toml").is_file():
-        from rq_core import recipe as recipe_mod
-
-        rec = recipe_mod.load(path / "recipe.toml")
-    base = rec.kv if rec is not None else KVSettings(fp16_window=DEFAULT_FP16_WINDOW, edge_layers=DEFAULT_EDGE_LAYERS)
-    over = {k: v for k, v in (("mode", kv), ("fp16_window", kv_window), ("rotation", rotation),
-                              ("edge_layers", edge_layers)) if v is not None}
-    if prefill_fp16 is not None:  # "all" overrides with None
-        over["prefill_fp16"] = prefill_fp16_value(prefill_fp16, "--prefill-fp16")
-    settings = dataclasses.replace(base, **over)
-    from rq_core.pack import INDEX, find_pages
-
-    if rec is not None and memory_budget is None and rec.pager.memory_budget and \
-            (find_pages(path, pages) / INDEX).is_file():
-        memory_budget = rec.pager.memory_budget  # packed for paging: keep the recipe's budget
-    if pager is None:
-        pager = rec.pager.policy if rec is not None else "lru"
-    return settings, memory_budget, pager, "recipe.toml" if rec is not None else "defaults"
+def _settings(path, kv: Optional[str], kv_config: Optional[list[str]], memory_budget: Optional[str],
+              pager: Optional[str], pages: Optional[str] = None) -> tuple:
+    """(KVSettings, memory budget, pager policy, where they came from): the checkpoint's recipe.toml (else the
+    defaults: fp16, a 32-token window for compressed modes, everything resident, lru), then the flags."""
+    rec = recipe_of(path)
+    settings = kv_settings(rec, kv, kv_config)
+    return (settings, memory_budget_of(rec, path, memory_budget, pages), pager_policy(rec, pager),
+            "recipe.toml" if rec is not None else "defaults")
 
 
-@handle_errors(max_tokens=COUNT, temp=Range(min=0), top_p=Range(0, 1, min_open=True), seed=SEED, kv_window=COUNT,
-               edge_layers=COUNT, prefill_chunk=POSITIVE)
+@handle_errors(max_tokens=COUNT, temp=Range(min=0), top_p=Range(0, 1, min_open=True), top_k=COUNT, min_p=FRACTION,
+               seed=SEED, prefill_chunk=POSITIVE)
 def run(
-    model: Optional[str] = typer.Argument(None, help="Checkpoint directory or Hugging Face hub id "
-                                                     "(default: the bundled model)."),
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Prompt text."),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Most tokens to generate."),
-    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature (0 = greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
-    seed: int = typer.Option(0, "--seed", help="Random seed for sampling."),
-    kv: Optional[str] = typer.Option(None, "--kv", help="KV cache of full-attention layers: fp16, isoquant3 or "
-                                                        "turbo3 (default: the checkpoint's recipe.toml, else fp16)."),
-    kv_window: Optional[int] = typer.Option(None, "--kv-window", "--fp16-window",
-                                            help="Newest tokens kept in fp16 beside a compressed KV cache (default: "
-                                                 "the recipe's fp16_window, else 32, which measured better quality for "
-                                                 "+6% KV bytes at 2K)."),
-    rotation: Optional[str] = typer.Option(None, "--rotation",
-                                           help="Rotation of an isoquant3 cache: wht_so4 (default), rwht_so4 (random "
-                                                "signs first), wht, so4, so3 (default: the recipe's)."),
-    pair_points: Optional[str] = typer.Option(None, "--pair-points",
-                                              help="Codebooks of a compressed KV cache: keys' and values' points a pair "
-                                                   "of rotated coordinates, e.g. 128,32, or 'off' for scalar codebooks "
-                                                   "(default: the recipe's kv.pair_points, else 128,32 for isoquant3)."),
-    prefill_fp16: Optional[str] = typer.Option(None, "--prefill-fp16",
-                                               help="A compressed KV cache keeps at most N prompt tokens in fp16 while "
-                                                    "it prefills, compressing older ones as the chunks arrive, or "
-                                                    "'all' to keep the whole prompt in fp16 until it is done (default: "
-                                                    "the recipe's kv.prefill_fp16, else 4096)."),
-    edge_layers: Optional[int] = typer.Option(None, "--edge-layers",
-                                              help="The first and last N compressed layers keep keys and values at 4 "
-                                                   "bits (default: the recipe's kv.edge_layers, else 1; 0 = none)."),
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    prompt: str = typer.Option(..., "--prompt", "-p", metavar="TEXT", show_default=False, help="Prompt text."),
+    system: Optional[str] = typer.Option(None, "--system", metavar="TEXT", show_default=False,
+                                         help="A system message before the prompt, with the chat template "
+                                              "(implies --chat)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="Prompt tokens per prefill step."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
-                                                help="Keep the run inside SIZE (e.g. 16GB): experts beyond what fits "
-                                                     "are paged from CKPT/experts (see `rq pack`). Default: the "
-                                                     "recipe's [pager] memory_budget when the checkpoint is packed."),
-    pager: Optional[str] = typer.Option(None, "--pager", help="Expert paging policy with --memory-budget: lru or "
-                                                              "mmap (default: the recipe's, else lru)."),
+    max_tokens: MaxTokens = 256,
+    temp: Temp = 0.0,
+    top_p: TopP = 1.0,
+    top_k: TopK = 0,
+    min_p: MinP = 0.0,
+    seed: Seed = 0,
+    kv: Kv = None,
+    kv_config: KvConfig = None,
+    memory_budget: MemoryBudget = None,
+    pager: Pager = None,
+    pages: Optional[str] = typer.Option(None, "--pages", metavar="DIR", show_default=False,
+                                        help="The expert pages' folder with --memory-budget (`rq pack --out DIR`; "
+                                             "default: CKPT/experts)."),
     plan_only: bool = typer.Option(False, "--plan", help="Print the memory plan for --memory-budget and exit."),
-    pages: Optional[str] = typer.Option(None, "--pages", help="The expert pages' folder with --memory-budget "
-                                                              "(`rq pack --out DIR`; default: CKPT/experts)."),
+    prefill_chunk: PrefillChunk = 512,
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text; streams it to stdout, then a stats line (stderr).
 
     KV and pager settings not given as flags come from the checkpoint's `recipe.toml` (written by
-    `rq quantize`), so a model quantized for 16 GB runs the way its recipe planned."""
-    if kv is not None and kv not in KV_CHOICES:
-        raise RQError(f"unknown --kv {kv!r} (choose from: {', '.join(KV_CHOICES)})")
-    if prefill_fp16 is not None:
-        from rq_core.kv_cache import prefill_fp16_value
-
-        prefill_fp16_value(prefill_fp16, "--prefill-fp16")  # a bad value fails before the model loads
-    if rotation is not None and rotation not in ("wht_so4", "rwht_so4", "wht", "so4", "so3"):
-        raise RQError(f"unknown --rotation {rotation!r} (choose from: wht_so4, rwht_so4, wht, so4, so3)")
-    pp = pair_points_arg("isoquant3", pair_points, None)
+    `rq quantize`), so a model quantized for 16 GB runs the way its recipe planned; --kv-config sets any
+    other [kv] key of the recipe for this run."""
+    model = model_arg(model, model_opt)
+    check_kv_flags(kv, kv_config)  # a bad value fails before the model loads
 
     from rq_core.checkpoint import context_length, load
     from rq_core.generate import generate
-    from rq_core.kv_cache import KVSettings
     from rq_core.tokenizer import StreamDecoder
 
     # float32 on the CPU (small models); the pager casts pages to the model's dtype as it loads them.
     ckpt = load(model, cpu_float32=True)
-    settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_window, memory_budget, pager, rotation,
-                                                       prefill_fp16, edge_layers, pages)
-    if pp is not None:
-        if pp and settings.key_bits is not None:
-            raise RQError("--pair-points cannot be combined with the recipe's kv.key_bits")
-        settings = dataclasses.replace(settings, pair_points=pp)
+    settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_config, memory_budget, pager, pages)
     kv = settings.mode
     tok = ckpt.tokenizer
     if tok is None:
         raise RQError(f"{ckpt.path} has no tokenizer.json; `rq run --prompt` needs one")
-    if chat:
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    if chat or system is not None:
+        messages = ([{"role": "system", "content": system}] if system is not None else []) + \
+            [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(prompt)
@@ -158,8 +112,8 @@ def run(
             sys.stdout.flush()
 
     caches = ckpt.model.make_cache(settings)
-    res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
-                   kv=settings, eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
+    res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
+                   seed=seed, kv=settings, eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
                    context_length=ctx, on_token=None if json_out else on_token, cache=caches)
     # the codebooks the compressed caches took (the settings' default depends on the head dim; edge layers are scalar)
     pairs = next((c.pair_points for c in caches if getattr(c, "pair_points", None)), None)

@@ -8,8 +8,9 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from rq_cli.common import (COUNT, EDGE_LAYERS, FP16_WINDOW, FRACTION, POSITIVE, SEED, Range, console, edge_layers_arg,
-                           fp16_window_arg, gpu_first_run_note, handle_errors, print_json)
+from rq_cli.common import (FRACTION, POSITIVE, SEED, KvCompressed, KvConfig, MemoryBudget, ModelArg, ModelOpt, Pager,
+                           Range, Seed, TopP, check_kv_flags, console, gpu_first_run_note, handle_errors, kv_settings,
+                           memory_budget_of, model_arg, pager_policy, print_json, recipe_of)
 from rq_core.errors import RQError
 
 MB = 1 << 20
@@ -51,61 +52,70 @@ _DURATION = Range(min=0, min_open=True)
 
 
 @handle_errors(hours=_DURATION, minutes=_DURATION, seconds=_DURATION, interval=_DURATION, max_tokens=POSITIVE,
-               max_prompt=Range(min=8), temp=Range(min=0), seed=SEED, max_growth_mb=Range(min=0),
-               max_throughput_drop=FRACTION, fp16_window=COUNT, edge_layers=COUNT)
+               max_prompt=Range(min=8), temp=Range(min=0), top_p=Range(0, 1, min_open=True), seed=SEED,
+               max_growth_mb=Range(min=0), max_throughput_drop=FRACTION)
 def soak(
-    model: Optional[str] = typer.Argument(None, help="Checkpoint directory or hub id (default: the bundled model)."),
-    hours: Optional[float] = typer.Option(None, "--hours", help="How long to run."),
-    minutes: Optional[float] = typer.Option(None, "--minutes", help="How long to run (instead of --hours)."),
+    model: ModelArg = None,
+    model_opt: ModelOpt = None,
+    hours: Optional[float] = typer.Option(None, "--hours", metavar="H", show_default=False, help="How long to run."),
+    minutes: Optional[float] = typer.Option(None, "--minutes", metavar="M", show_default=False,
+                                            help="How long to run (instead of --hours)."),
     seconds: Optional[float] = typer.Option(None, "--seconds", hidden=True),
-    report: str = typer.Option(..., "--report", help="Report file (JSON), rewritten atomically at every sample."),
-    kv: str = typer.Option("isoquant3", "--kv", help="KV cache mode: fp16, isoquant3, turbo3."),
-    rotation: str = typer.Option("wht_so4", "--rotation", help="Rotation variant of a compressed KV mode."),
-    fp16_window: Optional[int] = FP16_WINDOW,
-    edge_layers: Optional[int] = EDGE_LAYERS,
-    interval: Optional[float] = typer.Option(None, "--interval",
+    report: str = typer.Option(..., "--report", metavar="FILE", show_default=False,
+                               help="Report file (JSON), rewritten atomically at every sample."),
+    kv: KvCompressed = None,
+    kv_config: KvConfig = None,
+    interval: Optional[float] = typer.Option(None, "--interval", metavar="S", show_default=False,
                                              help="Seconds between samples (default: ~20 samples, 1-60 s)."),
-    max_tokens: int = typer.Option(64, "--max-tokens", help="Tokens per generation."),
-    max_prompt: int = typer.Option(256, "--max-prompt",
+    max_tokens: int = typer.Option(64, "--max-tokens", "-n", metavar="N",
+                                   help="Most tokens a generation (fewer than `rq run`'s default: many generations "
+                                        "from varied prompts)."),
+    max_prompt: int = typer.Option(256, "--max-prompt", metavar="N",
                                    help="Longest prompt in tokens (prompts vary from 8 up to this)."),
-    temp: float = typer.Option(0.8, "--temp", help="Sampling temperature of the generations."),
-    seed: int = typer.Option(0, "--seed"),
-    max_growth_mb: float = typer.Option(64.0, "--max-growth-mb", help="Memory growth allowed over the run (MB)."),
-    max_throughput_drop: float = typer.Option(0.30, "--max-throughput-drop",
+    temp: float = typer.Option(0.8, "--temp", metavar="T",
+                               help="Sampling temperature (0 = greedy). Here sampling is on by default (temperature "
+                                    "0.8, top-p 0.95, unlike `rq run`), so the generations vary."),
+    top_p: TopP = 0.95,
+    seed: Seed = 0,
+    max_growth_mb: float = typer.Option(64.0, "--max-growth-mb", metavar="MB",
+                                        help="Memory growth allowed over the run (MB)."),
+    max_throughput_drop: float = typer.Option(0.30, "--max-throughput-drop", metavar="X",
                                               help="Allowed fall of decode tok/s, start to end (fraction)."),
-    memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
-                                                help="Page routed experts from disk to fit this budget (e.g. 16GB)."),
-    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru or mmap."),
+    memory_budget: MemoryBudget = None,
+    pager: Pager = None,
     json_out: bool = typer.Option(False, "--json", help="Print the final report as one JSON object."),
 ) -> None:
     """Generate continuously from varied prompts; exit 1 when memory grows, speed drifts or a check fails."""
-    from rq_core.checkpoint import load
-    from rq_core.kv_cache import KVSettings, KV_MODES
+    from rq_core.checkpoint import load, resolve_model_path
     from rq_core.soak import Soak, SoakSettings, Thresholds, default_interval
 
+    model = model_arg(model, model_opt)
     given = [x for x in (hours, minutes, seconds) if x is not None]
     if len(given) != 1:
         raise RQError("give exactly one of --hours or --minutes")
     duration = (hours or 0) * 3600 + (minutes or 0) * 60 + (seconds or 0)
     if duration <= 0:
         raise RQError("the duration must be positive")
-    if kv not in KV_MODES:
-        raise RQError(f"unknown KV mode {kv!r} (choose from: {', '.join(KV_MODES)})")
+    check_kv_flags(kv, kv_config)
     # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
-    ckpt = load(model, cpu_float32=memory_budget is None)
+    path = resolve_model_path(model)
+    rec = recipe_of(path)
+    memory_budget = memory_budget_of(rec, path, memory_budget)
+    ckpt = load(path, cpu_float32=memory_budget is None)
     gpu_first_run_note()
+    kvs = kv_settings(rec, kv, kv_config, default_mode="isoquant3")  # rq run's cache
+    kv = kvs.mode
     settings = SoakSettings(duration_s=duration, interval_s=interval or default_interval(duration), kv_mode=kv,
-                            max_tokens=max_tokens, max_prompt=max_prompt, temp=temp, seed=seed,
+                            max_tokens=max_tokens, max_prompt=max_prompt, temp=temp, top_p=top_p, seed=seed,
                             thresholds=Thresholds(max_growth_mb=max_growth_mb,
                                                   max_throughput_drop=max_throughput_drop))
-    kvs = KVSettings(mode=kv, rotation=rotation, seed=seed, fp16_window=fp16_window_arg(fp16_window),
-                     edge_layers=edge_layers_arg(edge_layers))  # rq run's cache
     pager_obj = None
     if memory_budget is not None:
         from rq_cli.run_pager import attach_pager
 
-        pager_obj = attach_pager(ckpt, memory_budget, pager, False, json_out, context=settings.max_prompt + max_tokens,
-                                 prefill_chunk=512, kv_mode=kv, edge_layers=kvs.edge_layers)
+        pager_obj = attach_pager(ckpt, memory_budget, pager_policy(rec, pager), False, json_out,
+                                 context=settings.max_prompt + max_tokens, prefill_chunk=512, kv_mode=kv,
+                                 edge_layers=kvs.edge_layers)
     live = Live(console=console, auto_refresh=False, transient=False) if console.is_terminal else None
 
     def on_sample(rep: dict) -> None:

@@ -38,11 +38,17 @@ class GenerationResult:
         return asdict(self)
 
 
-def sample(logits: mx.array, temp: float = 0.0, top_p: float = 1.0) -> mx.array:
-    """Next token ids [B] from logits [B, V]: greedy when temp == 0, else temperature + nucleus."""
-    if temp <= 0:
-        return mx.argmax(logits, axis=-1)
+def filter_logits(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int = 0,
+                  min_p: float = 0.0) -> mx.array:
+    """Logits [B, V] divided by `temp` (> 0), with the tokens each filter drops set to -inf, in this order: top-k
+    (the k most likely; 0 = off), top-p (the smallest set of the most likely whose mass reaches top_p among those
+    left; 1 = off), min-p (tokens less likely than min_p times the most likely one; 0 = off). The most likely token
+    always survives."""
     logits = logits.astype(mx.float32) / temp
+    neg_inf = mx.array(-mx.inf, dtype=mx.float32)
+    if 0 < top_k < logits.shape[-1]:
+        drop_idx = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., top_k:]
+        logits = mx.put_along_axis(logits, drop_idx, neg_inf, axis=-1)
     if 0 < top_p < 1:
         probs = mx.softmax(logits, axis=-1)
         order = mx.argsort(-probs, axis=-1)
@@ -50,8 +56,19 @@ def sample(logits: mx.array, temp: float = 0.0, top_p: float = 1.0) -> mx.array:
         # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
         drop_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) >= top_p
         drop = mx.put_along_axis(mx.zeros_like(drop_sorted), order, drop_sorted, axis=-1)
-        logits = mx.where(drop, -mx.inf, logits)
-    return mx.random.categorical(logits, axis=-1)
+        logits = mx.where(drop, neg_inf, logits)
+    if min_p > 0:
+        probs = mx.softmax(logits, axis=-1)
+        logits = mx.where(probs < min_p * probs.max(axis=-1, keepdims=True), neg_inf, logits)
+    return logits
+
+
+def sample(logits: mx.array, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> mx.array:
+    """Next token ids [B] from logits [B, V]: greedy when temp == 0, else from the distribution filter_logits
+    leaves (temperature, then top-k, top-p, min-p)."""
+    if temp <= 0:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(filter_logits(logits, temp, top_p, top_k, min_p), axis=-1)
 
 
 def cache_bytes(cache: Iterable) -> tuple[int, int]:
@@ -78,35 +95,37 @@ def _read_array(y: mx.array, logits: mx.array) -> mx.array:
     return mx.stack([y[0].astype(mx.int32), mx.isfinite(logits).all().astype(mx.int32)])
 
 
-def _queue_step(model: nn.Module, cache: list, y: mx.array, temp: float, top_p: float) -> tuple[mx.array, mx.array]:
+def _queue_step(model: nn.Module, cache: list, y: mx.array, temp: float, top_p: float, top_k: int = 0,
+                min_p: float = 0.0) -> tuple[mx.array, mx.array]:
     """Build the step after token `y` and queue it (mx.async_eval): (its sampled id [1], its read array)."""
     logits = model(y.reshape(1, 1).astype(mx.int32), cache=cache)[:, -1, :]
-    nxt = sample(logits, temp, top_p)
+    nxt = sample(logits, temp, top_p, top_k, min_p)
     read = _read_array(nxt, logits)
     mx.async_eval(read)
     return nxt, read
 
 
 def decode_steps(model: nn.Module, cache: list, y: mx.array, read: mx.array, max_tokens: int, *, temp: float,
-                 top_p: float, pipeline: bool = True) -> Iterator[int]:
+                 top_p: float, top_k: int = 0, min_p: float = 0.0, pipeline: bool = True) -> Iterator[int]:
     """The id of `y` (its read array `read`, queued or evaluated), then the ids of the decode steps after it,
     `max_tokens` in all. With `pipeline`, step t+1 is built and queued before token t is read, so the device
     does not wait while the host builds a graph; without it (an expert pager), step t+1 is built after token
     t is read. RQError when a step's logits are not finite."""
     for n in range(max_tokens):
         more = n + 1 < max_tokens
-        queued = _queue_step(model, cache, y, temp, top_p) if pipeline and more else None
+        queued = _queue_step(model, cache, y, temp, top_p, top_k, min_p) if pipeline and more else None
         tok, finite = read.tolist()  # the one host sync of a step
         if not finite:
             raise RQError(f"the model's logits are not finite (NaN or Inf) at generated token {n + 1}: its "
                           "weights are broken, or overflow in this dtype")
         yield tok
         if more:
-            y, read = queued or _queue_step(model, cache, y, temp, top_p)
+            y, read = queued or _queue_step(model, cache, y, temp, top_p, top_k, min_p)
 
 
 def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp: float = 0.0,
-             top_p: float = 1.0, seed: Optional[int] = None, kv: Optional[KVSettings] = None,
+             top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
+             kv: Optional[KVSettings] = None,
              eos_token_ids: Iterable[int] = (), prefill_chunk: int = 512,
              context_length: Optional[int] = None,
              on_token: Optional[Callable[[int], None]] = None, cache: Optional[list] = None) -> GenerationResult:
@@ -144,7 +163,7 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
             mx.eval(logits)
     for c in cache:
         c.end_prefill()
-    y = sample(logits, temp, top_p)
+    y = sample(logits, temp, top_p, top_k, min_p)
     read = _read_array(y, logits)
     mx.eval(read)
     res.prefill_s = time.perf_counter() - t0
@@ -155,7 +174,7 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     t1 = time.perf_counter()
     steps = 0  # decode steps whose token was read
     for steps, tok in enumerate(decode_steps(model, cache, y, read, max_tokens, temp=temp, top_p=top_p,
-                                             pipeline=pipeline)):
+                                             top_k=top_k, min_p=min_p, pipeline=pipeline)):
         if steps == 1:
             res.first_step_s = time.perf_counter() - t1
         if tok in eos:

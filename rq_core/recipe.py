@@ -35,6 +35,7 @@ GPTQ_ROLES = ("attention", "dense_mlp", "mamba", "shared_expert", "lm_head")
 KV_MODES = ("fp16", "isoquant3", "turbo3")
 ROTATIONS = ("wht_so4", "wht", "so4", "so3", "dense", "rwht_so4")
 POLICIES = ("lru", "mmap")
+KV_KEYS = tuple(f.name for f in dataclasses.fields(KVSettings))
 # recipes/ at the repo root; an installed wheel carries it as rq_core/_recipes (pyproject.toml).
 _HERE = Path(__file__).resolve().parent
 RECIPES_DIR = _HERE / "_recipes" if (_HERE / "_recipes").is_dir() else _HERE.parent / "recipes"
@@ -104,9 +105,7 @@ class Recipe:
             else:
                 d["roles"][role] = {"bits": spec.bits, "group_size": spec.group_size, "method": spec.method}
         # TOML has no null: an unset kv.pair_points (isoquant3's default codebooks) is left out; [] is scalar
-        d["kv"] = {k: v for k, v in dataclasses.asdict(self.kv).items() if v is not None}
-        if self.kv.prefill_fp16 is None:
-            d["kv"]["prefill_fp16"] = "all"  # absent would read back as the default bound
+        d["kv"] = kv_table(self.kv)
         d["pager"] = {k: v for k, v in dataclasses.asdict(self.pager).items() if v is not None}
         d["calibration"] = dataclasses.asdict(self.calibration)
         if self.promote.kurtosis_threshold is not None:
@@ -219,28 +218,9 @@ def _role_spec(src: str, role: str, t: Any, base: RoleSpec) -> RoleSpec:
     return RoleSpec(bits, gs, method)
 
 
-def parse(data: dict, source: str = "<recipe>") -> Recipe:
-    """Validate a recipe dict (as read from TOML) into a Recipe."""
-    src = source
-    _check_keys("", data, ("version", "name", "family", "description", "roles", "kv", "pager",
-                           "calibration", "promote"), src)
-    version = data.get("version")
-    if version != VERSION:
-        raise RQError(f"{src}: 'version' must be {VERSION} (got {version!r})")
-    _check_numbers(src, data)
-    name = _typed(src, "name", data.get("name", Path(source).stem), str)
-    family = data.get("family")
-    if family is not None:
-        _typed(src, "family", family, str)
-        if family not in FAMILIES:
-            raise RQError(f"{src}: family {family!r} is not one of {', '.join(FAMILIES)}")
-    roles_t = _check_keys("roles", data.get("roles", {}), ROLES, src)
-    roles: dict[str, RoleSpec] = {}
-    for role in ROLES:
-        base = _DEFAULT_ROLES[role]  # a role the recipe leaves out keeps its default
-        roles[role] = _role_spec(src, role, roles_t.get(role, {}), base)
-
-    kv_t = _check_keys("kv", data.get("kv", {}), tuple(f.name for f in dataclasses.fields(KVSettings)), src)
+def _parse_kv(src: str, table: Any) -> KVSettings:
+    """The [kv] table (numbers already checked by _check_numbers) as KVSettings; every problem one RQError line."""
+    kv_t = _check_keys("kv", table, KV_KEYS, src)
     kv = KVSettings(**{"fp16_window": DEFAULT_FP16_WINDOW, "edge_layers": DEFAULT_EDGE_LAYERS, **kv_t})
     if kv.mode not in KV_MODES:
         raise RQError(f"{src}: kv.mode = {kv.mode!r} is not one of {', '.join(KV_MODES)}")
@@ -267,6 +247,88 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
     _typed(src, "kv.norm_correction", kv.norm_correction, bool)
     _typed(src, "kv.value_gain", kv.value_gain, bool)
     _typed(src, "kv.codebook", kv.codebook, str)
+    return kv
+
+
+def kv_table(kv: KVSettings) -> dict:
+    """KVSettings as a recipe's [kv] table (TOML has no null: an unset pair_points is left out; "all" for an
+    unbounded prefill_fp16; [] for scalar codebooks)."""
+    d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(kv).items() if v is not None}
+    if kv.prefill_fp16 is None:
+        d["prefill_fp16"] = "all"  # absent would read back as the default bound
+    return d
+
+
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+def _config_value(src: str, key: str, text: str) -> Any:
+    """A --kv-config VALUE as the TOML value the recipe would hold: `off` / `128,32` for pair_points, on/off for
+    switches, a TOML literal (numbers) or else the bare text (names such as so3)."""
+    t = text.strip()
+    if key == "pair_points":
+        if t.lower() in ("off", "[]", "scalar"):
+            return []
+        try:
+            return [int(x) for x in t.strip("[]()").split(",")]
+        except ValueError:
+            raise RQError(f"{src}: kv.pair_points must be two integers, keys' and values' points (e.g. 128,32), or "
+                          f"off for scalar codebooks (got {text!r})") from None
+    if isinstance(getattr(KVSettings, key, None), bool):
+        if t.lower() in _TRUE + _FALSE:
+            return t.lower() in _TRUE
+        raise RQError(f"{src}: kv.{key} must be on or off (got {text!r})")
+    try:
+        return tomllib.loads(f"v = {t}")["v"]
+    except tomllib.TOMLDecodeError:
+        return t
+
+
+def apply_kv_config(kv: KVSettings, items: list[str] | tuple[str, ...], src: str = "--kv-config") -> KVSettings:
+    """`kv` with KEY=VALUE settings of the recipe's [kv] table applied in order (KEY with or without `kv.`;
+    `default` unsets pair_points or key_bits), checked as the recipe checks them: one RQError line naming `src`
+    and the key."""
+    if not items:
+        return kv
+    table = kv_table(kv)
+    for item in items:
+        key, eq, value = str(item).partition("=")
+        key = key.strip().removeprefix("kv.").replace("-", "_")
+        if not eq or not key:
+            raise RQError(f"{src} takes KEY=VALUE, e.g. pair_points=off (got {item!r})")
+        if key == "mode":
+            raise RQError(f"{src}: the KV mode is set with --kv")
+        _check_keys("kv", {key: None}, KV_KEYS, src)
+        if key in ("pair_points", "key_bits") and value.strip().lower() == "default":
+            table.pop(key, None)  # the settings' default (unset in a recipe)
+        else:
+            table[key] = _config_value(src, key, value)
+    _check_numbers(src, {"kv": table})
+    return _parse_kv(src, table)
+
+
+def parse(data: dict, source: str = "<recipe>") -> Recipe:
+    """Validate a recipe dict (as read from TOML) into a Recipe."""
+    src = source
+    _check_keys("", data, ("version", "name", "family", "description", "roles", "kv", "pager",
+                           "calibration", "promote"), src)
+    version = data.get("version")
+    if version != VERSION:
+        raise RQError(f"{src}: 'version' must be {VERSION} (got {version!r})")
+    _check_numbers(src, data)
+    name = _typed(src, "name", data.get("name", Path(source).stem), str)
+    family = data.get("family")
+    if family is not None:
+        _typed(src, "family", family, str)
+        if family not in FAMILIES:
+            raise RQError(f"{src}: family {family!r} is not one of {', '.join(FAMILIES)}")
+    roles_t = _check_keys("roles", data.get("roles", {}), ROLES, src)
+    roles: dict[str, RoleSpec] = {}
+    for role in ROLES:
+        base = _DEFAULT_ROLES[role]  # a role the recipe leaves out keeps its default
+        roles[role] = _role_spec(src, role, roles_t.get(role, {}), base)
+
+    kv = _parse_kv(src, data.get("kv", {}))
 
     pg_t = _check_keys("pager", data.get("pager", {}), tuple(f.name for f in dataclasses.fields(PagerSettings)), src)
     pager = PagerSettings(**pg_t)

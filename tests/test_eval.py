@@ -28,7 +28,7 @@ PIN_REL, PIN_ABS = 1e-5, 1e-6
 MEASURED = {
     # tiny model (fixture below), 2 windows of 128
     "tiny_nll_fp16": 6.4159791469573975, "tiny_nll_isoquant3": 6.446439027786255, "tiny_kl_turbo3": 1.0991544723510742,
-    # bundled model, `rq eval ppl --context 64 --windows 1`, with --kv isoquant3 --fp16-window 4 unless fp16
+    # bundled model, `rq eval ppl --context 64 --windows 1`, with --kv isoquant3 --kv-config fp16_window=4 unless fp16
     "ppl_fp16": 182.84113978455974, "ppl_iso": 216.56269643339155, "ppl_iso_nogain": 212.73319125903805,
     "ppl_iso_edge0": 182.76931308594908, "ppl_iso_k4": 216.11674102677327, "ppl_iso_scalar": 214.17933105163112,
     "ppl_iso_prefill8": 223.46973893124957,
@@ -165,7 +165,7 @@ def test_gates_file_validation(tmp_path):
 
 
 def test_cli_ppl_json_on_bundled_model():
-    r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--rotation", "so4", "--context", "64",
+    r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--kv-config", "rotation=so4", "--context", "64",
                             "--windows", "1", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
@@ -183,8 +183,8 @@ def test_cli_ppl_fp16_window():
         return json.loads(r.stdout)
 
     ref = ppl()
-    full = ppl("--kv", "isoquant3", "--fp16-window", "64")
-    short = ppl("--kv", "isoquant3", "--fp16-window", "4")
+    full = ppl("--kv", "isoquant3", "--kv-config", "fp16_window=64")
+    short = ppl("--kv", "isoquant3", "--kv-config", "fp16_window=4")
     assert full["fp16_window"] == 64 and ref["fp16_window"] == 0 and short["fp16_window"] == 4
     assert ppl("--kv", "isoquant3")["fp16_window"] == 32  # the default, as `rq run`'s
     assert full["ppl"] == ref["ppl"]  # every token in the window: the fp16 computation itself
@@ -194,12 +194,12 @@ def test_cli_ppl_fp16_window():
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, pair_points=())) == "isoquant3/wht_so4+w32"
     assert ev.label(ev.kv_settings("turbo3", fp16_window=32, value_gain=False)) == "turbo3+w32+nogain"
     # kv.value_gain changes what decode reads, and the JSON says which was measured
-    gain, plain = _iso_ppl(), _iso_ppl("--no-value-gain")
+    gain, plain = _iso_ppl(), _iso_ppl("--kv-config", "value_gain=off")
     assert gain["value_gain"] is True and plain["value_gain"] is False
     assert gain["ppl"] == short["ppl"]  # on by default
     pinned(plain["ppl"], "ppl_iso_nogain")
     # kv.edge_layers: on by default (one layer at each end at 4 bits), measured, reported and labelled
-    none = _iso_ppl("--edge-layers", "0")
+    none = _iso_ppl("--kv-config", "edge_layers=0")
     assert (gain["edge_layers"], gain["edge_bits"]) == (1, 4) and (none["edge_layers"], none["edge_bits"]) == (0, None)
     pinned(none["ppl"], "ppl_iso_edge0")
     assert ev.label(ev.kv_settings("isoquant3", fp16_window=32, edge_layers=1)) == "isoquant3/wht_so4+w32+p128x32+e1"
@@ -208,14 +208,14 @@ def test_cli_ppl_fp16_window():
 def _iso_ppl(*extra) -> dict:
     """`rq eval ppl --kv isoquant3` on one short window, JSON."""
     r = runner.invoke(app, ["eval", "ppl", "--kv", "isoquant3", "--context", "64", "--windows", "1",
-                            "--fp16-window", "4", "--json", *extra])
+                            "--kv-config", "fp16_window=4", "--json", *extra])
     assert r.exit_code == 0, r.output
     return json.loads(r.stdout)
 
 
 def test_cli_ppl_key_bits():
-    """--key-bits: keys at their own width, reported; 4-bit keys change the perplexity measured."""
-    base, k4 = _iso_ppl(), _iso_ppl("--key-bits", "4")
+    """kv.key_bits: keys at their own width, reported; 4-bit keys change the perplexity measured."""
+    base, k4 = _iso_ppl(), _iso_ppl("--kv-config", "key_bits=4")
     assert base["key_bits"] is None and k4["key_bits"] == 4
     pinned(base["ppl"], "ppl_iso")
     pinned(k4["ppl"], "ppl_iso_k4")
@@ -224,9 +224,9 @@ def test_cli_ppl_key_bits():
 
 
 def test_cli_ppl_pair_points():
-    """isoquant3's default is the pair codebooks (128, 32), reported in the JSON; --pair-points sets them and 'off'
+    """isoquant3's default is the pair codebooks (128, 32), reported in the JSON; pair_points sets them and 'off'
     gives the scalar codebooks; the codebooks change the perplexity."""
-    base, pp, scalar = _iso_ppl(), _iso_ppl("--pair-points", "128,32"), _iso_ppl("--pair-points", "off")
+    base, pp, scalar = _iso_ppl(), _iso_ppl("--kv-config", "pair_points=128,32"), _iso_ppl("--kv-config", "pair_points=off")
     assert base["pair_points"] == [128, 32] and base["ppl"] == pp["ppl"] and scalar["pair_points"] is None
     pinned(base["ppl"], "ppl_iso")
     pinned(scalar["ppl"], "ppl_iso_scalar")
@@ -235,12 +235,12 @@ def test_cli_ppl_pair_points():
 
 
 def test_cli_ppl_prefill_fp16():
-    """--prefill-fp16 N with --prefill-chunk: the window's prefill is compressed as its chunks arrive, which changes
+    """prefill_fp16=N with --prefill-chunk: the window's prefill is compressed as its chunks arrive, which changes
     what the scored half reads (a different perplexity), reported in the JSON; a bound as long as the prefill changes
     nothing."""
-    base = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "all")
-    bounded = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "8")
-    whole = _iso_ppl("--prefill-chunk", "8", "--prefill-fp16", "32")
+    base = _iso_ppl("--prefill-chunk", "8", "--kv-config", "prefill_fp16=all")
+    bounded = _iso_ppl("--prefill-chunk", "8", "--kv-config", "prefill_fp16=8")
+    whole = _iso_ppl("--prefill-chunk", "8", "--kv-config", "prefill_fp16=32")
     default = _iso_ppl("--prefill-chunk", "8")  # the default bound (4,096) is longer than this prefill
     assert base["prefill_fp16"] is None and bounded["prefill_fp16"] == 8 and bounded["prefill_chunk"] == 8
     assert default["prefill_fp16"] == 4096 and default["ppl"] == pytest.approx(base["ppl"], rel=1e-6)
@@ -249,14 +249,14 @@ def test_cli_ppl_prefill_fp16():
     pinned(bounded["ppl"], "ppl_iso_prefill8")
 
 
-@pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--fp16-window", "-1"],
-                                  ["eval", "ppl", "--prefill-fp16", "-1"], ["eval", "ppl", "--prefill-chunk", "0"], ["eval", "ppl", "--kv", "turbo3", "--rotation", "so3"],
-                                  ["eval", "ppl", "--kv", "isoquant3", "--key-bits", "9"],
-                                  ["eval", "ppl", "--kv", "isoquant3", "--pair-points", "128,33"],
-                                  ["eval", "ppl", "--kv", "isoquant3", "--pair-points", "128"],
-                                  ["eval", "niah", "--pair-points", "128,32", "--key-bits", "4"],
+@pytest.mark.parametrize("argv", [["eval", "ppl", "--kv", "int2"], ["eval", "ppl", "--kv-config", "fp16_window=-1"],
+                                  ["eval", "ppl", "--kv-config", "prefill_fp16=-1"], ["eval", "ppl", "--prefill-chunk", "0"], ["eval", "ppl", "--kv", "turbo3", "--kv-config", "rotation=so9"],
+                                  ["eval", "ppl", "--kv", "isoquant3", "--kv-config", "key_bits=9"],
+                                  ["eval", "ppl", "--kv", "isoquant3", "--kv-config", "pair_points=128,33"],
+                                  ["eval", "ppl", "--kv", "isoquant3", "--kv-config", "pair_points=128"],
+                                  ["eval", "niah", "--kv-config", "pair_points=128,32", "--kv-config", "key_bits=4"],
                                   ["eval", "ppl", "--context", "100000"], ["eval", "niah", "--depths", "1.5"],
-                                  ["eval", "gates", "--rotation", "bogus"]])
+                                  ["eval", "gates", "--kv-config", "rotation=bogus"]])
 def test_cli_bad_input_is_one_line(argv):
     r = runner.invoke(app, argv)
     assert r.exit_code == 2
@@ -294,7 +294,7 @@ GATES_MEASURED = {
 def test_cli_gates_tiny_settings(tmp_path):
     """A compressed cache on 64-token windows of a tiny model fails seven gates: each verdict follows from its
     value and threshold (compared here), the failures are the measured ones, and the command exits 1."""
-    code, d, th = _gates(tmp_path, ["--kv", "isoquant3", "--rotation", "so4", "--fp16-window", "0"])
+    code, d, th = _gates(tmp_path, ["--kv", "isoquant3", "--kv-config", "rotation=so4", "--kv-config", "fp16_window=0"])
     got = {x["name"]: x for x in d["gates"]}
     for name in ("ppl_rel_delta", "ppl_rel_delta_full", "mean_kl", "p99_kl", "kv_bytes_ratio"):
         assert got[name]["passed"] == (got[name]["value"] <= th[name]), name
@@ -389,10 +389,10 @@ def _measure() -> dict:
     out["tiny_kl_turbo3"] = ev.compare(m, ids, ev.kv_settings("turbo3"), context=64, max_windows=2, ref=ref)[0].mean_kl
     r = runner.invoke(app, ["eval", "ppl", "--context", "64", "--windows", "1", "--json"])
     out["ppl_fp16"] = json.loads(r.stdout)["ppl"]
-    for key, extra in [("ppl_iso", ()), ("ppl_iso_nogain", ("--no-value-gain",)),
-                       ("ppl_iso_edge0", ("--edge-layers", "0")), ("ppl_iso_k4", ("--key-bits", "4")),
-                       ("ppl_iso_scalar", ("--pair-points", "off")),
-                       ("ppl_iso_prefill8", ("--prefill-chunk", "8", "--prefill-fp16", "8"))]:
+    for key, extra in [("ppl_iso", ()), ("ppl_iso_nogain", ("--kv-config", "value_gain=off")),
+                       ("ppl_iso_edge0", ("--kv-config", "edge_layers=0")), ("ppl_iso_k4", ("--kv-config", "key_bits=4")),
+                       ("ppl_iso_scalar", ("--kv-config", "pair_points=off")),
+                       ("ppl_iso_prefill8", ("--prefill-chunk", "8", "--kv-config", "prefill_fp16=8"))]:
         out[key] = _iso_ppl(*extra)["ppl"]
     return out
 

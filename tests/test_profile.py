@@ -149,16 +149,16 @@ def test_cli_json() -> None:
         assert r["verdict"] in ("go", "no-go") and 0 <= r["kv_attention_share"] <= 1
     assert rep["backend"] in ("cpu", "cuda", "metal") and rep["verdict"] in ("go", "no-go")
     assert rep["fp16_window"] == 32  # the cache `rq run` makes
-    res = CliRunner().invoke(app, ["profile", str(GOLDEN), "--context", "64", "--repeats", "2", "--fp16-window", "0",
-                                   "--json"])
+    res = CliRunner().invoke(app, ["profile", str(GOLDEN), "--context", "64", "--repeats", "2", "--kv-config",
+                                   "fp16_window=0", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["fp16_window"] == 0
 
 
 @pytest.mark.skipif(not (GOLDEN / "config.json").is_file(), reason="golden tiny model missing")
 def test_cli_json_pair_points() -> None:
-    res = CliRunner().invoke(app, ["profile", str(GOLDEN), "--context", "64", "--repeats", "2", "--pair-points",
-                                   "128,32", "--json"])
+    res = CliRunner().invoke(app, ["profile", str(GOLDEN), "--context", "64", "--repeats", "2", "--kv-config",
+                                   "pair_points=128,32", "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     assert rep["pair_points"] == [128, 32] and rep["key_bits"] is None
@@ -166,14 +166,14 @@ def test_cli_json_pair_points() -> None:
 
 
 @pytest.mark.parametrize("args, msg", [
-    (["--pair-points", "100,32"], "pair"),
-    (["--pair-points", "128,32", "--key-bits", "4"], "cannot be combined"),
+    (["--kv-config", "pair_points=100,32"], "pair"),
+    (["--kv-config", "pair_points=128,32", "--kv-config", "key_bits=4"], "cannot both be set"),
     (["--context", "abc"], "bad --context"),
     (["--context", "0"], "positive"),
     (["--threshold", "1.5"], "threshold"),
     (["--fill", "magic"], "unknown fill"),
-    (["--kv", "int9"], "KV mode"),
-    (["--fp16-window", "-1"], "--fp16-window must be >= 0"),
+    (["--kv", "int9"], "unknown --kv"),
+    (["--kv-config", "fp16_window=-1"], "kv.fp16_window = -1 must be >= 0"),
 ])
 def test_cli_bad_input(args: list[str], msg: str) -> None:
     res = CliRunner().invoke(app, ["profile", str(GOLDEN), *args])
@@ -193,3 +193,24 @@ def test_other_families_attribute_their_layers(family: str, kind: str) -> None:
     assert r["layers"][kind] >= 1 and r["attribution"][kind] > 0
     assert r["layers"]["kv_attention"] >= 1 and r["kernels"] is not None
     assert sum(r["attribution"].values()) == pytest.approx(r["decode_step_ms"])
+
+
+@pytest.mark.skipif(not (GOLDEN / "config.json").is_file(), reason="golden tiny model missing")
+def test_cli_takes_the_recipes_kv_and_budget(tmp_path: Path) -> None:
+    """As `rq run`: the checkpoint's recipe.toml gives the KV settings and, once packed, the memory budget
+    (so the experts are paged); --kv-config sets a key over it."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(GOLDEN.parent.parent / "qwen2_moe" / "model", ck)  # routed experts to page
+    (ck / "recipe.toml").write_text('version = 1\nname = "t"\n[kv]\nmode = "turbo3"\nfp16_window = 4\n'
+                                    '[pager]\nmemory_budget = "4MB"\npolicy = "mmap"\n')
+    args = ["profile", str(ck), "--context", "32", "--repeats", "1", "--warmup", "0", "--json"]
+    rep = json.loads(CliRunner().invoke(app, args).stdout)
+    assert (rep["kv_mode"], rep["fp16_window"], rep["pager"]) == ("turbo3", 4, None)  # not packed: all resident
+    assert CliRunner().invoke(app, ["pack", str(ck)]).exit_code == 0
+    res = CliRunner().invoke(app, [*args, "--kv-config", "fp16_window=2"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert (rep["kv_mode"], rep["fp16_window"]) == ("turbo3", 2)
+    assert rep["pager"] is not None and rep["pager"]["policy"] == "mmap"

@@ -97,3 +97,40 @@ def test_kv_settings_and_sizes():
 def test_unknown_recipe_name():
     with pytest.raises(RQError, match="no recipe 'nope'.*qwen3-16gb"):
         recipe.load("nope")
+
+
+def test_kv_config_sets_recipe_keys_with_the_recipes_checks():
+    """--kv-config KEY=VALUE: any [kv] key, parsed as the recipe's TOML value and checked by the same code."""
+    base = recipe.load("qwen3-16gb").kv
+    kv = recipe.apply_kv_config(base, ["pair_points=off", "kv.edge_layers=0", "rotation=so3", "prefill_fp16=all",
+                                       "value_gain=off", "fp16-window=8"])
+    assert kv.pair_points == () and kv.edge_layers == 0 and kv.rotation == "so3" and kv.prefill_fp16 is None
+    assert kv.value_gain is False and kv.fp16_window == 8 and kv.mode == base.mode
+    assert recipe.apply_kv_config(base, ["pair_points=64,64"]).pair_points == (64, 64)
+    assert recipe.apply_kv_config(base, ["prefill_fp16=48"]).prefill_fp16 == 48
+    # later settings win; `default` unsets pair_points so key_bits can be set
+    assert recipe.apply_kv_config(base, ["fp16_window=8", "fp16_window=2"]).fp16_window == 2
+    kb = recipe.apply_kv_config(recipe.apply_kv_config(base, ["pair_points=128,32"]),
+                                ["pair_points=default", "key_bits=4"])
+    assert kb.key_bits == 4 and kb.pair_points is None
+    assert recipe.apply_kv_config(base, []) is base
+
+
+@pytest.mark.parametrize("items, match", [
+    (["pair_points=128,33"], r"kv.pair_points = \[128, 33\] must each be one of"),
+    (["pair_points=lots"], "kv.pair_points must be two integers"),
+    (["window=3"], "unknown key 'kv.window'"),
+    (["edge_layers=-1"], "kv.edge_layers must be >= 0"),
+    (["fp16_window=abc"], "'kv.fp16_window' must be an integer"),
+    (["key_bits=5"], "kv.key_bits = 5 must be between 1 and 4"),
+    (["prefill_fp16=most"], "kv.prefill_fp16 must be a token count or 'all'"),
+    (["value_gain=maybe"], "kv.value_gain must be on or off"),
+    (["rotation=bogus"], "kv.rotation = 'bogus' is not one of"),
+    (["pair_points=128,32", "key_bits=4"], "cannot both be set"),
+    (["mode=fp16"], "set with --kv"),
+    (["edge_layers"], "takes KEY=VALUE"),
+])
+def test_kv_config_errors_are_one_line(items, match):
+    with pytest.raises(RQError, match=match) as e:
+        recipe.apply_kv_config(recipe.load("qwen3-16gb").kv, items)
+    assert "\n" not in str(e.value) and str(e.value).startswith("--kv-config")

@@ -165,10 +165,10 @@ def test_kv_settings_come_from_the_recipe_unless_flagged(tmp_path: Path) -> None
     out = json.loads(r.output)
     assert (out["kv_mode"], out["kv_window"], out["settings_from"]) == ("isoquant3", 0, "recipe.toml")
     assert out["kv_bytes"] < out["kv_bytes_fp16"]  # compressed: the recipe's mode is in effect
-    r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--kv-window", "2", "--json")
+    r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--kv-config", "fp16_window=2", "--json")
     out = json.loads(r.output)
     assert (out["kv_mode"], out["kv_window"]) == ("isoquant3", 2)
-    r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--fp16-window", "3", "--json")  # rq eval's name
+    r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--kv-config", "kv.fp16_window=3", "--json")
     assert json.loads(r.output)["kv_window"] == 3
     r = _rq(str(d), "--prompt", "hello", "--max-tokens", "3", "--kv", "fp16", "--json")
     out = json.loads(r.output)
@@ -182,18 +182,20 @@ def test_kv_settings_come_from_the_recipe_unless_flagged(tmp_path: Path) -> None
     assert json.loads(_rq(str(d2), "--prompt", "hi", "--max-tokens", "1", "--json").output)["kv_window"] == 32
 
 
-def test_rotation_flag(tmp_path: Path) -> None:
-    """--rotation picks the isoquant3 cache's rotation over the recipe's; JSON reports it; bad names fail."""
+def test_kv_config_rotation(tmp_path: Path) -> None:
+    """--kv-config rotation=NAME picks the isoquant3 cache's rotation over the recipe's; JSON reports it; bad names
+    fail with one line naming the key."""
     d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\n')
     outs = {}
     for rot in ("wht_so4", "rwht_so4"):
-        r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--rotation", rot, "--json")
+        r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--kv-config", f"rotation={rot}", "--json")
         assert r.exit_code == 0, r.output
         outs[rot] = json.loads(r.output)
         assert outs[rot]["rotation"] == rot and outs[rot]["kv_bytes"] < outs[rot]["kv_bytes_fp16"]
     r = _rq(str(d), "--prompt", "hello", "--max-tokens", "1", "--kv", "fp16", "--json")
     assert json.loads(r.output)["rotation"] is None
-    assert "--rotation" in _error_line(_rq(str(d), "--prompt", "hello", "--rotation", "dense"))
+    assert "--kv-config: kv.rotation = 'bogus'" in _error_line(_rq(str(d), "--prompt", "hello", "--kv-config",
+                                                                  "rotation=bogus"))
 
 
 def test_bad_recipe_in_checkpoint_is_one_line(tmp_path: Path) -> None:
@@ -201,59 +203,60 @@ def test_bad_recipe_in_checkpoint_is_one_line(tmp_path: Path) -> None:
     assert "isoquant9" in _error_line(_rq(str(d), "--prompt", "hello"))
 
 
-def test_edge_layers_flag_and_recipe(tmp_path: Path) -> None:
+def test_edge_layers_kv_config_and_recipe(tmp_path: Path) -> None:
     """kv.edge_layers (default 1): the first and last compressed layers hold 4-bit codes, so more bytes than without;
-    --edge-layers overrides the recipe's; JSON and the stats line say so; a negative count is one error line."""
+    --kv-config edge_layers=N overrides the recipe's; JSON and the stats line say so; a negative count is one error line."""
     d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\n')
     runs = {}
-    for extra in ((), ("--edge-layers", "0")):
+    for extra in ((), ("--kv-config", "edge_layers=0")):
         r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--json", *extra)
         assert r.exit_code == 0, r.output
         runs[extra] = json.loads(r.output)
-    edges, none = runs[()], runs[("--edge-layers", "0")]
+    edges, none = runs[()], runs[("--kv-config", "edge_layers=0")]
     assert (edges["kv_edge_layers"], edges["kv_edge_bits"]) == (1, 4) and none["kv_edge_layers"] == 0
     assert edges["kv_bytes"] > none["kv_bytes"]
     d0 = _with_recipe(tmp_path / "z", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nedge_layers = 0\n')
     assert json.loads(_rq(str(d0), "--prompt", "hi", "--max-tokens", "2", "--json").output)["kv_edge_layers"] == 0
     r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "2")
     assert r.exit_code == 0 and "1 edge layer(s) at 4 bits" in r.output, r.output
-    assert "--edge-layers" in _error_line(_rq(str(d), "--prompt", "hello", "--edge-layers", "-1"))
+    assert "kv.edge_layers must be >= 0" in _error_line(_rq(str(d), "--prompt", "hello", "--kv-config",
+                                                            "edge_layers=-1"))
 
 
-def test_pair_points_flag_and_recipe(tmp_path: Path) -> None:
-    """isoquant3 takes pair codebooks (128, 32) by default at head dim 128; --pair-points (or the recipe's
+def test_pair_points_kv_config_and_recipe(tmp_path: Path) -> None:
+    """isoquant3 takes pair codebooks (128, 32) by default at head dim 128; --kv-config pair_points= (or the recipe's
     kv.pair_points) sets them, 'off' (or []) gives scalar codebooks at the same bytes; JSON reports what the caches
     took; bad values and a recipe with kv.key_bits fail with one line. (No edge layers: the tiny model's two layers
     would both be edges.)"""
     d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nfp16_window = 0\nedge_layers = 0\n')
-    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--pair-points", "64,64", "--json")
+    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--kv-config", "pair_points=64,64", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["kv_pair_points"] == [64, 64] and out["kv_bytes"] < out["kv_bytes_fp16"]
     r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--json")
     default = json.loads(r.output)
     assert default["kv_pair_points"] == [128, 32]
-    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--pair-points", "off", "--json")
+    r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "4", "--kv-config", "pair_points=off", "--json")
     scalar = json.loads(r.output)
     assert scalar["kv_pair_points"] is None and scalar["kv_bytes"] == default["kv_bytes"]
     r = _rq(str(d), "--prompt", "hello there", "--max-tokens", "2")
     assert r.exit_code == 0 and "KV isoquant3 (pair codebooks 128/32)" in r.output, r.output
     d0 = _with_recipe(tmp_path / "s", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = []\nedge_layers = 0\n')
     assert json.loads(_rq(str(d0), "--prompt", "hi", "--max-tokens", "2", "--json").output)["kv_pair_points"] is None
-    assert "pair" in _error_line(_rq(str(d), "--prompt", "hello", "--pair-points", "128,33"))
+    assert "pair" in _error_line(_rq(str(d), "--prompt", "hello", "--kv-config", "pair_points=128,33"))
     d2 = _with_recipe(tmp_path / "b", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\npair_points = [64, 64]\nedge_layers = 0\n')
     r = _rq(str(d2), "--prompt", "hello there", "--max-tokens", "4", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["kv_pair_points"] == [64, 64]
     d3 = _with_recipe(tmp_path / "c", 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\nkey_bits = 4\n')
-    assert "key_bits" in _error_line(_rq(str(d3), "--prompt", "hello", "--pair-points", "128,32"))
+    assert "key_bits" in _error_line(_rq(str(d3), "--prompt", "hello", "--kv-config", "pair_points=128,32"))
 
 
-def test_prefill_fp16_flag() -> None:
-    """--prefill-fp16 N: a prompt longer than N is compressed while it prefills (its later chunks attend to the
+def test_prefill_fp16_kv_config() -> None:
+    """--kv-config prefill_fp16=N: a prompt longer than N is compressed while it prefills (its later chunks attend to the
     compressed tokens); the run generates and reports the bound; a negative bound is one error line."""
     prompt = " ".join(["ROMEO: But soft, what light through yonder window breaks?"] * 12)
-    r = _rq("--prompt", prompt, "--kv", "isoquant3", "--prefill-fp16", "48", "--prefill-chunk", "32",
+    r = _rq("--prompt", prompt, "--kv", "isoquant3", "--kv-config", "prefill_fp16=48", "--prefill-chunk", "32",
             "--max-tokens", "4", "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
@@ -261,8 +264,108 @@ def test_prefill_fp16_flag() -> None:
     assert d["kv_bytes"] < d["kv_bytes_fp16"]
     d0 = json.loads(_rq("--prompt", "ROMEO:", "--kv", "isoquant3", "--max-tokens", "1", "--json").stdout)
     assert d0["kv_prefill_fp16"] == 4096  # the default bound
-    da = json.loads(_rq("--prompt", "ROMEO:", "--kv", "isoquant3", "--prefill-fp16", "all", "--max-tokens", "1",
+    da = json.loads(_rq("--prompt", "ROMEO:", "--kv", "isoquant3", "--kv-config", "prefill_fp16=all", "--max-tokens", "1",
                         "--json").stdout)
     assert da["kv_prefill_fp16"] is None  # the whole prompt in fp16
-    assert "--prefill-fp16 = -1 must be >= 0" in _error_line(_rq("--prompt", "x", "--prefill-fp16", "-1"))
-    assert "token count or 'all'" in _error_line(_rq("--prompt", "x", "--prefill-fp16", "lots"))
+    assert "kv.prefill_fp16 = -1 must be >= 0" in _error_line(_rq("--prompt", "x", "--kv-config", "prefill_fp16=-1"))
+    assert "token count or 'all'" in _error_line(_rq("--prompt", "x", "--kv-config", "prefill_fp16=lots"))
+
+
+def _np_filtered(logits, temp, top_p=1.0, top_k=0, min_p=0.0):
+    """The distribution the sampler should draw from, computed in numpy: softmax(logits / temp), then top-k,
+    top-p (of what is left, renormalised) and min-p (against the most likely), renormalised."""
+    import numpy as np
+
+    z = np.asarray(logits, np.float64) / temp
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = np.ones_like(p, bool)
+    order = np.argsort(-p, kind="stable")
+    if 0 < top_k < len(p):
+        keep[order[top_k:]] = False
+    if top_p < 1:
+        q = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+        before = np.cumsum(q[order]) - q[order]  # mass of the more likely tokens
+        keep[order[before >= top_p]] = False
+    if min_p > 0:
+        keep &= p >= min_p * p.max()
+    out = np.where(keep, p, 0)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temp, top_p, top_k, min_p", [
+    (1.0, 1.0, 3, 0.0), (0.7, 1.0, 0, 0.1), (1.3, 0.8, 5, 0.0), (1.0, 0.9, 4, 0.2), (2.0, 1.0, 0, 0.0),
+    (1.0, 1.0, 1, 0.0), (1.0, 1.0, 0, 1.0),
+])
+def test_sampler_filters_match_numpy(temp, top_p, top_k, min_p) -> None:
+    """filter_logits leaves the numpy distribution, and sample() draws from it (frequencies over many rows)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from rq_core.generate import filter_logits, sample
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1.5, size=12).astype(np.float32)
+    want = _np_filtered(logits, temp, top_p, top_k, min_p)
+    got = np.array(mx.softmax(filter_logits(mx.array(logits[None]), temp, top_p, top_k, min_p), axis=-1))[0]
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert (want == 0).sum() > 0 or (top_k == 0 and min_p == 0 and top_p == 1)  # a filter that drops nothing tests nothing
+    mx.random.seed(1)
+    n = 40000
+    draws = np.array(sample(mx.array(np.tile(logits, (n, 1))), temp, top_p, top_k, min_p))
+    freq = np.bincount(draws, minlength=len(logits)) / n
+    assert np.all(freq[want == 0] == 0)
+    tol = 5 * np.sqrt(want * (1 - want) / n) + 1e-9  # five standard errors a token
+    assert np.all(np.abs(freq - want) <= tol), (freq, want)
+
+
+def test_system_message_goes_through_the_chat_template() -> None:
+    """--system: a system message before the prompt in the chat template (so it implies --chat)."""
+    from rq_core.checkpoint import load
+
+    tok = load(str(QWEN2)).tokenizer
+    want = tok.encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                      "<|im_start|>assistant\n", add_special_tokens=False)
+    r = _rq(str(QWEN2), "--prompt", "hi", "--system", "Be brief.", "--max-tokens", "1", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["prompt_tokens"] == len(want)
+    chat = json.loads(_rq(str(QWEN2), "--prompt", "hi", "--chat", "--max-tokens", "1", "--json").stdout)
+    assert chat["prompt_tokens"] < len(want)
+
+
+def test_top_k_and_min_p_reach_the_sampler() -> None:
+    """--top-k 1 or --min-p 1 leave only the most likely token: sampling at a high temperature is then greedy."""
+    args = ("--prompt", "ROMEO:", "--max-tokens", "12", "--json")
+    greedy = json.loads(_rq(str(QWEN2), *args).stdout)["tokens"]
+    hot = ("--temp", "5", "--seed", "1")
+    assert json.loads(_rq(str(QWEN2), *args, *hot).stdout)["tokens"] != greedy  # a hot sample differs
+    assert json.loads(_rq(str(QWEN2), *args, *hot, "--top-k", "1").stdout)["tokens"] == greedy
+    assert json.loads(_rq(str(QWEN2), *args, *hot, "--min-p", "1").stdout)["tokens"] == greedy
+    assert "--top-k must be >= 0" in _error_line(_rq("--prompt", "x", "--top-k", "-1"))
+    assert "--min-p must be in [0, 1]" in _error_line(_rq("--prompt", "x", "--min-p", "1.5"))
+
+
+def test_model_option_is_the_positional_argument() -> None:
+    """--model (mlx-lm's spelling) is MODEL; both at once must agree."""
+    args = ("--prompt", "hello", "--max-tokens", "3", "--json")
+    pos = json.loads(_rq(str(QWEN2), *args).stdout)
+    opt = json.loads(_rq("--model", str(QWEN2), *args).stdout)
+    assert pos["tokens"] == opt["tokens"] and opt["model"] == pos["model"] and opt["model_type"] == "qwen2_moe"
+    assert json.loads(_rq(str(QWEN2), "-m", str(QWEN2), *args).stdout)["tokens"] == pos["tokens"]
+    assert "two models given" in _error_line(_rq(str(QWEN2), "--model", str(GOLDEN / "qwen3_moe" / "model"), *args))
+
+
+def test_kv_config_is_repeatable_and_checked_before_loading(tmp_path: Path) -> None:
+    d = _with_recipe(tmp_path, 'version = 1\nname = "t"\n[kv]\nmode = "isoquant3"\n')
+    out = json.loads(_rq(str(d), "--prompt", "hi", "--max-tokens", "1", "--json", "--kv-config", "fp16_window=5",
+                         "--kv-config", "edge_layers=0", "--kv-config", "fp16_window=7").stdout)
+    assert (out["kv_window"], out["kv_edge_layers"]) == (7, 0)
+    line = _error_line(_rq(str(tmp_path / "nothing"), "--prompt", "hi", "--kv-config", "windw=3"))
+    assert "--kv-config: unknown key 'kv.windw'" in line  # before the (missing) model is looked for
+    assert "KEY=VALUE" in _error_line(_rq("--prompt", "hi", "--kv-config", "edge_layers"))
+
+
+@pytest.mark.parametrize("flag", ["--pair-points", "--prefill-fp16", "--edge-layers", "--rotation", "--kv-window",
+                                  "--fp16-window", "--key-bits"])
+def test_research_flags_live_in_the_recipe(flag: str) -> None:
+    assert "No such option" in _error_line(_rq("--prompt", "hi", flag, "1"))

@@ -139,7 +139,7 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["soak", str(GOLDEN), "--hours", "1", "--minutes", "2", "--report", "x.json"])
     assert r.exit_code == 2
     r = CliRunner().invoke(app, ["soak", str(GOLDEN), "--minutes", "1", "--kv", "int9", "--report", "x.json"])
-    assert r.exit_code == 2 and "unknown KV mode" in r.output
+    assert r.exit_code == 2 and "unknown --kv 'int9'" in r.output
     assert "Traceback" not in r.output
 
 

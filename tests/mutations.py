@@ -336,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         if not a.no_baseline:
             files = tuple(dict.fromkeys(t for _, mu in chosen for t in mu.tests))
             rc, out, dt = run_tests(scratch, files)
-            print(f"baseline ({len(files)} test files, unmutated): {'pass' if rc == 0 else 'FAIL'} in {dt:.0f} s",
-                  flush=True)
+            verdict = "pass" if rc == 0 else "FAIL"
+            print(f"baseline ({len(files)} test files and tests, unmutated): {verdict} in {dt:.0f} s", flush=True)
             if rc != 0:
                 print(out[-3000:])
                 return 1

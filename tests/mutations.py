@@ -1,0 +1,358 @@
+"""Mutation run: plant each bug of MUTATIONS in a scratch copy of the repository, run the tests named for it, and
+report whether they caught it.
+
+    python3 tests/mutations.py              # every mutation (a baseline run of the named test files first)
+    python3 tests/mutations.py --only 7     # mutation 7 alone
+    python3 tests/mutations.py --list       # the list, nothing run
+    python3 tests/mutations.py --markdown   # the result table as markdown (tests/README.md, "Mutation run")
+
+The working tree is never written: the tracked and untracked-but-not-ignored files are copied into a temporary
+folder once, each mutation is written there, its tests run (`PYTHONPATH=<scratch> python3 -m pytest -q -x`), and the
+file put back before the next one. A mutation whose original snippet is not in its file exactly once is "stale"
+(the code moved on: update the snippet). Exit status 1 when any mutation survived, was stale, or its tests failed
+to run (collection error, timeout), or when the baseline run of the named tests fails on the unmutated copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 300  # one mutation's test run
+
+
+@dataclass(frozen=True)
+class Mutation:
+    file: str  # relative to the repository root
+    old: str  # exact snippet, present exactly once in the file
+    new: str
+    what: str  # one line
+    tests: tuple[str, ...]  # pytest arguments: files or node ids
+
+
+M = Mutation
+NEW = "tests/test_mutation_catches.py::"  # tests written for mutations the other tests let through
+MUTATIONS: list[Mutation] = [
+    # -- rotation
+    M("rq_core/rotation.py",
+      "return np.where(rng.random(d) < 0.5, -1.0, 1.0)",
+      "return np.where(rng.random(d) < 0.5, 1.0, -1.0)",
+      "rwht_so4 sign vector flipped (D_s negated: still orthogonal)",
+      ("tests/test_rotation.py", NEW + "test_rotation_matches_format_md_by_quaternions")),
+    M("rq_core/rotation.py",
+      "return quat_left(q[:, 0]) @ quat_right(quat_conj(q[:, 1]))",
+      "return quat_left(q[:, 0]) @ quat_right(q[:, 1])",
+      "SO(4) block uses q_R instead of conj(q_R) (still orthogonal)",
+      ("tests/test_rotation.py",)),
+    M("rq_core/rotation.py",
+      "        if self._blocks is not None:\n            y = self._blocks_apply(y, self._blocks.swapaxes(-1, -2))\n"
+      "        if self.use_wht:\n            y = wht(y)\n",
+      "        if self.use_wht:\n            y = wht(y)\n"
+      "        if self._blocks is not None:\n            y = self._blocks_apply(y, self._blocks.swapaxes(-1, -2))\n",
+      "inverse applies the WHT before the SO(4) blocks (wrong block order)",
+      ("tests/test_rotation.py",)),
+    # -- codebook
+    M("rq_core/codebook.py",
+      "p = np.exp((d - 3) / 2 * np.log1p(-np.minimum(z * z / d, 1.0)))",
+      "p = np.exp((d - 1) / 2 * np.log1p(-np.minimum(z * z / d, 1.0)))",
+      "sphere marginal exponent (d-1)/2 instead of (d-3)/2 (every level moved slightly)",
+      ("tests/test_codebook.py",)),
+    M("rq_core/codebook.py",
+      "return float((z * z).sum() / (z * zh).sum())",
+      "return float((z * zh).sum() / (z * z).sum())",
+      "reconstruction gain inverted (1 - D instead of 1 / (1 - D))",
+      ("tests/test_codebook.py", "tests/test_kv_cache.py")),
+    M("rq_core/assets/pair_codebooks.json",
+      '"d128_n32_s2":[0.34981802,',
+      '"d128_n32_s2":[1.34981802,',
+      "shipped values' pair codebook (d=128, 32 points): one point moved by +1.0",
+      ("tests/test_codebook.py", "tests/test_kv_cache.py", NEW + "test_shipped_pair_codebook_is_a_lloyd_fixed_point")),
+    # -- packing
+    M("rq_core/packing.py",
+      "k, s = divmod(j * bits, 32)",
+      "k, s = divmod(j * bits + 1, 32)",
+      "pack: every field one bit later in the stream",
+      ("tests/test_packing.py",)),
+    M("rq_core/packing.py",
+      "shifts = mx.arange(0, 8 * bits, bits, dtype=mx.uint32)",
+      "shifts = mx.arange(1, 8 * bits + 1, bits, dtype=mx.uint32)",
+      "unpack: bit offset off by one",
+      ("tests/test_packing.py",)),
+    # -- kv_cache
+    M("rq_core/kv_cache.py",
+      "        if not self.prefilling:\n            self._spill(self.fp16_window)\n",
+      "        if not self.prefilling:\n            self._spill(self.fp16_window + 1)\n",
+      "decode keeps fp16_window + 1 tokens in fp16 (window off by one)",
+      ("tests/test_kv_cache.py",)),
+    M("rq_core/kv_cache.py",
+      "for i in sorted(set(idx[:n] + idx[-n:])):",
+      "for i in sorted(set(idx[:n])):",
+      "edge layers: only the first n compressed layers, not the last",
+      ("tests/test_kv_cache.py",)),
+    M("rq_core/kv_cache.py",
+      "              value_gain=settings.value_gain)",
+      "              )",
+      "make_kv_cache drops kv.value_gain (value gain never applied)",
+      ("tests/test_kv_cache.py",)),
+    M("rq_core/kv_cache.py",
+      "        return pack(idx, bits), m.astype(mx.float16)\n    thresholds",
+      "        return pack(idx, bits), m.astype(mx.bfloat16)\n    thresholds",
+      "pair-codebook norms stored as bfloat16 instead of float16",
+      ("tests/test_kv_cache.py",)),
+    # -- dispatch
+    M("rq_core/dispatch.py",
+      'm = None if (isinstance(mask, str) and L == 1) else mask',
+      'm = None',
+      "prompt (nothing packed): causal mask dropped",
+      ("tests/test_dispatch.py", "tests/test_kv_cache.py")),
+    M("rq_core/dispatch.py",
+      'if cfg.attention == "fused" and arr_mask is None and (',
+      'if cfg.attention != "reference" and arr_mask is None and (',
+      "RQ_ATTN=four takes the fused kernel (wrong path chosen)",
+      ("tests/test_dispatch.py", NEW + "test_four_setting_takes_the_four_kernel_pipeline_not_the_fused_kernel")),
+    # -- attention reference
+    M("rq_core/attention.py",
+      "s = mx.where(k_pos[None, :] <= q_pos, s, -mx.inf)",
+      "s = mx.where(k_pos[None, :] < q_pos, s, -mx.inf)",
+      "online attention: a query does not see its own key (causal off by one)",
+      ("tests/test_attention.py",)),
+    M("rq_core/attention.py",
+      "kscale = k_norms[:, :, k0:k1].astype(mx.float32) * inv_sqrt_d",
+      "kscale = k_norms[:, :, k0:k1].astype(mx.float32)",
+      "packed attention: keys' 1/sqrt(d) scale missing",
+      ("tests/test_attention.py",)),
+    M("rq_core/attention.py",
+      "    w = w / mx.maximum(total, 1e-30)\n",
+      "",
+      "merge: segment weights not normalized",
+      ("tests/test_attention.py",)),
+    # -- generate
+    M("rq_core/generate.py",
+      "drop_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) >= top_p",
+      "drop_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) < top_p",
+      "top-p keeps the tail instead of the nucleus",
+      ("tests/test_models.py",)),
+    M("rq_core/generate.py",
+      "drop_sorted = (mx.cumsum(sorted_p, axis=-1) - sorted_p) >= top_p",
+      "drop_sorted = mx.cumsum(sorted_p, axis=-1) > top_p",
+      "top-p drops the token whose mass crosses top_p",
+      ("tests/test_models.py",)),
+    M("rq_core/generate.py",
+      '            res.stop_reason = "eos"\n            break\n',
+      '            res.stop_reason = "eos"\n            continue\n',
+      "EOS does not stop generation",
+      ("tests/test_models.py", NEW + "test_generate_stops_at_eos_and_leaves_it_out")),
+    M("rq_core/generate.py",
+      "max_tokens = min(max_tokens, context_length - len(prompt))",
+      "max_tokens = min(max_tokens, context_length - len(prompt) + 1)",
+      "one token past the context (max tokens off by one)",
+      ("tests/test_models.py", NEW + "test_generate_stops_at_the_context_length")),
+    # -- pager / pack / planner
+    M("rq_core/pager.py",
+      "                self.lru.move_to_end(int(e))\n",
+      "                pass\n",
+      "pager: a hit does not refresh the expert (LRU turned FIFO)",
+      ("tests/test_pager.py",)),
+    M("rq_core/pager.py",
+      "self.free = list(range(self.slots))",
+      "self.free = list(range(self.slots - 1))",
+      "pager: one slot fewer than planned",
+      ("tests/test_pager.py",)),
+    M("rq_core/pager.py",
+      "if self.pager.verify and not self.checked[e]:",
+      "if self.pager.verify and self.checked[e]:",
+      "pager: CRC never checked (test inverted)",
+      ("tests/test_untrusted_pages.py",)),
+    M("rq_core/pack.py",
+      's not in (".", "..")',
+      's != "."',
+      "page index: a '..' file name accepted",
+      ("tests/test_untrusted_pages.py", NEW + "test_page_index_refuses_a_file_name_outside_the_pack")),
+    M("rq_core/planner.py",
+      "slots = max(0, min(E, free // (n_moe * per_expert))) if per_expert else E",
+      "slots = max(0, min(E, free // per_expert)) if per_expert else E",
+      "planner: free bytes not shared among the MoE layers",
+      ("tests/test_planner.py",)),
+    M("rq_core/planner.py",
+      "per_tok = sum(2 * h * per_vec(d, edge_bits if i in edge else kv_bits)",
+      "per_tok = sum(h * per_vec(d, edge_bits if i in edge else kv_bits)",
+      "planner: KV bytes count keys only",
+      ("tests/test_planner.py",)),
+    # -- quantize / roles / recipe / checkpoint
+    M("rq_core/quantize.py",
+      "q, s, b = mx.quantize(a, group_size=spec.group_size, bits=spec.bits)",
+      "q, s, b = mx.quantize(a, bits=spec.bits)",
+      "quantize: the role's group size ignored (MLX default 64)",
+      ("tests/test_quantize.py",)),
+    M("rq_core/roles.py",
+      'return SHARED_EXPERT if tc.get("enable_moe_block", True) else DENSE_MLP',
+      'return DENSE_MLP if tc.get("enable_moe_block", True) else SHARED_EXPERT',
+      "gemma4: shared-expert and dense-MLP roles swapped (their bits swapped)",
+      ("tests/test_roles.py", "tests/test_quantize.py")),
+    M("rq_core/recipe.py",
+      "if (lo is not None and v < lo) or (hi is not None and v > hi):",
+      "if lo is not None and v < lo:",
+      "recipe: upper range check dropped",
+      ("tests/test_recipe.py",)),
+    M("rq_core/checkpoint.py",
+      'if (not isinstance(name, str) or not name.endswith(".safetensors") or Path(name).name != name\n'
+      '            or any(c in name for c in "/\\\\\\0")):',
+      'if not isinstance(name, str) or not name.endswith(".safetensors") or name.startswith("/"):',
+      "checkpoint index: only absolute shard names refused ('../x.safetensors' accepted)",
+      ("tests/test_untrusted_checkpoint.py",)),
+    # -- models
+    M("rq_core/models/qwen2_moe.py",
+      "rope = make_rope(args.head_dim, theta, scaling,",
+      "rope = make_rope(args.head_dim, 10000.0, scaling,",
+      "qwen MoE: rope_theta ignored (10000)",
+      ("tests/test_models.py", NEW + "test_qwen_rope_uses_config_theta")),
+    M("rq_core/models/qwen2_moe.py",
+      "self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)",
+      "self.input_layernorm = nn.RMSNorm(args.hidden_size)",
+      "qwen MoE: input norm's rms_norm_eps ignored (MLX default 1e-5)",
+      ("tests/test_models.py",)),
+    M("rq_core/models/base.py",
+      "    inds = topk_indices(probs, k)\n",
+      "    inds = topk_indices(probs, k - 1)\n",
+      "softmax routing picks top-(k-1) experts",
+      ("tests/test_models.py",)),
+    M("rq_core/models/qwen2_moe.py",
+      "y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)",
+      "y = y + self.shared_expert(x)",
+      "qwen2_moe: shared-expert sigmoid gate dropped",
+      ("tests/test_models.py",)),
+    # -- kernels (CUDA/Metal source, run by the g++ emulator)
+    M("metal/kv_decode.body",
+      "if (sh + FB > 32) c |= codes[wi + 1u] << (32 - sh);",
+      "if (sh + FB > 32) c |= codes[wi + 1u] << (31 - sh);",
+      "kv_decode: a field straddling two words reads the high word one bit off",
+      ("tests/test_kv_decode_kernel.py",)),
+    M("metal/kv_append.body",
+      "for (int t = 0; t < nl - 1; ++t) c += z > consts[loff + nl + t] ? 1u : 0u;",
+      "for (int t = 0; t < nl - 2; ++t) c += z > consts[loff + nl + t] ? 1u : 0u;",
+      "kv_append: scalar code ignores the top threshold",
+      ("tests/test_kv_append_kernel.py",)),
+    M("metal/softmax.body",
+      "exp2_f(sv * LOG2E - M) * inv",
+      "exp2_f(sv * 1.4427f - M) * inv",
+      "softmax kernel: LOG2E rounded to 1.4427 (the row max uses the exact one)",
+      ("tests/test_split_kernels.py",)),
+    M("metal/attn_fused.body",
+      "const float fo = den > 0.0f ? rsqrt_f((float)D) / den : 0.0f;",
+      "const float fo = den > 0.0f ? 1.0f / den : 0.0f;",
+      "attn_fused: output's 1/sqrt(D) dropped",
+      ("tests/test_kernels.py",)),
+]
+
+
+def scratch_copy(dst: Path) -> None:
+    """Tracked and untracked-but-not-ignored files of the working tree (what the tests see) into dst."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, check=True).stdout.decode()
+    for rel in filter(None, out.split("\0")):
+        src = ROOT / rel
+        if not src.is_file():  # deleted but still in the index
+            continue
+        t = dst / rel
+        t.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, t, follow_symlinks=False)
+
+
+def run_tests(scratch: Path, tests: tuple[str, ...]) -> tuple[int, str, float]:
+    env = dict(os.environ, PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", *tests]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = -1, f"timeout after {TIMEOUT_S} s\n{e.stdout or ''}"
+    return rc, out, time.perf_counter() - t0
+
+
+def first_failure(out: str) -> str:
+    m = re.search(r"^FAILED (.+?)(?: - .*)?$", out, re.M)
+    return m.group(1) if m else ""
+
+
+def run_one(scratch: Path, i: int, mu: Mutation) -> dict:
+    path = scratch / mu.file
+    original = path.read_text()
+    n = original.count(mu.old)
+    if n != 1:
+        return dict(i=i, mu=mu, result="stale", by=f"snippet found {n} times", s=0.0)
+    path.write_text(original.replace(mu.old, mu.new))
+    try:
+        rc, out, dt = run_tests(scratch, mu.tests)
+    finally:
+        path.write_text(original)
+    if rc == 0:
+        return dict(i=i, mu=mu, result="survived", by="", s=dt)
+    if rc == 1 and first_failure(out):
+        return dict(i=i, mu=mu, result="caught", by=first_failure(out), s=dt)
+    tail = out.strip().splitlines()[-1] if out.strip() else f"rc {rc}"
+    return dict(i=i, mu=mu, result="error", by=tail[:100], s=dt)
+
+
+def table(rows: list[dict], markdown: bool) -> str:
+    if markdown:
+        lines = ["| # | file | mutation | result | caught by |", "|---|---|---|---|---|"]
+        lines += [f"| {r['i']} | {r['mu'].file} | {r['mu'].what} | {r['result']} | {r['by']} |" for r in rows]
+        return "\n".join(lines)
+    w = max(len(r["mu"].what) for r in rows)
+    lines = [f"{'#':>3}  {'result':8}  {'s':>6}  {'mutation':{w}}  caught by"]
+    lines += [f"{r['i']:>3}  {r['result']:8}  {r['s']:6.1f}  {r['mu'].what:{w}}  {r['by']}" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", type=int, action="append", help="run mutation N (1-based; may repeat)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the named tests")
+    a = ap.parse_args(argv)
+    chosen = [(i, MUTATIONS[i - 1]) for i in (a.only or range(1, len(MUTATIONS) + 1))
+              if 1 <= i <= len(MUTATIONS)]
+    if a.only and len(chosen) != len(a.only):
+        ap.error(f"--only takes 1 .. {len(MUTATIONS)}")
+    if a.list:
+        for i, mu in chosen:
+            print(f"{i:>3}  {mu.file:34}  {mu.what}  [{' '.join(mu.tests)}]")
+        return 0
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rq_mutations_") as d:
+        scratch = Path(d)
+        scratch_copy(scratch)
+        if not a.no_baseline:
+            files = tuple(dict.fromkeys(t for _, mu in chosen for t in mu.tests))
+            rc, out, dt = run_tests(scratch, files)
+            verdict = "pass" if rc == 0 else "FAIL"
+            print(f"baseline ({len(files)} test files and tests, unmutated): {verdict} in {dt:.0f} s", flush=True)
+            if rc != 0:
+                print(out[-3000:])
+                return 1
+        rows = []
+        for i, mu in chosen:
+            r = run_one(scratch, i, mu)
+            rows.append(r)
+            print(f"{i:>3} {r['result']:8} {r['s']:6.1f}s  {mu.what}  {r['by']}", flush=True)
+    print()
+    print(table(rows, a.markdown))
+    counts = {k: sum(r["result"] == k for r in rows) for k in ("caught", "survived", "stale", "error")}
+    print(f"\n{len(rows)} mutations: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+          + f"; {time.perf_counter() - t0:.0f} s in all")
+    return 0 if counts["caught"] == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

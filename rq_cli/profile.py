@@ -85,7 +85,7 @@ def profile(
     warmup: int = typer.Option(2, "--warmup", help="Untimed warm-up runs per measurement."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
                                                 help="Page routed experts from disk to fit this budget (e.g. 16GB)."),
-    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru or mmap."),
+    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru (the only one)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Time one decode step per context: the five attention kernels, and KV attention vs experts, SSM, rest."""

@@ -89,8 +89,8 @@ def run(
                                                 help="Keep the run inside SIZE (e.g. 16GB): experts beyond what fits "
                                                      "are paged from CKPT/experts (see `rq pack`). Default: the "
                                                      "recipe's [pager] memory_budget when the checkpoint is packed."),
-    pager: Optional[str] = typer.Option(None, "--pager", help="Expert paging policy with --memory-budget: lru or "
-                                                              "mmap (default: the recipe's, else lru)."),
+    pager: Optional[str] = typer.Option(None, "--pager", help="Expert paging policy with --memory-budget: lru "
+                                                              "(the only one; default: the recipe's, else lru)."),
     plan_only: bool = typer.Option(False, "--plan", help="Print the memory plan for --memory-budget and exit."),
     pages: Optional[str] = typer.Option(None, "--pages", help="The expert pages' folder with --memory-budget "
                                                               "(`rq pack --out DIR`; default: CKPT/experts)."),

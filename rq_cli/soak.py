@@ -75,7 +75,7 @@ def soak(
                                               help="Allowed fall of decode tok/s, start to end (fraction)."),
     memory_budget: Optional[str] = typer.Option(None, "--memory-budget",
                                                 help="Page routed experts from disk to fit this budget (e.g. 16GB)."),
-    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru or mmap."),
+    pager: str = typer.Option("lru", "--pager", help="Expert paging policy with --memory-budget: lru (the only one)."),
     json_out: bool = typer.Option(False, "--json", help="Print the final report as one JSON object."),
 ) -> None:
     """Generate continuously from varied prompts; exit 1 when memory grows, speed drifts or a check fails."""

@@ -1,4 +1,4 @@
-"""`rq pack CKPT [--out DIR] [--json]`."""
+"""`rq pack CKPT [--out DIR | --move] [--json]`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def pack(
     out: Optional[str] = typer.Option(None, "--out", "-o", help="Write the pages to this folder instead of "
                                       "CKPT/experts (then `rq run CKPT --pages DIR`), e.g. for a read-only "
                                       "checkpoint or the bundled model."),
+    move: bool = typer.Option(False, "--move", help="Then take the routed experts out of the shards (rewritten "
+                              "atomically): the checkpoint holds them once, in CKPT/experts, and still runs "
+                              "without a budget. Run it again to finish a move that was interrupted."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Lay out each routed expert contiguously (16 KiB aligned) in CKPT/experts/ (or --out DIR) for the pager."""
@@ -23,7 +26,7 @@ def pack(
     from rq_core.planner import fmt_bytes
 
     with progress_bar(disable=json_out) as progress:
-        res = run_pack(ckpt, out=out, progress=progress)
+        res = run_pack(ckpt, out=out, progress=progress, move=move)
     if json_out:
         print_json({"pack": res.as_dict()})
         return

@@ -275,7 +275,7 @@ def staging_bytes(index: dict, banks: dict[str, Any], slots: int) -> int:
 
 def _patch(module: Any, layer: _Layer) -> None:
     """Route the SwitchGLU's calls through the pager (class swap on this one instance)."""
-    old = type(module)
+    old = getattr(type(module), "_rq_base", type(module))  # a bank served from the pages: the pager takes over
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:  # noqa: N807
         layer.pager.stats.host_syncs += 1

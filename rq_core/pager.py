@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 import weakref
 import zlib
 from collections import OrderedDict
@@ -59,7 +60,9 @@ class PagerStats:
     resident_bytes: int = 0
     slots: int = 0
     policy: str = "lru"
-    host_syncs: int = 0  # routing reads (one per MoE layer call)
+    host_syncs: int = 0  # routing reads (one per MoE layer call) and evaluations between prefill passes
+    sync_s: float = 0.0  # seconds waiting for the routing reads
+    host_s: float = 0.0  # seconds of the pager's own host work (LRU, reads, building the slot writes)
     read_batches: int = 0  # layer calls that read pages (all of their misses at once)
     staging_bytes: int = 0  # host memory of the staging buffer the pages are read into
 
@@ -278,12 +281,18 @@ def _patch(module: Any, layer: _Layer) -> None:
     old = getattr(type(module), "_rq_base", type(module))  # a bank served from the pages: the pager takes over
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:  # noqa: N807
-        layer.pager.stats.host_syncs += 1
+        st = layer.pager.stats
+        st.host_syncs += 1
+        t0 = time.perf_counter()
         idx = np.array(indices)  # the one sync routing needs: which experts to fetch
+        t1 = time.perf_counter()
+        st.sync_s += t1 - t0
         needed = np.unique(idx)
         if len(needed) <= layer.slots:
             layer.acquire(needed)
-            return old.__call__(self, x, layer.table()[indices])  # remapped on the device
+            table = layer.table()
+            st.host_s += time.perf_counter() - t1
+            return old.__call__(self, x, table[indices])  # remapped on the device
         # More distinct experts than slots (a long prefill chunk): serve them in passes of `slots`
         # experts; each (token, k) output comes from exactly one pass.
         y = None
@@ -295,6 +304,7 @@ def _patch(module: Any, layer: _Layer) -> None:
             yp = old.__call__(self, x, mx.array(lut[idx]))
             mask = mx.array(np.isin(idx, part))[..., None]
             y = mx.where(mask, yp, 0) if y is None else mx.where(mask, yp, y)
+            st.host_syncs += 1
             mx.eval(y)  # the next pass overwrites slots this one reads
         return y
 

@@ -120,7 +120,7 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     d = json.loads(r.stdout)
     assert d["tokens"] == full["tokens"]
     assert set(d["pager"]) == {"hits", "misses", "hit_rate", "bytes_read", "evictions", "resident_bytes",
-                               "slots", "policy", "host_syncs", "read_batches", "staging_bytes"}
+                               "slots", "policy", "host_syncs", "read_batches", "staging_bytes", "sync_s", "host_s"}
     # no slack: the plan counts KV room in the caches' 256-token steps (measured 0.83 of the budget here;
     # 1.02 before, when it counted only the tokens)
     assert d["pager"]["slots"] == 2

@@ -15,7 +15,7 @@ about 8 GB, reused when DIR has it) and packs it. Writes one JSON file (--out), 
     python benchmarks/pager.py --verify-cost --ckpt DIR   # an existing quantized checkpoint
 
 What paging costs (`--pager-cost`, same --synthetic / --ckpt): greedy decode all-resident, then LRU at
---fractions of the experts resident (a budget planned for those slots): tok/s, hit rate, bytes read per token,
+--fractions of the experts resident (a budget planned for those slots), without and with `speculate`: tok/s, hit rate, bytes read per token,
 host syncs per forward pass, ms per MoE layer call waiting for the routing read and in the pager's host work,
 measured peak (MLX's peak + the staging buffer) against the budget, tokens equal to all-resident.
 
@@ -252,7 +252,8 @@ def _checkpoint(a: argparse.Namespace) -> Path:
 
 
 def pager_cost(a: argparse.Namespace) -> None:
-    """Greedy decode with all experts resident, then paged (LRU) at each --fractions: tok/s, hit rate, bytes read
+    """Greedy decode with all experts resident, then paged (LRU) at each --fractions, without and with
+    speculation (ExpertPager(speculate=True)): tok/s, hit rate, bytes read
     per token, host syncs per forward pass, time waiting for routing reads and in the pager's own host work per
     MoE layer call, peak memory against a budget planned for those slots, and whether the tokens equal the
     all-resident ones."""
@@ -270,7 +271,8 @@ def pager_cost(a: argparse.Namespace) -> None:
     ctx = a.prompt + a.tokens
     rows = []
     ref = None
-    for frac in [None] + [float(f) for f in a.fractions.split(",")]:
+    runs = [(None, False)] + [(float(f), spec) for f in a.fractions.split(",") for spec in (False, True)]
+    for frac, speculate in runs:
         gc.collect()
         mx.clear_cache()
         model = load(ck, tokenizer=False).model
@@ -284,8 +286,8 @@ def pager_cost(a: argparse.Namespace) -> None:
             budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
                       + slots * (probe["moe_layers"] * probe["bytes_per_expert"] + probe["staging_bytes_per_slot"]))
             plan = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=a.prompt, index=index)
-            pager = ExpertPager(model, ck, slots=plan["slots_per_layer"])
-            row.update(slots=plan["slots_per_layer"], budget_bytes=budget, planned_peak_bytes=plan["planned_peak_bytes"])
+            pager = ExpertPager(model, ck, slots=plan["slots_per_layer"], speculate=speculate)
+            row.update(speculate=speculate, slots=plan["slots_per_layer"], budget_bytes=budget, planned_peak_bytes=plan["planned_peak_bytes"])
         res = generate(model, prompt, max_tokens=a.tokens, temp=0.0, seed=0, prefill_chunk=a.prompt)
         if ref is None:
             ref = res.tokens

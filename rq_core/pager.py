@@ -64,6 +64,8 @@ class PagerStats:
     sync_s: float = 0.0  # seconds waiting for the routing reads
     host_s: float = 0.0  # seconds of the pager's own host work (LRU, reads, building the slot writes)
     read_batches: int = 0  # layer calls that read pages (all of their misses at once)
+    speculated: int = 0  # layer calls whose experts were queued before the routing was read (speculate=True)
+    respun: int = 0  # of those, calls that missed: the queued work was dropped and the layer run again
     staging_bytes: int = 0  # host memory of the staging buffer the pages are read into
 
     def as_dict(self) -> dict:
@@ -214,11 +216,13 @@ class ExpertPager:
     """Attach to a loaded (lazy) model: the routed-expert banks become slot banks fed from page files.
 
     `pages`: the pack folder (default CKPT/experts). `verify`: check each expert's CRC32 on its first
-    read (off only to measure what it costs). `threads`: parallel reads of one layer's misses."""
+    read (off only to measure what it costs). `threads`: parallel reads of one layer's misses. `speculate`:
+    queue each layer's experts from the slots it has before its routing is read (a hit, the common case,
+    then costs no wait; a miss waits for that work, drops it and runs the layer again: exact either way)."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
-                 threads: int = READ_THREADS) -> None:
+                 threads: int = READ_THREADS, speculate: bool = False) -> None:
         check_policy(policy)
         banks = expert_banks(model)
         index = load_index(ckpt, pages=pages, banks=banks)
@@ -228,7 +232,7 @@ class ExpertPager:
             if index["layers"][path]["source"] != fp:
                 raise RQError(f"the expert pages in {self.dir} are stale: layer {path} was packed from other "
                               f"weights than {ckpt} holds now; run {again} again")
-        self.policy, self.verify = policy, verify
+        self.policy, self.verify, self.speculate = policy, verify, speculate
         self.stats = PagerStats(policy=policy)
         self.layers: dict[str, _Layer] = {}
         fds: dict[str, int] = {}
@@ -283,11 +287,25 @@ def _patch(module: Any, layer: _Layer) -> None:
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:  # noqa: N807
         st = layer.pager.stats
         st.host_syncs += 1
+        spec = None
+        if layer.pager.speculate and layer.lru:
+            mx.async_eval(indices)  # its own evaluation: reading it below does not wait for the experts
+            spec = old.__call__(self, x, layer.table()[indices])
+            mx.async_eval(spec)
+            st.speculated += 1
         t0 = time.perf_counter()
         idx = np.array(indices)  # the one sync routing needs: which experts to fetch
         t1 = time.perf_counter()
         st.sync_s += t1 - t0
         needed = np.unique(idx)
+        if spec is not None:
+            if len(needed) <= layer.slots and all(e in layer.lru for e in needed.tolist()):
+                layer.acquire(needed)  # all hits: the queued work is this layer's output
+                st.host_s += time.perf_counter() - t1
+                return spec
+            st.respun += 1
+            mx.eval(spec)  # done with the slots before any is overwritten (an in-place write, not a copy)
+            del spec
         if len(needed) <= layer.slots:
             layer.acquire(needed)
             table = layer.table()

@@ -1,5 +1,5 @@
 """The memory budget is a ceiling on the bundled model: with room for 3 experts a layer (and 2, and all 8),
-measured peak (MLX's peak over the run plus the pager's host staging buffer) stays within the budget, with
+measured peak (MLX's peak over the run plus the pager's host staging buffer), with and without speculation, stays within the budget, with
 no slack, the plan predicts it within 5%, and the tokens equal an all-resident run's."""
 
 import gc
@@ -24,8 +24,9 @@ def pages(tmp_path_factory):
     return out, ref.tokens
 
 
+@pytest.mark.parametrize("speculate", [False, True])
 @pytest.mark.parametrize("slots", [3, 2, 8])
-def test_measured_peak_is_within_the_budget(pages, slots):
+def test_measured_peak_is_within_the_budget(pages, slots, speculate):
     out, ref = pages
     ck = load(None, tokenizer=False, cpu_float32=True)  # as `rq run` loads it: float32 on the CPU
     index = load_index(DEFAULT_MODEL, pages=out, banks=expert_banks(ck.model))
@@ -38,7 +39,7 @@ def test_measured_peak_is_within_the_budget(pages, slots):
     gc.collect()
     mx.clear_cache()
     baseline = mx.get_active_memory()  # what other tests' fixtures still hold
-    pager = ExpertPager(ck.model, DEFAULT_MODEL, slots=slots, pages=out)
+    pager = ExpertPager(ck.model, DEFAULT_MODEL, slots=slots, pages=out, speculate=speculate)
     res = generate(ck.model, PROMPT, max_tokens=N, prefill_chunk=16)
     st = pager.report()
     pager.close()

@@ -21,7 +21,8 @@ def pack(
                               "without a budget. Run it again to finish a move that was interrupted."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
-    """Lay out each routed expert contiguously (16 KiB aligned) in CKPT/experts/ (or --out DIR) for the pager."""
+    """Lay out each routed expert contiguously (aligned) in CKPT/experts/ (or --out DIR) for the pager; with
+    --move, the checkpoint then holds its routed experts only there (once on disk)."""
     from rq_core.pack import pack as run_pack
     from rq_core.planner import fmt_bytes
 

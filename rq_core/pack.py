@@ -1,5 +1,6 @@
-"""`rq pack CKPT`: lay out each routed expert's tensors contiguously, 16 KiB aligned, so the pager
-fetches one expert with one read. Writes CKPT/experts/ (or `--out DIR`): one page file per MoE layer +
+"""`rq pack CKPT`: lay out each routed expert's tensors contiguously, aligned (16 KiB; 4 KiB for experts
+under 256 KiB, where 16 KiB of padding could cost more than 1/16 of the disk), so the pager fetches one
+expert with one read. Writes CKPT/experts/ (or `--out DIR`): one page file per MoE layer +
 index.json with per-expert CRC32 checksums and a fingerprint of the tensors each layer came from.
 
 A pack is untrusted input (it may come from the hub with a checkpoint): `load_index` checks every
@@ -10,6 +11,14 @@ Replacing a pack is crash-safe: the new pack is written to `.experts.tmp-PID`, t
 `.experts.old-PID`, the new one renamed into place. A kill between the two renames leaves the old
 pack complete in `.experts.old-PID`; `find_pages` (every load) puts it back, and removes temp folders
 of writers that are gone. The checkpoint directory is flock-ed while a writer swaps or a loader cleans up.
+
+`rq pack --move` then stores the routed experts once: each shard holding bank tensors is rewritten without
+them (a temp file renamed over it, after the pages are complete), its metadata recording what it held and the
+fingerprint those tensors had (so the pager's stale-pages check still holds). Such a checkpoint loads with
+lazy placeholders for those banks, filled from the pages (every expert CRC32-checked) on a bank's first call
+unless an ExpertPager takes it over. A move killed part-way leaves every shard whole (with or without its
+banks), so the checkpoint loads; `rq pack --move` again finishes it, and `rq pack` refuses to re-pack pages
+that are the only copy of the experts.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import numpy as np
 from rq_core.errors import RQError
 
 ALIGN = 16384
-SMALL_ALIGN = 4096  # pages of experts under 16 x ALIGN: 16 KiB of padding would cost more than 1/16 of the disk
+SMALL_ALIGN = 4096  # pages of experts under 16 x ALIGN, where 16 KiB of padding could cost over 1/16 of the disk
 MOVED_KEY = "rq_moved_experts"  # shard metadata: the banks `rq pack --move` took out (they live only in the pages)
 PACK_DIR = "experts"
 INDEX = "index.json"
@@ -60,7 +69,8 @@ class PackResult:
 
 
 def page_align(used: int) -> int:
-    """The alignment of a page of USED bytes: 16 KiB, or 4 KiB for small experts (padding at most 1/16)."""
+    """The alignment of a page of USED bytes: 16 KiB (its padding then at most 1/16 of it), or 4 KiB for an
+    expert under 256 KiB."""
     return ALIGN if used >= 16 * ALIGN else SMALL_ALIGN
 
 

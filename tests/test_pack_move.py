@@ -88,3 +88,19 @@ def test_a_corrupt_or_foreign_page_of_a_moved_checkpoint_is_one_line(moved, tmp_
     (c / "experts" / "index.json").write_text(json.dumps(idx))
     with pytest.raises(RQError, match="only copy"):
         _tokens(c)
+
+
+def test_malformed_moved_metadata_is_one_line(moved, tmp_path):
+    import mlx.core as mx
+
+    ck, _, _ = moved
+    c = tmp_path / "c"
+    shutil.copytree(ck, c)
+    w = mx.load(str(c / "model.safetensors"))
+    mx.eval(w)  # read before the file is rewritten
+    for bad in ("{not json", json.dumps({"model.layers.0.mlp.switch_mlp": {"fingerprint": 1, "tensors": {}}}),
+                json.dumps({"model.layers.0.mlp.switch_mlp": {"fingerprint": "x", "tensors": {
+                    "elsewhere.weight": {"shape": [1], "dtype": "U32"}}}})):
+        mx.save_safetensors(str(c / "model.safetensors"), w, metadata={"rq_moved_experts": bad})
+        with pytest.raises(RQError, match="rq_moved_experts metadata is malformed"):
+            load(c, tokenizer=False)

@@ -163,3 +163,12 @@ def test_corrupt_page_is_detected(packed, tmp_path):
     ExpertPager(model, ck, slots=8, verify=True)
     with pytest.raises(RQError, match="checksum mismatch"):
         generate(model, PROMPT, max_tokens=2)
+
+
+def test_a_recipe_asking_for_mmap_gets_the_same_line(tmp_path):
+    src = (Path(__file__).parents[1] / "recipes" / "qwen3-16gb.toml").read_text()
+    assert 'policy = "lru"' in src
+    f = tmp_path / "r.toml"
+    f.write_text(src.replace('policy = "lru"', 'policy = "mmap"'))
+    with pytest.raises(RQError, match="mmap.*is gone"):
+        recipe.load(f)

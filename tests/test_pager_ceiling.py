@@ -48,3 +48,28 @@ def test_measured_peak_is_within_the_budget(pages, slots, speculate):
     assert st.misses > 0 and st.staging_bytes > 0
     assert measured <= budget, (measured, budget)
     assert abs(plan["planned_peak_bytes"] - measured) <= 0.05 * measured, (plan["planned_peak_bytes"], measured)
+
+
+def test_rq_run_with_room_for_3_experts_stays_within_the_budget(pages):
+    import json
+
+    from typer.testing import CliRunner
+
+    from rq_cli.main import app
+
+    out, _ = pages
+    runner = CliRunner()
+    base = ["run", "-p", "to be or not to be, that is the question", "-n", "24", "--temp", "0", "--json"]
+    full = json.loads(runner.invoke(app, base).stdout)
+    plan = json.loads(runner.invoke(app, base + ["--pages", str(out), "--memory-budget", "1GB", "--plan"]).stdout)["plan"]
+    budget = (plan["resident_bytes"] + plan["kv_bytes"] + plan["activation_bytes"]
+              + 3 * (plan["moe_layers"] * plan["bytes_per_expert"] + plan["staging_bytes_per_slot"]))
+    gc.collect()
+    mx.clear_cache()
+    baseline = mx.get_active_memory()
+    r = runner.invoke(app, base + ["--pages", str(out), "--memory-budget", str(budget)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["pager"]["slots"] == 3 and d["tokens"] == full["tokens"]
+    measured = d["peak_memory_bytes"] - baseline + d["pager"]["staging_bytes"]
+    assert measured <= budget, (measured, budget)

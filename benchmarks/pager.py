@@ -260,7 +260,7 @@ def pager_cost(a: argparse.Namespace) -> None:
     from rq_core.checkpoint import load, load_config
     from rq_core.generate import generate
     from rq_core.pack import expert_banks, load_index
-    from rq_core.pager import ExpertPager, slots_for_budget
+    from rq_core.pager import READ_THREADS, ExpertPager, slots_for_budget
 
     t0 = time.perf_counter()
     ck = _checkpoint(a)
@@ -284,7 +284,8 @@ def pager_cost(a: argparse.Namespace) -> None:
             index = load_index(ck, banks=expert_banks(model))
             probe = slots_for_budget(model, cfg, 1 << 62, context=ctx, prefill_chunk=a.prompt, index=index)
             budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
-                      + slots * (probe["moe_layers"] * probe["bytes_per_expert"] + probe["staging_bytes_per_slot"]))
+                      + slots * probe["moe_layers"] * probe["bytes_per_expert"]
+                      + min(slots, READ_THREADS) * probe["staging_bytes_per_expert"])
             plan = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=a.prompt, index=index)
             pager = ExpertPager(model, ck, slots=plan["slots_per_layer"], speculate=speculate)
             row.update(speculate=speculate, slots=plan["slots_per_layer"], budget_bytes=budget, planned_peak_bytes=plan["planned_peak_bytes"])

@@ -39,7 +39,7 @@ from rq_core.pack import _NP, expert_banks, load_index, source_fingerprints
 POLICIES = ("lru",)
 GONE = {"mmap": "pager policy 'mmap' is gone: it copied every expert a step uses on every step, so it never "
                 "read or held less than lru, which reads only the misses; use lru"}
-READ_THREADS = 8  # parallel page reads of one layer's misses
+READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
 
 
 def check_policy(policy: str, what: str = "pager policy") -> None:
@@ -132,6 +132,11 @@ class _Layer:
     def load(self, experts: list[int], slots: list[int]) -> None:
         """Read `experts` (in parallel, into the staging buffer) and write them into `slots` of the banks:
         one lazy scatter per tensor."""
+        cap = self.pager.stage_experts
+        for i in range(0, len(experts), cap):  # more than the buffer holds only in a long prefill's passes
+            self._load(experts[i:i + cap], slots[i:i + cap])
+
+    def _load(self, experts: list[int], slots: list[int]) -> None:
         used, n = self.meta["used_bytes"], len(experts)
         stage = self.pager._stage(n * used)
         views = [memoryview(stage)[i * used:(i + 1) * used] for i in range(n)]
@@ -216,7 +221,8 @@ class ExpertPager:
     """Attach to a loaded (lazy) model: the routed-expert banks become slot banks fed from page files.
 
     `pages`: the pack folder (default CKPT/experts). `verify`: check each expert's CRC32 on its first
-    read (off only to measure what it costs). `threads`: parallel reads of one layer's misses. `speculate`:
+    read (off only to measure what it costs). `threads`: parallel reads of one layer's misses, and the pages
+    the staging buffer holds. `speculate`:
     queue each layer's experts from the slots it has before its routing is read (a hit, the common case,
     then costs no wait; a miss waits for that work, drops it and runs the layer again: exact either way)."""
 
@@ -249,9 +255,10 @@ class ExpertPager:
             _patch(mod, self.layers[path])
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
-        # one staging buffer for every layer (layers run one after another): room for a layer's full slots,
-        # allocated here so its bytes count from the start
-        self.stats.staging_bytes = staging_bytes(index, banks, slots)
+        # one staging buffer for every layer (layers run one after another): room for READ_THREADS experts
+        # (a decode step's misses of one layer at top-k <= 8), allocated here so its bytes count from the start
+        self.stage_experts = max(1, min(slots, threads))
+        self.stats.staging_bytes = staging_bytes(index, banks, slots, threads)
         self._buf = bytearray(self.stats.staging_bytes)
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         model.expert_pager = self  # generate() decodes synchronously with a pager (see there)
@@ -274,9 +281,10 @@ class ExpertPager:
             l.close()
 
 
-def staging_bytes(index: dict, banks: dict[str, Any], slots: int) -> int:
-    """Host bytes of the pager's staging buffer: the largest layer's slots of used page bytes."""
-    return max((min(slots, m["num_experts"]) * m["used_bytes"] for p, m in index["layers"].items() if p in banks),
+def staging_bytes(index: dict, banks: dict[str, Any], slots: int, threads: int = READ_THREADS) -> int:
+    """Host bytes of the pager's staging buffer: min(slots, threads) pages (used bytes) of the largest layer."""
+    n = max(1, min(slots, threads))
+    return max((min(n, m["num_experts"]) * m["used_bytes"] for p, m in index["layers"].items() if p in banks),
                default=0)
 
 
@@ -357,13 +365,16 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     else:
         per_expert = max(sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
                          for m in banks.values())
-    # the staging buffer pages are read into (host memory, slots x used page bytes of the largest layer)
+    # the staging buffer pages are read into (host memory: min(slots, READ_THREADS) pages of the largest layer)
     used = max((m["used_bytes"] for p, m in index["layers"].items() if p in banks), default=0) if index else per_expert
     free = budget - resident - kvb - pre - act
-    slots = int(max(0, min(E, free // max(n_moe * per_expert + used, 1))))
-    stage = slots * used
+    per_slot = max(n_moe * per_expert, 1)
+    slots = int(max(0, min(E, free // per_slot)))
+    while slots > 0 and slots * per_slot + min(slots, READ_THREADS) * used > free:
+        slots -= 1
+    stage = min(max(slots, 1), READ_THREADS) * used if slots else 0
     return {"budget_bytes": budget, "resident_bytes": resident, "kv_bytes": kvb, "prefill_fp16_bytes": pre,
-            "activation_bytes": act, "staging_bytes": stage, "staging_bytes_per_slot": used, "bytes_per_expert": per_expert, "moe_layers": n_moe,
+            "activation_bytes": act, "staging_bytes": stage, "staging_bytes_per_expert": used, "bytes_per_expert": per_expert, "moe_layers": n_moe,
             "experts_per_layer": E, "top_k": k, "slots_per_layer": slots, "fits": slots >= k,
             "planned_peak_bytes": resident + kvb + pre + act + stage + n_moe * slots * per_expert}
 

@@ -68,6 +68,20 @@ def test_speculation_gives_identical_tokens(packed, family):
     assert st.speculated > st.respun > 0
 
 
+def test_a_small_staging_buffer_reads_in_several_batches(packed):
+    ck = packed["qwen3_moe"]
+    ref = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=8, seed=0, prefill_chunk=16)
+    model = load(ck, tokenizer=False).model
+    pager = ExpertPager(model, ck, slots=8, threads=2)  # all 8 experts resident, staged 2 at a time
+    got = generate(model, PROMPT, max_tokens=8, seed=0, prefill_chunk=16)
+    st = pager.report()
+    pager.close()
+    used = max(l.meta["used_bytes"] for l in pager.layers.values())
+    assert got.tokens == ref.tokens
+    # at most 2 pages a batch: 16 misses take 8 batches or more (one a layer call would be far fewer)
+    assert st.staging_bytes == 2 * used and st.misses == 16 and st.read_batches >= 8
+
+
 def test_mmap_policy_is_refused_in_one_line(packed):
     ck = packed["qwen3_moe"]
     with pytest.raises(RQError, match="mmap.*gone.*use lru"):
@@ -92,7 +106,7 @@ def test_peak_memory_stays_under_the_budget(packed):
     probe = slots_for_budget(model, cfg, 1 << 40, context=ctx, prefill_chunk=16)
     # a budget that holds exactly a quarter of the experts
     budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
-              + 2 * (probe["moe_layers"] * probe["bytes_per_expert"] + probe["staging_bytes_per_slot"]))
+              + 2 * (probe["moe_layers"] * probe["bytes_per_expert"] + probe["staging_bytes_per_expert"]))
     p = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=16)
     assert p["slots_per_layer"] == 2 and p["fits"]
     pager = ExpertPager(model, ck, slots=p["slots_per_layer"])
@@ -126,7 +140,7 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     full = json.loads(runner.invoke(app, base).stdout)
     probe = json.loads(runner.invoke(app, base + ["--memory-budget", "1GB", "--plan"]).stdout)["plan"]
     budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]  # room for 2 of 8 experts a layer
-              + 2 * (probe["moe_layers"] * probe["bytes_per_expert"] + probe["staging_bytes_per_slot"]))
+              + 2 * (probe["moe_layers"] * probe["bytes_per_expert"] + probe["staging_bytes_per_expert"]))
     import gc
 
     gc.collect()

@@ -365,8 +365,10 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     else:
         per_expert = max(sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
                          for m in banks.values())
-    # the staging buffer pages are read into (host memory: min(slots, READ_THREADS) pages of the largest layer)
+    # a batch of misses: the staging buffer pages are read into (host memory: min(slots, READ_THREADS) pages of
+    # the largest layer) and MLX's copy of it, held until the slot writes run
     used = max((m["used_bytes"] for p, m in index["layers"].items() if p in banks), default=0) if index else per_expert
+    used += per_expert
     free = budget - resident - kvb - pre - act
     per_slot = max(n_moe * per_expert, 1)
     slots = int(max(0, min(E, free // per_slot)))

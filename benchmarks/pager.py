@@ -285,7 +285,7 @@ def pager_cost(a: argparse.Namespace) -> None:
             probe = slots_for_budget(model, cfg, 1 << 62, context=ctx, prefill_chunk=a.prompt, index=index)
             budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
                       + slots * probe["moe_layers"] * probe["bytes_per_expert"]
-                      + min(slots, READ_THREADS) * probe["staging_bytes_per_expert"])
+                      + min(slots, READ_THREADS, probe["top_k"]) * probe["staging_bytes_per_expert"])
             plan = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=a.prompt, index=index)
             pager = ExpertPager(model, ck, slots=plan["slots_per_layer"], speculate=speculate)
             row.update(speculate=speculate, slots=plan["slots_per_layer"], budget_bytes=budget, planned_peak_bytes=plan["planned_peak_bytes"])

@@ -255,17 +255,23 @@ class ExpertPager:
             _patch(mod, self.layers[path])
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
-        # one staging buffer for every layer (layers run one after another): room for READ_THREADS experts
-        # (a decode step's misses of one layer at top-k <= 8), allocated here so its bytes count from the start
-        self.stage_experts = max(1, min(slots, threads))
-        self.stats.staging_bytes = staging_bytes(index, banks, slots, threads)
-        self._buf = bytearray(self.stats.staging_bytes)
+        # one staging buffer for every layer (layers run one after another), made at the first call, when top-k
+        # is known: room for min(slots, threads, top-k) pages (a decode step's misses of one layer, up to 8)
+        self._index, self._banks, self._slots, self._threads = index, banks, slots, threads
+        self.stage_experts = 0
+        self._buf: Optional[bytearray] = None
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         model.expert_pager = self  # generate() decodes synchronously with a pager (see there)
 
+    def _ready(self, top_k: int) -> None:
+        if self._buf is None:
+            self.stage_experts = max(1, min(self._slots, self._threads, top_k))
+            self.stats.staging_bytes = staging_bytes(self._index, self._banks, self._slots, self._threads, top_k)
+            self._buf = bytearray(self.stats.staging_bytes)
+
     def _stage(self, n: int) -> bytearray:
-        if n > len(self._buf):  # cannot happen: a layer never reads more than its slots
-            raise RQError(f"internal: {n} bytes of pages to stage, room for {len(self._buf)}")
+        if self._buf is None or n > len(self._buf):  # cannot happen: a batch is at most stage_experts pages
+            raise RQError(f"internal: {n} bytes of pages to stage, room for {len(self._buf or b'')}")
         return self._buf
 
     def report(self) -> PagerStats:
@@ -281,9 +287,10 @@ class ExpertPager:
             l.close()
 
 
-def staging_bytes(index: dict, banks: dict[str, Any], slots: int, threads: int = READ_THREADS) -> int:
-    """Host bytes of the pager's staging buffer: min(slots, threads) pages (used bytes) of the largest layer."""
-    n = max(1, min(slots, threads))
+def staging_bytes(index: dict, banks: dict[str, Any], slots: int, threads: int = READ_THREADS,
+                  top_k: int = READ_THREADS) -> int:
+    """Host bytes of the pager's staging buffer: min(slots, threads, top_k) pages (used bytes) of the largest layer."""
+    n = max(1, min(slots, threads, top_k))
     return max((min(n, m["num_experts"]) * m["used_bytes"] for p, m in index["layers"].items() if p in banks),
                default=0)
 
@@ -295,6 +302,7 @@ def _patch(module: Any, layer: _Layer) -> None:
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:  # noqa: N807
         st = layer.pager.stats
         st.host_syncs += 1
+        layer.pager._ready(indices.shape[-1])
         spec = None
         if layer.pager.speculate and layer.lru:
             mx.async_eval(indices)  # its own evaluation: reading it below does not wait for the experts
@@ -371,12 +379,14 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     used += per_expert
     free = budget - resident - kvb - pre - act
     per_slot = max(n_moe * per_expert, 1)
+    cap = min(READ_THREADS, k or READ_THREADS)  # pages a batch of misses holds (ExpertPager._ready)
     slots = int(max(0, min(E, free // per_slot)))
-    while slots > 0 and slots * per_slot + min(slots, READ_THREADS) * used > free:
+    while slots > 0 and slots * per_slot + min(slots, cap) * used > free:
         slots -= 1
-    stage = min(max(slots, 1), READ_THREADS) * used if slots else 0
+    stage = min(slots, cap) * used
     return {"budget_bytes": budget, "resident_bytes": resident, "kv_bytes": kvb, "prefill_fp16_bytes": pre,
-            "activation_bytes": act, "staging_bytes": stage, "staging_bytes_per_expert": used, "bytes_per_expert": per_expert, "moe_layers": n_moe,
+            "activation_bytes": act, "staging_bytes": stage, "staging_bytes_per_expert": used,
+            "staged_experts": min(slots, cap), "bytes_per_expert": per_expert, "moe_layers": n_moe,
             "experts_per_layer": E, "top_k": k, "slots_per_layer": slots, "fits": slots >= k,
             "planned_peak_bytes": resident + kvb + pre + act + stage + n_moe * slots * per_expert}
 

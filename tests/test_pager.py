@@ -106,7 +106,8 @@ def test_peak_memory_stays_under_the_budget(packed):
     probe = slots_for_budget(model, cfg, 1 << 40, context=ctx, prefill_chunk=16)
     # a budget that holds exactly a quarter of the experts
     budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
-              + 2 * (probe["moe_layers"] * probe["bytes_per_expert"] + probe["staging_bytes_per_expert"]))
+              + 2 * probe["moe_layers"] * probe["bytes_per_expert"]
+              + min(2, probe["top_k"]) * probe["staging_bytes_per_expert"])
     p = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=16)
     assert p["slots_per_layer"] == 2 and p["fits"]
     pager = ExpertPager(model, ck, slots=p["slots_per_layer"])
@@ -140,7 +141,8 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     full = json.loads(runner.invoke(app, base).stdout)
     probe = json.loads(runner.invoke(app, base + ["--memory-budget", "1GB", "--plan"]).stdout)["plan"]
     budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]  # room for 2 of 8 experts a layer
-              + 2 * (probe["moe_layers"] * probe["bytes_per_expert"] + probe["staging_bytes_per_expert"]))
+              + 2 * probe["moe_layers"] * probe["bytes_per_expert"]
+              + min(2, probe["top_k"]) * probe["staging_bytes_per_expert"])
     import gc
 
     gc.collect()

@@ -1,4 +1,4 @@
-"""Expert pager: decode tok/s and hit rate with 100%, 50% and 25% of experts resident, LRU vs mmap,
+"""Expert pager: decode tok/s and hit rate with 100%, 50% and 25% of experts resident (LRU),
 on a scaled-down Qwen3-MoE-shaped checkpoint with random weights (CPU). Writes
 benchmarks/results/pager-<date>.json and the `pager` section of benchmarks/README.md.
 
@@ -13,6 +13,13 @@ about 8 GB, reused when DIR has it) and packs it. Writes one JSON file (--out), 
 
     python benchmarks/pager.py --verify-cost --synthetic /tmp/rq-q3-30b [--layers 48] [--tokens 32] [--repeats 3]
     python benchmarks/pager.py --verify-cost --ckpt DIR   # an existing quantized checkpoint
+
+What paging costs (`--pager-cost`, same --synthetic / --ckpt): greedy decode all-resident, then LRU at
+--fractions of the experts resident (a budget planned for those slots), without and with `speculate`: tok/s, hit rate, bytes read per token,
+host syncs per forward pass, ms per MoE layer call waiting for the routing read and in the pager's host work,
+measured peak (MLX's peak + the staging buffer) against the budget, tokens equal to all-resident.
+
+    python benchmarks/pager.py --pager-cost --synthetic /tmp/rq-q3-30b [--tokens 48] [--fractions 0.5,0.25]
 """
 
 from __future__ import annotations
@@ -217,6 +224,104 @@ def verify_cost(a: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _checkpoint(a: argparse.Namespace) -> Path:
+    """--synthetic DIR (written when missing) or --ckpt DIR, packed (again when its pages are stale)."""
+    from rq_core.checkpoint import load, load_config
+    from rq_core.errors import RQError
+    from rq_core.pack import INDEX, find_pages, pack
+    from rq_core.pager import ExpertPager
+
+    if a.synthetic:
+        ck = Path(a.synthetic)
+        if not (ck / "config.json").is_file():
+            write_synthetic(ck, a.layers)
+    else:
+        ck = Path(a.ckpt)
+    cfg = load_config(ck)
+    if a.layers is not None and cfg["num_hidden_layers"] != a.layers:
+        raise SystemExit(f"{ck} has {cfg['num_hidden_layers']} layers, not --layers {a.layers} (use another DIR)")
+    packed = (find_pages(ck) / INDEX).is_file()
+    if packed:
+        try:
+            ExpertPager(load(ck, tokenizer=False).model, ck, slots=1).close()
+        except RQError:  # stale or damaged: pack again
+            packed = False
+    if not packed:
+        pack(ck)
+    return ck
+
+
+def pager_cost(a: argparse.Namespace) -> None:
+    """Greedy decode with all experts resident, then paged (LRU) at each --fractions, without and with
+    speculation (ExpertPager(speculate=True)): tok/s, hit rate, bytes read
+    per token, host syncs per forward pass, time waiting for routing reads and in the pager's own host work per
+    MoE layer call, peak memory against a budget planned for those slots, and whether the tokens equal the
+    all-resident ones."""
+    from rq_core.checkpoint import load, load_config
+    from rq_core.generate import generate
+    from rq_core.pack import expert_banks, load_index
+    from rq_core.pager import READ_THREADS, ExpertPager, slots_for_budget
+
+    t0 = time.perf_counter()
+    ck = _checkpoint(a)
+    setup_s = time.perf_counter() - t0
+    cfg = load_config(ck)
+    E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    prompt = [int(x) for x in mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1))]
+    ctx = a.prompt + a.tokens
+    rows = []
+    ref = None
+    runs = [(None, False)] + [(float(f), spec) for f in a.fractions.split(",") for spec in (False, True)]
+    for frac, speculate in runs:
+        gc.collect()
+        mx.clear_cache()
+        model = load(ck, tokenizer=False).model
+        row: dict = {"resident_fraction": 1.0 if frac is None else frac, "policy": "none" if frac is None else "lru"}
+        pager = None
+        baseline = mx.get_active_memory()
+        if frac is not None:
+            slots = max(k, int(round(frac * E)))
+            index = load_index(ck, banks=expert_banks(model))
+            probe = slots_for_budget(model, cfg, 1 << 62, context=ctx, prefill_chunk=a.prompt, index=index)
+            budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
+                      + slots * probe["moe_layers"] * probe["bytes_per_expert"]
+                      + min(slots, READ_THREADS, probe["top_k"]) * probe["staging_bytes_per_expert"])
+            plan = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=a.prompt, index=index)
+            pager = ExpertPager(model, ck, slots=plan["slots_per_layer"], speculate=speculate)
+            row.update(speculate=speculate, slots=plan["slots_per_layer"], budget_bytes=budget, planned_peak_bytes=plan["planned_peak_bytes"])
+        res = generate(model, prompt, max_tokens=a.tokens, temp=0.0, seed=0, prefill_chunk=a.prompt)
+        if ref is None:
+            ref = res.tokens
+        row.update(decode_tok_per_s=res.decode_tok_per_s, steady_decode_tok_per_s=res.steady_decode_tok_per_s,
+                   prefill_tok_per_s=res.prefill_tok_per_s, generated_tokens=res.generated_tokens,
+                   peak_memory_bytes=res.peak_memory_bytes - baseline, tokens_equal_all_resident=res.tokens == ref)
+        if pager is not None:
+            st = pager.report()
+            passes = 1 + max(res.generated_tokens - 1, 0)  # one prefill chunk, then a forward pass per decode step
+            calls = max(st.host_syncs, 1)
+            measured = res.peak_memory_bytes - baseline + st.staging_bytes
+            row.update(pager=st.as_dict(), bytes_read_per_token=st.bytes_read / max(res.generated_tokens, 1),
+                       host_syncs_per_pass=st.host_syncs / passes, sync_ms_per_call=1e3 * st.sync_s / calls,
+                       host_ms_per_call=1e3 * st.host_s / calls, measured_peak_bytes=measured,
+                       peak_within_budget=measured <= row["budget_bytes"],
+                       plan_error=(row["planned_peak_bytes"] - measured) / measured)
+            pager.close()
+        print(json.dumps({k_: v for k_, v in row.items() if k_ != "pager"}), flush=True)
+        rows.append(row)
+        del model, pager
+    meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": f"{platform.machine()} {platform.system()}, {platform.processor() or 'cpu'}, "
+                       f"mlx {mx.__version__} ({mx.default_device()})", "cpus": os.cpu_count(),
+            "checkpoint": str(ck), "synthetic": bool(a.synthetic), "setup_s": setup_s,
+            "model": {k_: cfg[k_] for k_ in ("num_hidden_layers", "hidden_size", "moe_intermediate_size",
+                                              "num_experts", "num_experts_per_tok")},
+            "prompt_tokens": a.prompt, "decode_tokens": a.tokens, "temp": 0.0}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --verify-cost: the config's)")
@@ -234,7 +339,16 @@ def main() -> None:
     ap.add_argument("--ckpt", metavar="DIR", help="--verify-cost: a quantized checkpoint to page instead")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pager-verify.json"),
                     help="--verify-cost: the results file (overwritten)")
+    ap.add_argument("--pager-cost", action="store_true", help="all resident vs paged at --fractions (see pager_cost)")
+    ap.add_argument("--fractions", default="0.5,0.25", help="--pager-cost: fractions of experts resident")
     a = ap.parse_args()
+    if a.pager_cost:
+        if bool(a.synthetic) == bool(a.ckpt):
+            ap.error("--pager-cost needs one of --synthetic DIR or --ckpt DIR")
+        if a.out == str(ROOT / "benchmarks" / "results" / "pager-verify.json"):
+            a.out = str(ROOT / "benchmarks" / "results" / "pager-cost.json")
+        pager_cost(a)
+        return
     if a.verify_cost:
         if bool(a.synthetic) == bool(a.ckpt):
             ap.error("--verify-cost needs one of --synthetic DIR or --ckpt DIR")
@@ -290,8 +404,7 @@ def main() -> None:
 
         bench("all resident (no pager)", None, None)
         for frac in (1.0, 0.5, 0.25):
-            for policy in ("lru", "mmap"):
-                bench(f"{int(frac * 100)}% slots", frac, policy)
+            bench(f"{int(frac * 100)}% slots", frac, "lru")
         ref = rows[0]["tokens"]
         for r in rows:
             r["tokens_equal_all_resident"] = r.pop("tokens") == ref
@@ -323,7 +436,7 @@ def main() -> None:
         "speeds are noisy.",
         "Routers are random, so which experts repeat is not a real model's pattern: the hit rates say how the",
         "pager behaves, not what a trained model would get. The page files sit in the OS page cache here,",
-        "so 'reads' are memory copies, not SSD reads. mmap keeps no slots (hit rate is the OS's, not measured).",
+        "so 'reads' are memory copies, not SSD reads.",
         "",
         "| setup | policy | decode tok/s | prefill tok/s | hit rate | expert reads | MB read | evictions "
         "| peak MLX MB | tokens == all resident |",

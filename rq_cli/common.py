@@ -290,7 +290,7 @@ MemoryBudget = Annotated[Optional[str], typer.Option(
          "resident.")]
 Pager = Annotated[Optional[str], typer.Option(
     "--pager", metavar="POLICY", show_default=False,
-    help="Expert paging policy with --memory-budget: lru or mmap (default: the recipe's pager.policy, else lru).")]
+    help="Expert paging policy with --memory-budget: lru, the only one (default: the recipe's pager.policy, else lru).")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", metavar="N", help="Prompt tokens per prefill step.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 

@@ -15,12 +15,11 @@ def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only
     and return None. No weights are read here (the model is lazy). `pages`: the pack folder (`--pages`,
 default CKPT/experts)."""
     from rq_core.pack import INDEX, expert_banks, find_pages, load_index
-    from rq_core.pager import POLICIES, ExpertPager, slots_for_budget
+    from rq_core.pager import ExpertPager, check_policy, slots_for_budget
     from rq_core.planner import fmt_bytes
     from rq_core.recipe import parse_size
 
-    if policy not in POLICIES:
-        raise RQError(f"unknown --pager {policy!r} (choose from: {', '.join(POLICIES)})")
+    check_policy(policy, "--pager")
     if memory_budget is None:
         budget = None
     else:

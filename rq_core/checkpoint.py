@@ -217,14 +217,24 @@ def weight_files(path: Path) -> list[Path]:
 
 def load_weights(path: Path) -> dict[str, mx.array]:
     """All tensors by name, loaded lazily by mx.load (nothing is read until used) in the stored dtype."""
-    weights: dict[str, mx.array] = {}
+    weights: dict[str, mx.array] = _Weights()
     for f in weight_files(path):
         _check_safetensors(f)
         try:
             weights.update(mx.load(str(f)))
         except Exception as e:  # mx.load raises plain exceptions for malformed files
             raise RQError(f"cannot read {f}: {_first_line(e)}")
+    from rq_core.pack import moved_placeholders  # banks `rq pack --move` left only in the pages
+
+    weights.moved, weights.path = moved_placeholders(path, weights), Path(path)
     return weights
+
+
+class _Weights(dict):
+    """load_weights' tensors, and the banks that live only in the checkpoint's pages (`moved`)."""
+
+    moved: dict = {}
+    path: Optional[Path] = None
 
 
 def _quant_predicate(qcfg: dict, weights: dict) -> Any:
@@ -310,6 +320,7 @@ def build_model(config: dict, weights: Optional[dict[str, mx.array]] = None) -> 
                       f"{type(e).__name__}: {_first_line(e)[:200]}")
     if weights is None:
         return model
+    moved, src = getattr(weights, "moved", None), getattr(weights, "path", None)
     _check_raw_dtypes(weights)
     try:
         weights = model.sanitize(dict(weights))
@@ -329,6 +340,10 @@ def build_model(config: dict, weights: Optional[dict[str, mx.array]] = None) -> 
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise RQError(f"checkpoint does not match its config ({model_type}): {_first_line(e)[:300]}")
+    if moved:
+        from rq_core.pack import serve_moved_banks
+
+        serve_moved_banks(model, src, moved)
     return model
 
 

@@ -1,5 +1,6 @@
-"""`rq pack CKPT`: lay out each routed expert's tensors contiguously, 16 KiB aligned, so the pager
-fetches one expert with one read. Writes CKPT/experts/ (or `--out DIR`): one page file per MoE layer +
+"""`rq pack CKPT`: lay out each routed expert's tensors contiguously, aligned (16 KiB; 4 KiB for experts
+under 256 KiB, where 16 KiB of padding could cost more than 1/16 of the disk), so the pager fetches one
+expert with one read. Writes CKPT/experts/ (or `--out DIR`): one page file per MoE layer +
 index.json with per-expert CRC32 checksums and a fingerprint of the tensors each layer came from.
 
 A pack is untrusted input (it may come from the hub with a checkpoint): `load_index` checks every
@@ -10,6 +11,14 @@ Replacing a pack is crash-safe: the new pack is written to `.experts.tmp-PID`, t
 `.experts.old-PID`, the new one renamed into place. A kill between the two renames leaves the old
 pack complete in `.experts.old-PID`; `find_pages` (every load) puts it back, and removes temp folders
 of writers that are gone. The checkpoint directory is flock-ed while a writer swaps or a loader cleans up.
+
+`rq pack --move` then stores the routed experts once: each shard holding bank tensors is rewritten without
+them (a temp file renamed over it, after the pages are complete), its metadata recording what it held and the
+fingerprint those tensors had (so the pager's stale-pages check still holds). Such a checkpoint loads with
+lazy placeholders for those banks, filled from the pages (every expert CRC32-checked) on a bank's first call
+unless an ExpertPager takes it over. A move killed part-way leaves every shard whole (with or without its
+banks), so the checkpoint loads; `rq pack --move` again finishes it, and `rq pack` refuses to re-pack pages
+that are the only copy of the experts.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ import numpy as np
 from rq_core.errors import RQError
 
 ALIGN = 16384
+SMALL_ALIGN = 4096  # pages of experts under 16 x ALIGN, where 16 KiB of padding could cost over 1/16 of the disk
+MOVED_KEY = "rq_moved_experts"  # shard metadata: the banks `rq pack --move` took out (they live only in the pages)
 PACK_DIR = "experts"
 INDEX = "index.json"
 VERSION = 1
@@ -55,6 +66,12 @@ class PackResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def page_align(used: int) -> int:
+    """The alignment of a page of USED bytes: 16 KiB (its padding then at most 1/16 of it), or 4 KiB for an
+    expert under 256 KiB."""
+    return ALIGN if used >= 16 * ALIGN else SMALL_ALIGN
 
 
 def expert_banks(model: Any) -> dict[str, Any]:
@@ -240,9 +257,13 @@ def source_fingerprints(ckpt: str | os.PathLike, banks: dict[str, Any]) -> dict[
                 where[k] = (f, start, v)
     out: dict[str, str] = {}
     fds: dict[Path, int] = {}
+    moved = moved_experts(ckpt)
     try:
         for path, module in banks.items():
             names = [f"{path}.{n}" for n in bank_tensors(module)]
+            if path in moved:  # taken out of the shards by `rq pack --move`: what they were when packed
+                out[path] = moved[path]["fingerprint"]
+                continue
             if not names or not all(n in where for n in names):
                 out[path] = "shards:" + whole.hexdigest()
                 continue
@@ -266,18 +287,221 @@ def source_fingerprints(ckpt: str | os.PathLike, banks: dict[str, Any]) -> dict[
     return out
 
 
+# ------------------------------------------------------------------------------ experts stored once
+_ST_TO_MX = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U32": "uint32", "U8": "uint8", "I32": "int32"}
+
+
+def moved_experts(ckpt: str | os.PathLike) -> dict[str, dict]:
+    """Bank path -> {"fingerprint", "tensors": {name: {"shape", "dtype"}}} of the banks `rq pack --move` took
+    out of CKPT's shards (recorded in the shards' metadata); {} for a checkpoint that holds its experts."""
+    from rq_core.checkpoint import weight_files
+
+    out: dict[str, dict] = {}
+    for f in weight_files(Path(ckpt)):
+        hdr, _ = _read_header(f)
+        meta = hdr.get("__metadata__")
+        raw = meta.get(MOVED_KEY) if isinstance(meta, dict) else None
+        if raw is None:
+            continue
+        bad = RQError(f"{f}: its {MOVED_KEY} metadata is malformed (the checkpoint is damaged: fetch it again)")
+        try:
+            rec = json.loads(raw)
+        except (TypeError, ValueError, RecursionError):
+            raise bad
+        if not isinstance(rec, dict):
+            raise bad
+        for path, e in rec.items():
+            if not (isinstance(e, dict) and isinstance(e.get("fingerprint"), str) and isinstance(e.get("tensors"), dict)):
+                raise bad
+            for name, t in e["tensors"].items():
+                if not (isinstance(name, str) and name.startswith(f"{path}.") and isinstance(t, dict)
+                        and t.get("dtype") in _ST_TO_MX and isinstance(t.get("shape"), list)
+                        and all(_is_int(d) for d in t["shape"])):
+                    raise bad
+            have = out.setdefault(path, {"fingerprint": e["fingerprint"], "tensors": {}})
+            if have["fingerprint"] != e["fingerprint"]:
+                raise bad
+            have["tensors"].update(e["tensors"])
+    return out
+
+
+def moved_placeholders(ckpt: str | os.PathLike, weights: dict[str, mx.array]) -> dict[str, dict]:
+    """Add a lazy zero array (never evaluated: `serve_moved_banks` fills the bank first) for every moved bank
+    tensor the shards no longer hold; returns moved_experts(ckpt)."""
+    moved = moved_experts(ckpt)
+    for e in moved.values():
+        for name, t in e["tensors"].items():
+            if name not in weights:
+                weights[name] = mx.zeros(tuple(t["shape"]), getattr(mx, _ST_TO_MX[t["dtype"]]))
+    return moved
+
+
+def serve_moved_banks(model: Any, ckpt: str | os.PathLike, moved: dict[str, dict]) -> None:
+    """Banks that live only in the pages are read from them (every expert, CRC32-checked) on their first call,
+    unless an ExpertPager takes them over first."""
+    banks = expert_banks(model)
+    for path, e in moved.items():
+        if path not in banks:
+            raise RQError(f"{ckpt}: its shards record moved experts of {_shown(path)}, which the model does not have")
+        mod = banks[path]
+        base = type(mod)
+
+        def __call__(self, *a: Any, _p: str = path, _fp: str = e["fingerprint"], _base: type = base,
+                     **kw: Any) -> Any:  # noqa: N807
+            _fill_from_pages(self, _p, ckpt, _fp)
+            self.__class__ = _base
+            return _base.__call__(self, *a, **kw)
+
+        mod.__class__ = type(base.__name__, (base,), {"__call__": __call__, "_rq_base": base})
+
+
+def _fill_from_pages(module: Any, path: str, ckpt: str | os.PathLike, fp: str) -> None:
+    from rq_core.pager import _open_pages, _target_dtype
+
+    idx = load_index(ckpt, banks={path: module})
+    meta = idx["layers"][path]
+    if meta["source"] != fp:
+        raise RQError(f"the expert pages in {idx['dir']} are not the ones layer {path}'s experts were moved to "
+                      "(`rq pack --move`): they are the only copy of them; restore those pages")
+    fd = _open_pages(Path(idx["dir"]) / meta["file"], path, meta)
+    try:
+        used, E = meta["used_bytes"], meta["num_experts"]
+        rows = np.empty((E, used), np.uint8)
+        for e in range(E):
+            buf = os.pread(fd, used, e * meta["page_bytes"])
+            if len(buf) != used or zlib.crc32(buf) != meta["crc32"][e]:
+                raise RQError(f"corrupt expert page: layer {path} expert {e} (checksum mismatch in "
+                              f"{Path(idx['dir']) / meta['file']}): fetch the checkpoint again")
+            rows[e] = np.frombuffer(buf, np.uint8)
+    finally:
+        os.close(fd)
+    for t in meta["tensors"]:
+        proj, part = t["name"].split(".")
+        a = np.ascontiguousarray(rows[:, t["offset"]:t["offset"] + t["nbytes"]]).view(_NP[t["dtype"]])
+        x = mx.array(a.reshape(E, *t["shape"]))
+        x = x.view(mx.bfloat16) if t["dtype"] == "bfloat16" else x
+        target = _target_dtype(module, t)
+        module[proj][part] = x if x.dtype == target else x.astype(target)
+
+
+def _bank_names(banks: dict[str, Any]) -> dict[str, str]:
+    return {f"{p}.{n}": p for p, m in banks.items() for n in bank_tensors(m)}
+
+
+def _check_movable(src: Path, banks: dict[str, Any]) -> None:
+    """RQError unless every bank tensor is stored under its own name in a shard that is a file of the checkpoint."""
+    from rq_core.checkpoint import weight_files
+
+    names, found = _bank_names(banks), set()
+    for f in weight_files(src):
+        if f.is_symlink():
+            raise RQError(f"{f} is a link (a hub cache?): --move rewrites the shards; copy the checkpoint to a "
+                          "folder of its own first")
+        found |= set(_read_header(f)[0]) & set(names)
+    moved = moved_experts(src)
+    missing = [n for n in names if n not in found and names[n] not in moved]
+    if missing:
+        raise RQError(f"{src}: its routed experts are not stored as stacked banks ({_shown(missing[0])} is not in "
+                      "its shards), so --move cannot take them out (quantize it with `rq quantize` first)")
+
+
+def _move_banks(src: Path, banks: dict[str, Any], fps: dict[str, str]) -> int:
+    """Rewrite each shard that holds bank tensors without them (atomically: a temp file renamed over it), recording
+    what it held in its metadata; then drop them from the shard index. Returns the bytes taken out."""
+    from rq_core.checkpoint import weight_files
+
+    names = _bank_names(banks)
+    for f in src.iterdir():  # shards a killed move was writing: ours (the name), their writer gone
+        m = re.match(r"^\.(.+\.safetensors)\.tmp-(\d+)$", f.name)
+        if m and f.is_file() and not f.is_symlink() and not _pid_alive(int(m[2])):
+            f.unlink()
+    taken = 0
+    for f in weight_files(src):
+        hdr, start = _read_header(f)
+        take = [k for k in hdr if k in names]
+        if not take:
+            continue
+        keep = sorted(((k, v) for k, v in hdr.items() if k != "__metadata__" and k not in names),
+                      key=lambda kv: kv[1]["data_offsets"][0])
+        meta = dict(hdr.get("__metadata__") or {})
+        rec = json.loads(meta.get(MOVED_KEY, "{}"))
+        for k in take:
+            p = names[k]
+            rec.setdefault(p, {"fingerprint": fps[p], "tensors": {}})["tensors"][k] = {
+                "shape": hdr[k]["shape"], "dtype": hdr[k]["dtype"]}
+            taken += hdr[k]["data_offsets"][1] - hdr[k]["data_offsets"][0]
+        meta[MOVED_KEY] = json.dumps(rec, sort_keys=True)
+        new: dict[str, Any] = {"__metadata__": meta}
+        off, spans = 0, []
+        for k, v in keep:
+            a, b = v["data_offsets"]
+            new[k] = {"dtype": v["dtype"], "shape": v["shape"], "data_offsets": [off, off + b - a]}
+            spans.append((start + a, b - a))
+            off += b - a
+        hb = json.dumps(new, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        tmp = f.parent / f".{f.name}.tmp-{os.getpid()}"
+        try:
+            with open(f, "rb") as fin, open(tmp, "wb") as fout:
+                fout.write(struct.pack("<Q", len(hb)) + hb)
+                for pos, n in spans:
+                    fin.seek(pos)
+                    while n:
+                        chunk = fin.read(min(n, 64 << 20))
+                        if not chunk:
+                            raise RQError(f"{f} is truncated")
+                        fout.write(chunk)
+                        n -= len(chunk)
+                fout.flush()
+                os.fsync(fout.fileno())
+            os.replace(tmp, f)  # the shard with its experts, or without them (recorded): never neither
+            _fsync_dir(f.parent)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        d = json.loads(index.read_text())
+        wm = d.get("weight_map")
+        if isinstance(wm, dict) and any(k in wm for k in names):
+            d["weight_map"] = {k: v for k, v in wm.items() if k not in names}
+            tmp = src / f".{index.name}.tmp-{os.getpid()}"
+            tmp.write_text(json.dumps(d, indent=1))
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, index)
+            _fsync_dir(src)
+    return taken
+
+
 # ------------------------------------------------------------------------------ writing
 def pack(ckpt: str | os.PathLike, *, out: Optional[str | os.PathLike] = None,
-         progress: Optional[Callable[[str, int, int], None]] = None) -> PackResult:
-    """Write {<layer path>.bin, index.json} into CKPT/experts (or OUT), replacing a previous pack."""
+         progress: Optional[Callable[[str, int, int], None]] = None, move: bool = False) -> PackResult:
+    """Write {<layer path>.bin, index.json} into CKPT/experts (or OUT), replacing a previous pack.
+
+    `move`: then rewrite the shards without the routed expert banks, so the checkpoint holds them once (in
+    the pages; it still loads all-resident, reading them from there). Each shard is replaced atomically after
+    the pages are complete; a move killed half-way leaves a checkpoint that loads, and is finished by running
+    it again."""
     from rq_core.checkpoint import build_model, load_config, load_weights, resolve_model_path
 
     src = resolve_model_path(ckpt)
     config = load_config(src)
+    if move and out is not None:
+        raise RQError("--move keeps the pages in the checkpoint (CKPT/experts): it cannot be combined with --out")
     model = build_model(config, load_weights(src))  # lazy: nothing read until a bank is evaluated
     banks = expert_banks(model)
     if not banks:
         raise RQError(f"{src}: this model has no routed experts to pack")
+    moved = moved_experts(src)
+    if move:
+        _check_movable(src, banks)
+    if moved:
+        if not move:
+            raise RQError(f"{src}: its routed experts live only in its pages (packed with --move): there is "
+                          "nothing to pack again")
+        return _finish_move(src, banks)
     dst = pages_dir(src, out)
     if out is not None:
         try:
@@ -310,7 +534,8 @@ def pack(ckpt: str | os.PathLike, *, out: Optional[str | os.PathLike] = None,
                 layout.append({"name": n, "dtype": dt, "shape": list(a.shape[1:]), "offset": off, "nbytes": nb})
                 off += nb
             used = off
-            page = -(-used // ALIGN) * ALIGN
+            align = page_align(used)
+            page = -(-used // align) * align
             fname = f"{path}.bin"
             crcs = []
             with open(tmp / fname, "wb") as f:
@@ -352,7 +577,24 @@ def pack(ckpt: str | os.PathLike, *, out: Optional[str | os.PathLike] = None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if move:
+        _move_banks(src, banks, fingerprints)
     return PackResult(out=str(dst), layers=len(banks), experts=n_exp, page_bytes=max_page, bytes_written=total)
+
+
+def _finish_move(src: Path, banks: dict[str, Any]) -> PackResult:
+    """`rq pack --move` again on a checkpoint some of whose banks were moved: the pages must be the ones they
+    were moved to (they are kept, being their only copy); the banks still in the shards are moved."""
+    idx = load_index(src, banks=banks)
+    fps = source_fingerprints(src, banks)
+    for path, fp in fps.items():
+        if idx["layers"][path]["source"] != fp:
+            raise RQError(f"the expert pages in {idx['dir']} do not match layer {path} of {src}; its moved experts "
+                          "live only in the pages they were moved to: restore those")
+    _move_banks(src, banks, fps)
+    layers = [idx["layers"][p] for p in banks]
+    return PackResult(out=idx["dir"], layers=len(layers), experts=sum(m["num_experts"] for m in layers),
+                      page_bytes=max(m["page_bytes"] for m in layers), bytes_written=0)
 
 
 # ------------------------------------------------------------------------------ reading

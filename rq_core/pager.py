@@ -2,27 +2,30 @@
 expert slots (stacked arrays, so one gather_qmm per projection still serves the layer); an LRU over
 (layer, expert) decides which slot a missing expert is read into.
 
-The only host sync added to the forward pass is reading the routing indices of each MoE layer,
-which a pager cannot avoid (it must know which experts to fetch). Slot writes are lazy scatters
-evaluated with the rest of the step.
+Per MoE layer a step costs one host sync: reading the routing indices (a pager must know which experts
+to fetch). Everything else stays on the device or is batched: the expert -> slot table is an mx.array
+that remaps the routing on the device (uploaded again only after a miss changed it), a layer's misses
+are read together, in parallel (os.preadv into one preallocated staging buffer, a thread each), and
+written into the slots with one scatter per tensor, evaluated with the rest of the step.
 
 Pages are checked before use: the index field by field and against the model's banks, the page files'
 sizes, the fingerprint of the weights they were packed from (stale pages), and (`verify=True`, the
 default) each expert's CRC32 the first time it is read in this process (corrupt pages).
 
-`policy="mmap"` keeps no slots: each call copies the experts it needs out of a memory map of the
-page file, leaving caching to the OS page cache (for comparison). Its `resident_bytes` is the most
-expert bytes held at once; its hit rate is the OS's and is not measured (None).
+LRU is the only policy. A policy that maps the page files and copies every expert a step uses out of the
+mapping on every step reads at least what LRU reads (LRU reads only the misses) and holds as much (the
+copies of all layers of a step at once), so it is refused with one line (`GONE`).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import stat
+import time
 import weakref
 import zlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -31,9 +34,20 @@ import mlx.core as mx
 import numpy as np
 
 from rq_core.errors import RQError
-from rq_core.pack import decode_page, expert_banks, load_index, source_fingerprints
+from rq_core.pack import _NP, expert_banks, load_index, source_fingerprints
 
-POLICIES = ("lru", "mmap")
+POLICIES = ("lru",)
+GONE = {"mmap": "pager policy 'mmap' is gone: it copied every expert a step uses on every step, so it never "
+                "read or held less than lru, which reads only the misses; use lru"}
+READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
+
+
+def check_policy(policy: str, what: str = "pager policy") -> None:
+    """RQError (one line) unless POLICY is a pager policy."""
+    if policy in GONE:
+        raise RQError(GONE[policy])
+    if policy not in POLICIES:
+        raise RQError(f"unknown {what} {policy!r} (choose from: {', '.join(POLICIES)})")
 
 
 @dataclass
@@ -46,15 +60,16 @@ class PagerStats:
     resident_bytes: int = 0
     slots: int = 0
     policy: str = "lru"
+    host_syncs: int = 0  # routing reads (one per MoE layer call) and evaluations between prefill passes
+    sync_s: float = 0.0  # seconds waiting for the routing reads
+    host_s: float = 0.0  # seconds of the pager's own host work (LRU, reads, building the slot writes)
+    read_batches: int = 0  # layer calls that read pages (all of their misses at once)
+    speculated: int = 0  # layer calls whose experts were queued before the routing was read (speculate=True)
+    respun: int = 0  # of those, calls that missed: the queued work was dropped and the layer run again
+    staging_bytes: int = 0  # host memory of the staging buffer the pages are read into
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def _mx_from_np(a: np.ndarray, dtype: str, target: Optional[mx.Dtype] = None) -> mx.array:
-    x = mx.array(a)
-    x = x.view(mx.bfloat16) if dtype == "bfloat16" else x
-    return x if target is None or x.dtype == target else x.astype(target)
 
 
 def _target_dtype(module: Any, t: dict) -> mx.Dtype:
@@ -83,89 +98,106 @@ class _Layer:
         self.checked = bytearray(self.E)
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
         self.free = list(range(self.slots))
-        self.map: Optional[mmap.mmap] = None
-        self.temp_bytes = 0
+        self.lut = np.zeros(self.E, np.int32)  # expert -> slot (0 for experts not resident: never read)
+        self.lut_dev: Optional[mx.array] = None  # the same table on the device; None: upload again
         # Banks take the dtype the model holds (e.g. float32 after model.set_dtype on the CPU), pages
         # are cast on load, so paged and resident runs compute the same numbers.
         self.dtypes = {t["name"]: _target_dtype(module, t) for t in meta["tensors"]}
         self.expert_bytes = sum(_nbytes(t, self.dtypes[t["name"]]) for t in meta["tensors"])
-        if pager.policy == "mmap":
-            self.map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-        else:  # the banks: [slots, ...] per tensor, zero until first written (lazy: no memory yet)
-            for t in meta["tensors"]:
-                proj, part = t["name"].split(".")
-                self.module[proj][part] = mx.zeros((self.slots, *t["shape"]), self.dtypes[t["name"]])
+        for t in meta["tensors"]:  # the banks: [slots, ...] per tensor, zero until first written
+            proj, part = t["name"].split(".")
+            self.module[proj][part] = mx.zeros((self.slots, *t["shape"]), self.dtypes[t["name"]])
 
     @property
     def resident_bytes(self) -> int:
-        return self.expert_bytes * self.slots if self.pager.policy == "lru" else 0
+        return self.expert_bytes * self.slots
 
-    def read(self, e: int) -> dict[str, np.ndarray]:
+    def _read_one(self, e: int, view: memoryview) -> None:
         used = self.meta["used_bytes"]
         off = e * self.meta["page_bytes"]
-        if self.map is not None:
-            buf = self.map[off:off + used]
-        else:
+        n = os.preadv(self.fd, [view], off) if hasattr(os, "preadv") else None
+        if n is None:
             buf = os.pread(self.fd, used, off)
-        if len(buf) != used:
+            n = len(buf)
+            view[:n] = buf
+        if n != used:
             raise RQError(f"layer {self.path} expert {e}: short read (truncated page file?)")
         if self.pager.verify and not self.checked[e]:
-            if zlib.crc32(buf) != self.meta["crc32"][e]:
+            if zlib.crc32(view) != self.meta["crc32"][e]:
                 raise RQError(f"corrupt expert page: layer {self.path} expert {e} (checksum mismatch in "
                               f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the "
                               "checkpoint again")
             self.checked[e] = 1
-        self.pager.stats.bytes_read += used
-        return decode_page(buf, self.meta["tensors"])
 
     def load(self, experts: list[int], slots: list[int]) -> None:
-        """Read `experts` and write them into `slots` of the banks (one lazy scatter per tensor)."""
-        pages = [self.read(e) for e in experts]
-        idx = mx.array(np.array(slots, dtype=np.int32))
+        """Read `experts` (in parallel, into the staging buffer) and write them into `slots` of the banks:
+        one lazy scatter per tensor."""
+        cap = self.pager.stage_experts
+        for i in range(0, len(experts), cap):  # more than the buffer holds only in a long prefill's passes
+            self._load(experts[i:i + cap], slots[i:i + cap])
+
+    def _load(self, experts: list[int], slots: list[int]) -> None:
+        used, n = self.meta["used_bytes"], len(experts)
+        stage = self.pager._stage(n * used)
+        views = [memoryview(stage)[i * used:(i + 1) * used] for i in range(n)]
+        pool = self.pager._pool
+        if pool is not None and n > 1:
+            for f in [pool.submit(self._read_one, e, v) for e, v in zip(experts, views)]:
+                f.result()
+        else:
+            for e, v in zip(experts, views):
+                self._read_one(e, v)
+        st = self.pager.stats
+        st.bytes_read += n * used
+        st.read_batches += 1
+        rows = np.frombuffer(stage, np.uint8, count=n * used).reshape(n, used)
+        idx = mx.array(np.asarray(slots, dtype=np.int32))
         for t in self.meta["tensors"]:
             proj, part = t["name"].split(".")
-            new = _mx_from_np(np.stack([p[t["name"]] for p in pages]), t["dtype"], self.dtypes[t["name"]])
+            a = np.ascontiguousarray(rows[:, t["offset"]:t["offset"] + t["nbytes"]]).view(_NP[t["dtype"]])
+            new = mx.array(a.reshape(n, *t["shape"]))  # a copy: the staging buffer is reused
+            if t["dtype"] == "bfloat16":
+                new = new.view(mx.bfloat16)
+            target = self.dtypes[t["name"]]
+            if new.dtype != target:
+                new = new.astype(target)
             bank = self.module[proj][part]
             bank[idx] = new
             self.module[proj][part] = bank
 
-    def acquire(self, needed: np.ndarray) -> dict[int, int]:
-        """Make `needed` experts (len <= slots) resident; returns expert -> slot."""
+    def acquire(self, needed: np.ndarray) -> None:
+        """Make `needed` experts (len <= slots) resident and the device table map them to their slots."""
         st = self.pager.stats
-        for e in needed:
-            if int(e) in self.lru:
-                self.lru.move_to_end(int(e))
-                st.hits += 1
-        miss = [int(e) for e in needed if int(e) not in self.lru]
+        lru = self.lru
+        miss = []
+        for e in needed.tolist():
+            if e in lru:
+                lru.move_to_end(e)
+            else:
+                miss.append(e)
+        st.hits += len(needed) - len(miss)
+        if not miss:
+            return
         slots = []
         for e in miss:
             if self.free:
                 s = self.free.pop(0)
             else:
-                _, s = self.lru.popitem(last=False)
+                _, s = lru.popitem(last=False)
                 st.evictions += 1
-            self.lru[e] = s
+            lru[e] = s
+            self.lut[e] = s
             slots.append(s)
         st.misses += len(miss)
-        if miss:
-            self.load(miss, slots)
-        return {int(e): self.lru[int(e)] for e in needed}
+        self.load(miss, slots)
+        self.lut_dev = None
 
-    def mmap_bank(self, needed: np.ndarray) -> None:
-        """mmap policy: a temporary bank holding exactly `needed`, copied out of the mapping."""
-        pages = [self.read(int(e)) for e in needed]
-        self.pager.stats.misses += len(needed)
-        for t in self.meta["tensors"]:
-            proj, part = t["name"].split(".")
-            self.module[proj][part] = _mx_from_np(np.stack([p[t["name"]] for p in pages]), t["dtype"],
-                                                  self.dtypes[t["name"]])
-        self.temp_bytes = len(needed) * self.expert_bytes
-        pg = self.pager
-        pg._mmap_peak = max(pg._mmap_peak, sum(l.temp_bytes for l in pg.layers.values()))
+    def table(self) -> mx.array:
+        if self.lut_dev is None:
+            self.lut_dev = mx.array(self.lut)
+        return self.lut_dev
 
     def close(self) -> None:
-        if self.map is not None:
-            self.map.close()
         os.close(self.fd)
 
 
@@ -189,12 +221,15 @@ class ExpertPager:
     """Attach to a loaded (lazy) model: the routed-expert banks become slot banks fed from page files.
 
     `pages`: the pack folder (default CKPT/experts). `verify`: check each expert's CRC32 on its first
-    read (off only to measure what it costs)."""
+    read (off only to measure what it costs). `threads`: parallel reads of one layer's misses, and the pages
+    the staging buffer holds. `speculate`:
+    queue each layer's experts from the slots it has before its routing is read (a hit, the common case,
+    then costs no wait; a miss waits for that work, drops it and runs the layer again: exact either way)."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
-                 verify: bool = True, pages: Optional[str | os.PathLike] = None) -> None:
-        if policy not in POLICIES:
-            raise RQError(f"unknown pager policy {policy!r} (choose from: {', '.join(POLICIES)})")
+                 verify: bool = True, pages: Optional[str | os.PathLike] = None,
+                 threads: int = READ_THREADS, speculate: bool = False) -> None:
+        check_policy(policy)
         banks = expert_banks(model)
         index = load_index(ckpt, pages=pages, banks=banks)
         self.dir = Path(index["dir"])
@@ -203,7 +238,7 @@ class ExpertPager:
             if index["layers"][path]["source"] != fp:
                 raise RQError(f"the expert pages in {self.dir} are stale: layer {path} was packed from other "
                               f"weights than {ckpt} holds now; run {again} again")
-        self.policy, self.verify = policy, verify
+        self.policy, self.verify, self.speculate = policy, verify, speculate
         self.stats = PagerStats(policy=policy)
         self.layers: dict[str, _Layer] = {}
         fds: dict[str, int] = {}
@@ -220,51 +255,90 @@ class ExpertPager:
             _patch(mod, self.layers[path])
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
-        self._mmap_peak = 0
+        # one staging buffer for every layer (layers run one after another), made at the first call, when top-k
+        # is known: room for min(slots, threads, top-k) pages (a decode step's misses of one layer, up to 8)
+        self._index, self._banks, self._slots, self._threads = index, banks, slots, threads
+        self.stage_experts = 0
+        self._buf: Optional[bytearray] = None
+        self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         model.expert_pager = self  # generate() decodes synchronously with a pager (see there)
+
+    def _ready(self, top_k: int) -> None:
+        if self._buf is None:
+            self.stage_experts = max(1, min(self._slots, self._threads, top_k))
+            self.stats.staging_bytes = staging_bytes(self._index, self._banks, self._slots, self._threads, top_k)
+            self._buf = bytearray(self.stats.staging_bytes)
+
+    def _stage(self, n: int) -> bytearray:
+        if self._buf is None or n > len(self._buf):  # cannot happen: a batch is at most stage_experts pages
+            raise RQError(f"internal: {n} bytes of pages to stage, room for {len(self._buf or b'')}")
+        return self._buf
 
     def report(self) -> PagerStats:
         s = self.stats
-        s.hit_rate = s.hits / (s.hits + s.misses) if (self.policy == "lru" and s.hits + s.misses) else None
-        if self.policy == "mmap":  # the largest set of expert copies held at once (all layers of a step)
-            s.resident_bytes = self._mmap_peak
+        s.hit_rate = s.hits / (s.hits + s.misses) if s.hits + s.misses else None
         return s
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for l in self.layers.values():
             l.close()
 
 
+def staging_bytes(index: dict, banks: dict[str, Any], slots: int, threads: int = READ_THREADS,
+                  top_k: int = READ_THREADS) -> int:
+    """Host bytes of the pager's staging buffer: min(slots, threads, top_k) pages (used bytes) of the largest layer."""
+    n = max(1, min(slots, threads, top_k))
+    return max((min(n, m["num_experts"]) * m["used_bytes"] for p, m in index["layers"].items() if p in banks),
+               default=0)
+
+
 def _patch(module: Any, layer: _Layer) -> None:
     """Route the SwitchGLU's calls through the pager (class swap on this one instance)."""
-    old = type(module)
+    old = getattr(type(module), "_rq_base", type(module))  # a bank served from the pages: the pager takes over
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:  # noqa: N807
+        st = layer.pager.stats
+        st.host_syncs += 1
+        layer.pager._ready(indices.shape[-1])
+        spec = None
+        if layer.pager.speculate and layer.lru:
+            mx.async_eval(indices)  # its own evaluation: reading it below does not wait for the experts
+            spec = old.__call__(self, x, layer.table()[indices])
+            mx.async_eval(spec)
+            st.speculated += 1
+        t0 = time.perf_counter()
         idx = np.array(indices)  # the one sync routing needs: which experts to fetch
+        t1 = time.perf_counter()
+        st.sync_s += t1 - t0
         needed = np.unique(idx)
-        if layer.pager.policy == "mmap":
-            layer.mmap_bank(needed)
-            lut = np.zeros(layer.E, np.int32)
-            lut[needed] = np.arange(len(needed), dtype=np.int32)
-            return old.__call__(self, x, mx.array(lut[idx]))
+        if spec is not None:
+            if len(needed) <= layer.slots and all(e in layer.lru for e in needed.tolist()):
+                layer.acquire(needed)  # all hits: the queued work is this layer's output
+                st.host_s += time.perf_counter() - t1
+                return spec
+            st.respun += 1
+            mx.eval(spec)  # done with the slots before any is overwritten (an in-place write, not a copy)
+            del spec
         if len(needed) <= layer.slots:
-            m = layer.acquire(needed)
-            lut = np.zeros(layer.E, np.int32)
-            for e, s in m.items():
-                lut[e] = s
-            return old.__call__(self, x, mx.array(lut[idx]))
+            layer.acquire(needed)
+            table = layer.table()
+            st.host_s += time.perf_counter() - t1
+            return old.__call__(self, x, table[indices])  # remapped on the device
         # More distinct experts than slots (a long prefill chunk): serve them in passes of `slots`
         # experts; each (token, k) output comes from exactly one pass.
         y = None
         for i in range(0, len(needed), layer.slots):
             part = needed[i:i + layer.slots]
-            m = layer.acquire(part)
-            lut = np.full(layer.E, m[int(part[0])], np.int32)
-            for e, s in m.items():
-                lut[e] = s
+            layer.acquire(part)
+            lut = np.full(layer.E, layer.lut[int(part[0])], np.int32)
+            lut[part] = layer.lut[part]
             yp = old.__call__(self, x, mx.array(lut[idx]))
             mask = mx.array(np.isin(idx, part))[..., None]
             y = mx.where(mask, yp, 0) if y is None else mx.where(mask, yp, y)
+            st.host_syncs += 1
             mx.eval(y)  # the next pass overwrites slots this one reads
         return y
 
@@ -284,20 +358,45 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     banks = expert_banks(model)
     bank_ids = {id(v) for m in banks.values() for _, v in tree_flatten(m.parameters())}
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if id(v) not in bank_ids)
-    per_tok, fixed = kv_bytes(config, kv_mode, kv_bits, edge_layers)
+    ab = activation_dtype(model).size  # what plain KV caches hold (float32 for a model upcast on the CPU)
+    per_tok, fixed = kv_bytes(config, kv_mode, kv_bits, edge_layers, act_bytes=ab)
     kvb = per_tok * cache_tokens(context) + fixed
-    pre = prefill_fp16_bytes(config, kv_mode, context, prefill_fp16, prefill_chunk)
+    pre = prefill_fp16_bytes(config, kv_mode, context, prefill_fp16, prefill_chunk, act_bytes=ab)
     act = activation_bytes(config, min(prefill_chunk, max(context, 1)))
     n_moe, E, k = _moe_info(config)
+    attached = getattr(model, "expert_pager", None)
+    if attached is not None and index is None:  # the banks are slot banks now: what the pages hold
+        index = {"layers": {p: l.meta for p, l in attached.layers.items()}}
     if index is not None:  # in the dtype the model holds (pages are cast on load)
         per_expert = max(sum(_nbytes(t, _target_dtype(banks[p], t)) for t in meta["tensors"])
                          for p, meta in index["layers"].items() if p in banks)
     else:
         per_expert = max(sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
                          for m in banks.values())
+    # a batch of misses: the staging buffer pages are read into (host memory: min(slots, READ_THREADS) pages of
+    # the largest layer) and MLX's copy of it, held until the slot writes run
+    used = max((m["used_bytes"] for p, m in index["layers"].items() if p in banks), default=0) if index else per_expert
+    used += per_expert
     free = budget - resident - kvb - pre - act
-    slots = int(max(0, min(E, free // max(n_moe * per_expert, 1))))
+    per_slot = max(n_moe * per_expert, 1)
+    cap = min(READ_THREADS, k or READ_THREADS)  # pages a batch of misses holds (ExpertPager._ready)
+    slots = int(max(0, min(E, free // per_slot)))
+    while slots > 0 and slots * per_slot + min(slots, cap) * used > free:
+        slots -= 1
+    stage = min(slots, cap) * used
     return {"budget_bytes": budget, "resident_bytes": resident, "kv_bytes": kvb, "prefill_fp16_bytes": pre,
-            "activation_bytes": act, "bytes_per_expert": per_expert, "moe_layers": n_moe, "experts_per_layer": E,
-            "top_k": k, "slots_per_layer": slots, "fits": slots >= k,
-            "planned_peak_bytes": resident + kvb + pre + act + n_moe * slots * per_expert}
+            "activation_bytes": act, "staging_bytes": stage, "staging_bytes_per_expert": used,
+            "staged_experts": min(slots, cap), "bytes_per_expert": per_expert, "moe_layers": n_moe,
+            "experts_per_layer": E, "top_k": k, "slots_per_layer": slots, "fits": slots >= k,
+            "planned_peak_bytes": resident + kvb + pre + act + stage + n_moe * slots * per_expert}
+
+
+def activation_dtype(model: Any) -> mx.Dtype:
+    """The dtype the model computes in: that of its token embedding (its scales when quantized)."""
+    from mlx.utils import tree_flatten
+
+    floats = [(k, v.dtype) for k, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    for k, d in floats:
+        if "embed" in k:
+            return d
+    return floats[0][1] if floats else mx.float16

@@ -101,14 +101,15 @@ def _moe_info(config: dict) -> tuple[int, int, int]:
 
 
 def kv_bytes(config: dict, kv_mode: str = "fp16", kv_bits: int = 3, edge_layers: int = 0,
-             edge_bits: int = 4) -> tuple[int, int]:
+             edge_bits: int = 4, act_bytes: int = DTYPE_BYTES) -> tuple[int, int]:
     """(bytes per token of context over full-attention layers, fixed bytes of sliding/Mamba caches). A compressed
-    mode's first and last `edge_layers` full-attention layers hold `edge_bits` codes (kv.edge_layers)."""
+    mode's first and last `edge_layers` full-attention layers hold `edge_bits` codes (kv.edge_layers). Plain
+    caches hold the model's activation dtype: `act_bytes` per element (4 for a model computing in float32)."""
     fam, tc = family_of(config), text_config(config)
 
     def per_vec(d: int, bits: int) -> int:
         if kv_mode == "fp16":
-            return 2 * d
+            return act_bytes * d
         return -(-d * bits // 32) * 4 + 2  # packed codes (uint32 words) + fp16 norm
 
     attn: list[tuple[int, int]] = []  # (kv heads, head dim) of each full-attention layer, in order
@@ -129,13 +130,13 @@ def kv_bytes(config: dict, kv_mode: str = "fp16", kv_bits: int = 3, edge_layers:
             if t == "full_attention":
                 attn.append((gkv, ghd))
             else:
-                fixed += window * 2 * tc["num_key_value_heads"] * 2 * hd
+                fixed += window * 2 * tc["num_key_value_heads"] * act_bytes * hd
     else:
         hd = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
         types = tc.get("layer_types") or ["full_attention"] * tc["num_hidden_layers"]
         for t in types:
             if t == "sliding_attention" and tc.get("sliding_window"):
-                fixed += tc["sliding_window"] * 2 * tc["num_key_value_heads"] * 2 * hd
+                fixed += tc["sliding_window"] * 2 * tc["num_key_value_heads"] * act_bytes * hd
             else:
                 attn.append((tc["num_key_value_heads"], hd))
     n = len(attn)
@@ -144,18 +145,19 @@ def kv_bytes(config: dict, kv_mode: str = "fp16", kv_bits: int = 3, edge_layers:
     return per_tok, fixed
 
 
-def layer_fp16_bytes(config: dict) -> int:
-    """Bytes per token of one full-attention layer's K and V in fp16 (the layers share one shape in every family)."""
+def layer_fp16_bytes(config: dict, act_bytes: int = DTYPE_BYTES) -> int:
+    """Bytes per token of one full-attention layer's K and V in fp16 (the layers share one shape in every family);
+    `act_bytes` per element for a model computing in another dtype."""
     fam, tc = family_of(config), text_config(config)
     hd = tc.get("head_dim") or tc["hidden_size"] // tc["num_attention_heads"]
     if fam == "gemma4":
-        return 2 * (tc.get("num_global_key_value_heads") or tc["num_key_value_heads"]) * 2 * (
+        return 2 * (tc.get("num_global_key_value_heads") or tc["num_key_value_heads"]) * act_bytes * (
             tc.get("global_head_dim") or hd)
-    return 2 * tc["num_key_value_heads"] * 2 * hd
+    return 2 * tc["num_key_value_heads"] * act_bytes * hd
 
 
 def prefill_fp16_bytes(config: dict, kv_mode: str, context: int, prefill_fp16: Optional[int] = None,
-                       prefill_chunk: int = 512) -> int:
+                       prefill_chunk: int = 512, act_bytes: int = DTYPE_BYTES) -> int:
     """A compressing cache's fp16 K/V while a prompt of `context` tokens is prefilled: the whole prompt's (it attends to
     itself exactly until the prefill ends), or with kv.prefill_fp16 that many tokens (at least a chunk) and the K/V
     of the context at 2 bytes of the layers whose decoded attention may be alive at once: the one waited for and
@@ -166,9 +168,10 @@ def prefill_fp16_bytes(config: dict, kv_mode: str, context: int, prefill_fp16: O
     if kv_mode == "fp16":
         return 0
     held = context if prefill_fp16 is None else min(context, max(prefill_fp16, prefill_chunk))
-    pre = kv_bytes(config, "fp16")[0] * cache_tokens(held)
+    pre = kv_bytes(config, "fp16", act_bytes=act_bytes)[0] * cache_tokens(held)
     if held < context:
-        pre += (1 + max(0, IsoQuantCache.prefill_inflight)) * layer_fp16_bytes(config) * cache_tokens(context)
+        pre += (1 + max(0, IsoQuantCache.prefill_inflight)) * layer_fp16_bytes(config, act_bytes) * \
+            cache_tokens(context)
     return pre
 
 

@@ -34,7 +34,7 @@ METHODS = ("rtn", "gptq")
 GPTQ_ROLES = ("attention", "dense_mlp", "mamba", "shared_expert", "lm_head")
 KV_MODES = ("fp16", "isoquant3", "turbo3")
 ROTATIONS = ("wht_so4", "wht", "so4", "so3", "dense", "rwht_so4")
-POLICIES = ("lru", "mmap")
+POLICIES = ("lru",)  # rq_core.pager: mmap is gone (pager.GONE)
 KV_KEYS = tuple(f.name for f in dataclasses.fields(KVSettings))
 # recipes/ at the repo root; an installed wheel carries it as rq_core/_recipes (pyproject.toml).
 _HERE = Path(__file__).resolve().parent
@@ -334,6 +334,10 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
     pager = PagerSettings(**pg_t)
     if pager.memory_budget is not None:
         parse_size(str(pager.memory_budget), f"{src}: pager.memory_budget")
+    if pager.policy == "mmap":
+        from rq_core.pager import GONE
+
+        raise RQError(f"{src}: {GONE['mmap']}")
     if pager.policy not in POLICIES:
         raise RQError(f"{src}: pager.policy = {pager.policy!r} is not one of {', '.join(POLICIES)}")
 

@@ -2,6 +2,11 @@
 and give the same greedy tokens, and the next load must leave no temp folders behind.
 
     python3 tests/kill9_pack.py --runs 20 [--seed 0]
+    python3 tests/kill9_pack.py --move --runs 10 [--seed 0]
+
+--move: `rq pack --move` (pages, then the shards rewritten without the routed experts) killed the same ways on
+a fresh copy each run; afterwards the checkpoint must still load all-resident with the same greedy tokens,
+and `rq pack --move` run again must finish the move (same tokens, all-resident and paged, no temp files).
 
 Works on a copy of the bundled model. Half the kills come at a random time after the start, the other
 half at a random write/rename point (a driver wraps os.fsync, os.replace and shutil.rmtree and kills
@@ -43,7 +48,7 @@ def point(fn):
     return wrapped
 os.replace, os.fsync, shutil.rmtree = point(os.replace), point(os.fsync), point(shutil.rmtree)
 from rq_core.pack import pack
-pack(sys.argv[1])
+pack(sys.argv[1], move=len(sys.argv) > 3)
 print(" ".join(seen))
 """
 
@@ -69,10 +74,10 @@ def _paged_tokens(ck: Path) -> list[int]:
         pager.close()
 
 
-def _points(ck: Path) -> list[str]:
+def _points(ck: Path, *move: str) -> list[str]:
     """The write/rename points of one pack of CK, in order (a real pack, killed at none)."""
-    r = subprocess.run([sys.executable, "-c", DRIVER, str(ck), "0"], env=_env(), capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(ck), "0", *move], env=_env(), capture_output=True,
+                       text=True, timeout=300)
     if r.returncode != 0:
         raise SystemExit(f"kill9_pack: the pack driver failed: {r.stderr.strip().splitlines()[-1:]}")
     return r.stdout.split()
@@ -82,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--move", action="store_true", help="kill `rq pack --move` instead")
     a = ap.parse_args(argv)
+    if a.move:
+        return main_move(a)
 
     from rq_core.checkpoint import DEFAULT_MODEL, load
     from rq_core.errors import RQError
@@ -152,6 +160,71 @@ def main(argv: list[str] | None = None) -> int:
               f"{tally['mid_swap']} between the two renames, {tally['finished']} finished first): "
               f"{tally['loaded']} loads after the kill, all with the resident greedy tokens; every re-pack's "
               f"previous pack still loaded; no temp folders left: OK")
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resident_tokens(ck: Path) -> list[int]:
+    from rq_core.checkpoint import load
+    from rq_core.generate import generate
+
+    return generate(load(ck, tokenizer=False, cpu_float32=True).model, IDS, max_tokens=8, seed=0).tokens
+
+
+def _leftovers(ck: Path) -> list[str]:
+    return sorted(p.name for p in ck.iterdir() if p.name.startswith("."))
+
+
+def main_move(a: argparse.Namespace) -> int:
+    from rq_core.checkpoint import DEFAULT_MODEL
+    from rq_core.pack import moved_experts, pack
+
+    rng = random.Random(a.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="rq-kill9-move-"))
+    try:
+        src = tmp / "src"
+        shutil.copytree(DEFAULT_MODEL, src, ignore=shutil.ignore_patterns("experts", ".experts*"))
+        ref = _resident_tokens(src)
+        ck = tmp / "m"
+        shutil.copytree(src, ck)
+        t0 = time.perf_counter()
+        pts = _points(ck, "move")
+        move_s = time.perf_counter() - t0
+        # the points from the pack's swap on: the shards' rewrites (the pages are complete by then)
+        late = list(range(min(j + 1 for j, w in enumerate(pts) if w.endswith(":replace")), len(pts) + 1))
+        tally = {"by_point": 0, "by_time": 0, "part_moved": 0, "finished": 0}
+        for i in range(a.runs):
+            shutil.rmtree(ck)
+            shutil.copytree(src, ck)
+            if i % 2:
+                k = rng.choice(late) if rng.random() < 0.5 else rng.randint(1, len(pts))
+                p = subprocess.Popen([sys.executable, "-c", DRIVER, str(ck), str(k), "move"], env=_env(),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                tally["by_point"] += 1
+            else:
+                p = subprocess.Popen([sys.executable, "-m", "rq_cli.main", "pack", str(ck), "--move"], env=_env(),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                time.sleep(rng.uniform(0.3, 1.1) * move_s)
+                p.send_signal(signal.SIGKILL)
+                tally["by_time"] += 1
+            _, err = p.communicate(timeout=300)
+            if p.returncode == 0:
+                tally["finished"] += 1
+            elif p.returncode != -signal.SIGKILL:
+                raise SystemExit(f"kill9_pack --move: run {i}: pack failed on its own: {err.decode()[-300:]}")
+            tally["part_moved"] += p.returncode != 0 and bool(moved_experts(ck))
+            if _resident_tokens(ck) != ref:
+                raise SystemExit(f"kill9_pack --move: run {i}: the resident tokens changed after the kill")
+            pack(ck, move=True)
+            if _resident_tokens(ck) != ref or _paged_tokens(ck) != ref:
+                raise SystemExit(f"kill9_pack --move: run {i}: tokens changed once the move was finished")
+            if not moved_experts(ck) or _leftovers(ck):
+                raise SystemExit(f"kill9_pack --move: run {i}: the move did not finish cleanly: {_leftovers(ck)}")
+        print(f"kill9_pack --move: {a.runs} runs ({tally['by_time']} killed at a random time, {tally['by_point']} "
+              f"at a write/rename point, {tally['part_moved']} killed with experts moved, {tally['finished']} "
+              "finished first): every one loaded all-resident with the same tokens, and a second --move finished it "
+              "(same tokens all-resident and paged, no temp files): OK")
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -204,7 +204,7 @@ def test_cli_takes_the_recipes_kv_and_budget(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     shutil.copytree(GOLDEN.parent.parent / "qwen2_moe" / "model", ck)  # routed experts to page
     (ck / "recipe.toml").write_text('version = 1\nname = "t"\n[kv]\nmode = "turbo3"\nfp16_window = 4\n'
-                                    '[pager]\nmemory_budget = "4MB"\npolicy = "mmap"\n')
+                                    '[pager]\nmemory_budget = "4MB"\npolicy = "lru"\n')
     args = ["profile", str(ck), "--context", "32", "--repeats", "1", "--warmup", "0", "--json"]
     rep = json.loads(CliRunner().invoke(app, args).stdout)
     assert (rep["kv_mode"], rep["fp16_window"], rep["pager"]) == ("turbo3", 4, None)  # not packed: all resident
@@ -213,4 +213,4 @@ def test_cli_takes_the_recipes_kv_and_budget(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
     assert (rep["kv_mode"], rep["fp16_window"]) == ("turbo3", 2)
-    assert rep["pager"] is not None and rep["pager"]["policy"] == "mmap"
+    assert rep["pager"] is not None and rep["pager"]["policy"] == "lru"

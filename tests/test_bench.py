@@ -66,3 +66,41 @@ def test_parse_contexts_and_spread():
     with pytest.raises(RQError):
         parse_contexts("2K,abc")
     assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+
+
+def test_decode_vs_mlxlm_at_tiny_scale(tmp_path):
+    """benchmarks/decode_vs_mlxlm.py end to end on tiny configs of the three families (mlx-lm installed): one copy of
+    the weights, the same logits in float32, every cell measured."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mlx_lm")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tiny_models import TINY
+
+    root = Path(__file__).resolve().parents[1]
+    args = []
+    for f in ("qwen3_moe", "gemma4", "nemotron_h"):
+        (tmp_path / f"{f}.json").write_text(json.dumps(TINY[f]))
+        args += ["--config", str(tmp_path / f"{f}.json")]
+    out = tmp_path / "res.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_vs_mlxlm.py"), *args, "--recipe",
+                        str(root / "tests" / "data" / "tiny-rtn.toml"), "--contexts", "40,120", "--tokens", "4",
+                        "--repeats", "2", "--dir", str(tmp_path / "ck"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["models"]) == {"qwen3_moe", "gemma4", "nemotron_h"}
+    for m in res["models"].values():
+        sw = m["shared_weights"]
+        assert sw["same_objects"] == sw["arrays"] > 0 and sw["added_bytes"] < 1 << 20
+        assert m["logits_check_float32"]["max_abs_diff"] < 1e-3  # gemma4 in float32 too
+        assert m["logits_check_float32"]["top1_agree"] == 1.0
+    assert len(res["rows"]) == 3 * 2 * 3
+    for row in res["rows"]:
+        assert row["decode_tok_per_s"]["min"] > 0 and len(row["decode_tok_per_s_runs"]) == 2
+        assert row["generated_tokens"] == 4
+        if row["runner"] == "mlx-lm fp16":
+            assert row["ratio_to_mlx_lm_fp16"] == 1.0
+    assert not (tmp_path / "ck" / "qwen3_moe").exists()  # written by the run, removed without --keep

@@ -155,8 +155,30 @@ def rq_cell(model, kv, context: int, tokens: int, seed: int = 0) -> dict:
     return decode_cell(model, kv, context, tokens, seed=seed)
 
 
-def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str) -> dict:
-    from rq_core.bench import kv_settings, spread
+def build_rows(runs: dict, contexts: list[int], cfg: dict, label: str) -> list[dict]:
+    from rq_core.bench import spread
+
+    rows = []
+    for c in contexts:
+        if not runs[(c, "mlx-lm fp16")]:
+            continue
+        ref = spread([x["decode_tok_per_s"] for x in runs[(c, "mlx-lm fp16")]])["median"]
+        for r in RUNNERS:
+            xs = runs[(c, r)]
+            if not xs:
+                continue
+            s = spread([x["decode_tok_per_s"] for x in xs])
+            rows.append({"family": cfg["model_type"], "config": label, "context": c, "runner": r,
+                         "decode_tok_per_s": s, "decode_tok_per_s_runs": [x["decode_tok_per_s"] for x in xs],
+                         "ratio_to_mlx_lm_fp16": s["median"] / ref if ref > 0 else None,
+                         "peak_memory_bytes": max(x["peak_memory_bytes"] for x in xs),
+                         "kv_bytes": xs[-1].get("kv_bytes"), "generated_tokens": xs[-1]["generated_tokens"],
+                         "fill_s": spread([x["fill_s"] for x in xs])})
+    return rows
+
+
+def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_partial=None) -> dict:
+    from rq_core.bench import kv_settings
     from rq_core.checkpoint import text_config
     from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW
 
@@ -184,6 +206,11 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str) -> d
     cells = {"rq fp16": lambda c: rq_cell(rq.model, fp16, c, a.tokens, a.seed),
              "rq isoquant3": lambda c: rq_cell(rq.model, iso, c, a.tokens, a.seed),
              "mlx-lm fp16": lambda c: mlx_cell(theirs, c, a.tokens, a.seed)}
+    info = {"config": label, "layers": tc["num_hidden_layers"], "recipe": recipe_name, "contexts": contexts,
+            "contexts_skipped_beyond_max_position_embeddings": skipped, "checkpoint": str(ck),
+            "checkpoint_reused": reused, "checkpoint_bytes": sum(f.stat().st_size for f in ck.glob("*.safetensors")),
+            "write_s": write_s, "load_s": load_s, "logits_check": check, "shared_weights": shared,
+            "tokens": a.tokens, "repeats": a.repeats}
     for name, fn in cells.items():  # warm-up: kernels compiled, untimed
         fn(min(contexts))
     runs: dict[tuple[int, str], list[dict]] = {(c, r): [] for c in contexts for r in RUNNERS}
@@ -195,23 +222,9 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str) -> d
                 runs[(c, r)].append(x)
                 print(f"  {label} repeat {rep} context {c} {r}: {x['decode_tok_per_s']:.2f} tok/s, "
                       f"peak {x['peak_memory_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    rows = []
-    for c in contexts:
-        ref = spread([x["decode_tok_per_s"] for x in runs[(c, "mlx-lm fp16")]])["median"]
-        for r in RUNNERS:
-            xs = runs[(c, r)]
-            s = spread([x["decode_tok_per_s"] for x in xs])
-            rows.append({"family": cfg["model_type"], "config": label, "context": c, "runner": r,
-                         "decode_tok_per_s": s, "decode_tok_per_s_runs": [x["decode_tok_per_s"] for x in xs],
-                         "ratio_to_mlx_lm_fp16": s["median"] / ref if ref > 0 else None,
-                         "peak_memory_bytes": max(x["peak_memory_bytes"] for x in xs),
-                         "kv_bytes": xs[-1].get("kv_bytes"), "generated_tokens": xs[-1]["generated_tokens"],
-                         "fill_s": spread([x["fill_s"] for x in xs])})
-    info = {"config": label, "layers": tc["num_hidden_layers"], "recipe": recipe_name, "contexts": contexts,
-            "contexts_skipped_beyond_max_position_embeddings": skipped, "checkpoint": str(ck),
-            "checkpoint_reused": reused, "checkpoint_bytes": sum(f.stat().st_size for f in ck.glob("*.safetensors")),
-            "write_s": write_s, "load_s": load_s, "logits_check": check, "shared_weights": shared,
-            "tokens": a.tokens, "repeats": a.repeats}
+        if on_partial is not None:  # saved after each repetition: a run cut short keeps what it measured
+            on_partial({**info, "repeats_done": rep + 1}, build_rows(runs, contexts, cfg, label))
+    rows = build_rows(runs, contexts, cfg, label)
     # the same check in float32, after timing (casting copies the scales, biases and norms): rounding apart, the two
     # models should compute the same function
     rq.model.set_dtype(mx.float32)
@@ -226,20 +239,25 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str) -> d
 
 
 def table(rows: list[dict], infos: dict) -> str:
-    lines = ["| model (layers) | context | runner | decode tok/s median (min-max) | vs mlx-lm fp16 | peak GiB |",
+    lines = ["| model | context | runner | decode tok/s median (min-max) | vs mlx-lm fp16 | peak GiB |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         d = r["decode_tok_per_s"]
         ratio = "-" if r["ratio_to_mlx_lm_fp16"] is None else f"{r['ratio_to_mlx_lm_fp16']:.2f}x"
-        lines.append(f"| {r['config']} ({infos[r['config']]['layers']}) | {r['context']} | {r['runner']} | "
+        part = ", partial" if infos[r["config"]].get("partial") else ""
+        lines.append(f"| {r['config']} ({infos[r['config']]['layers']} layers{part}) | {r['context']} | {r['runner']} | "
                      f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {ratio} | "
                      f"{r['peak_memory_bytes'] / 2**30:.2f} |")
     lines.append("")
+    def f32(v: dict, key: str, spec: str) -> str:
+        c = v.get("logits_check_float32")
+        return "-" if c is None else format(c[key], spec)
+
     lines.append("Logits of rq's and mlx-lm's models on one 16-token prompt, max abs difference in the stored dtype / in "
                  "float32: " + "; ".join(
-                     f"{k} {v['logits_check']['max_abs_diff']:.3g} / {v['logits_check_float32']['max_abs_diff']:.3g} "
+                     f"{k} {v['logits_check']['max_abs_diff']:.3g} / {f32(v, 'max_abs_diff', '.3g')} "
                      f"(logit std {v['logits_check']['logit_std']:.2f}, top-1 agreement "
-                     f"{v['logits_check']['top1_agree']:.0%} / {v['logits_check_float32']['top1_agree']:.0%})"
+                     f"{v['logits_check']['top1_agree']:.0%} / {f32(v, 'top1_agree', '.0%')})"
                      for k, v in infos.items()) + ". The models share one copy of the weights: " + "; ".join(
                      f"{k} {v['shared_weights']['same_objects']}/{v['shared_weights']['arrays']} arrays the same "
                      f"objects, {v['shared_weights']['added_bytes'] / 2**20:.0f} MiB added by the second model"
@@ -284,7 +302,12 @@ def main() -> None:
     infos = {k: v for k, v in old.get("models", {}).items()}
     rows = [r for r in old.get("rows", []) if r["config"] not in {lab for _, lab in jobs}]
     for cfg, label in jobs:
-        res = run_family(cfg, Path(a.dir), a, label)
+        def partial(info, part, label=label):
+            infos[label] = {**info, "run": meta, "partial": True}
+            cur = [r for r in rows if r["config"] != label] + part
+            _readme.save(RESULTS, {"models": infos, "rows": cur}, table(cur, infos), path=out)
+
+        res = run_family(cfg, Path(a.dir), a, label, on_partial=partial)
         infos[label] = {**res["info"], "run": meta}
         rows = [r for r in rows if r["config"] != label] + res["rows"]
         infos = {k: infos[k] for k in infos if any(r["config"] == k for r in rows)}

@@ -184,6 +184,9 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
 
     if a.layers is not None:
         cfg = synth.truncate(cfg, a.layers)
+        if cfg["model_type"] == "nemotron_h" and "M" not in cfg["hybrid_override_pattern"]:
+            raise SystemExit(f"mlx-lm's nemotron_h needs a Mamba layer; --layers {a.layers} keeps "
+                             f"{cfg['hybrid_override_pattern']!r}: use --layers 3 or more")
     tc = text_config(cfg)
     limit = tc.get("max_position_embeddings")
     contexts = [c for c in a.contexts if not limit or c + a.tokens <= limit]

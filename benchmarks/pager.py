@@ -70,72 +70,15 @@ QWEN3_CONFIG = ROOT / "tests" / "data" / "configs" / "qwen3-30b-a3b.json"
 
 
 def write_synthetic(out: Path, layers: int | None = None, recipe_name: str = "qwen3-16gb", seed: int = 0) -> dict:
-    """A quantized Qwen3-30B-A3B-shaped checkpoint with random codes, written shard by shard (one per
-    decoder layer, one for embeddings, norm and head) so peak memory is one layer's tensors."""
-    import mlx.nn as nn
+    """A quantized Qwen3-30B-A3B-shaped checkpoint with random codes (benchmarks/synth_checkpoint.py), written
+    shard by shard (one per decoder layer, one for embeddings, norm and head) so peak memory is one layer's tensors."""
+    import synth_checkpoint
 
-    from rq_core import recipe
-    from rq_core.checkpoint import build_model
-    from rq_core.roles import role_of
-
-    cfg = {k: v for k, v in json.loads(QWEN3_CONFIG.read_text()).items() if not k.startswith("_")}
+    cfg = synth_checkpoint.read_config(QWEN3_CONFIG)
     if layers is not None:
-        cfg["num_hidden_layers"] = cfg["max_window_layers"] = layers
-    rec = recipe.load(recipe_name)
-    model = build_model(cfg)  # lazy: shapes only, nothing is computed until evaluated
-    specs: dict[str, dict] = {}
-
-    def predicate(path: str, m: nn.Module) -> bool | dict:
-        if not hasattr(m, "to_quantized"):
-            return False
-        spec = rec.roles.get(role_of(f"{path}.weight", cfg))
-        if spec is None or spec.bits is None:
-            return False
-        specs[path] = {"group_size": spec.group_size, "bits": spec.bits}
-        return specs[path]
-
-    nn.quantize(model, class_predicate=predicate)
-    params = dict(tree_flatten(model.parameters()))
-    q = {"group_size": 64, "bits": 4, "mode": "affine", **dict(sorted(specs.items()))}
-    shards: dict[str, list[str]] = {}
-    for k in params:
-        parts = k.split(".")
-        shard = f"layer-{int(parts[2]):03d}" if k.startswith("model.layers.") else "rest"
-        shards.setdefault(shard, []).append(k)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    mx.random.seed(seed)
-    weight_map = {}
-    for si, (shard, names) in enumerate(sorted(shards.items())):
-        w = {}
-        for k in names:
-            v = params[k]
-            if v.dtype == mx.uint32:  # packed codes, uniformly random: two 16-bit halves (randint over
-                # 2^32 goes through float32 and would leave the low bits, the first codes, constant)
-                lo, hi = (mx.random.randint(0, 1 << 16, v.shape).astype(mx.uint32) for _ in range(2))
-                w[k] = (hi << 16) | lo
-            elif k.endswith(".scales"):
-                w[k] = mx.random.uniform(0.005, 0.02, v.shape).astype(mx.bfloat16)
-            elif k.endswith(".biases"):
-                bits = specs[k.rsplit(".", 1)[0]]["bits"]
-                w[k] = (-w[k[:-len("biases")] + "scales"].astype(mx.float32) * (2 ** (bits - 1))).astype(mx.bfloat16)
-            else:  # norms
-                w[k] = mx.ones(v.shape, mx.bfloat16)
-        mx.eval(w)
-        fname = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
-        mx.save_safetensors(str(tmp / fname), w, metadata={"format": "mlx"})
-        weight_map.update({k: fname for k in w})
-        del w
-        mx.clear_cache()
-    cfg["quantization"] = cfg["quantization_config"] = q
-    cfg["torch_dtype"] = "bfloat16"
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return cfg
+        cfg = synth_checkpoint.truncate(cfg, layers)
+    synth_checkpoint.write(cfg, recipe_name, out, seed=seed)
+    return json.loads((Path(out) / "config.json").read_text())
 
 
 def verify_cost(a: argparse.Namespace) -> None:

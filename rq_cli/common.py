@@ -349,6 +349,26 @@ def pager_policy(rec: Any, pager: Optional[str]) -> str:
     """--pager, else the recipe's [pager] policy, else lru."""
     return pager if pager is not None else rec.pager.policy if rec is not None else "lru"
 
+def parse_contexts(text: str) -> list[int]:
+    """'512,2K,128k' -> [512, 2048, 131072] (--context of profile and bench)."""
+    out = []
+    for part in text.split(","):
+        p = part.strip().lower()
+        if not p:
+            continue
+        mult = 1024 if p.endswith("k") else 1
+        try:
+            n = int(p[:-1] if mult > 1 else p) * mult
+        except ValueError:
+            raise RQError(f"bad --context {text!r}: give token counts separated by commas, e.g. 2K,32K,128K")
+        if n < 1:
+            raise RQError(f"bad --context {text!r}: lengths must be positive")
+        out.append(n)
+    if not out:
+        raise RQError("--context is empty")
+    return out
+
+
 def parse_list(s: str, cast, name: str) -> list:
     try:
         vals = [cast(x) for x in s.split(",") if x.strip()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from rq_cli import calibrate, eval as eval_cmd, pack, profile, quantize, run, soak
+from rq_cli import bench, calibrate, eval as eval_cmd, pack, profile, quantize, run, soak
 from rq_cli.common import OneLineErrors, RQCommand
 
 app = typer.Typer(
@@ -36,6 +36,7 @@ app.command("pack", cls=RQCommand, help="Lay out experts as aligned page files f
 app.command("run", cls=RQCommand, help="Generate text with a (quantized) model.")(run.run)
 app.command("profile", cls=RQCommand, help="Time attention kernels and say whether KV compression pays.")(profile.profile)
 app.command("soak", cls=RQCommand, help="Generate for minutes or hours, tracking memory, speed and quality.")(soak.soak)
+app.command("bench", cls=RQCommand, help="Decode/prefill speed, peak memory and KV bytes per context and KV mode.")(bench.bench)
 app.add_typer(eval_cmd.app, name="eval", help="Quality: perplexity, needle retrieval, gates.")
 
 if __name__ == "__main__":

@@ -6,25 +6,9 @@ import typer
 from rich.table import Table
 
 from rq_cli.common import (COUNT, FRACTION, POSITIVE, Json, KvCompressed, KvConfig, MemoryBudget, ModelArg, ModelOpt,
-                           Pager, check_kv_flags, console, gpu_first_run_note, handle_errors, kv_settings,
+                           Pager, check_kv_flags, parse_contexts, console, gpu_first_run_note, handle_errors, kv_settings,
                            memory_budget_of, model_arg, pager_policy, print_json, recipe_of)
 from rq_core.errors import RQError
-
-
-def parse_contexts(text: str) -> list[int]:
-    """'512,2K,8k' → [512, 2048, 8192]."""
-    out = []
-    for part in text.split(","):
-        p = part.strip().lower()
-        mult = 1024 if p.endswith("k") else 1
-        try:
-            n = int(p[:-1] if mult > 1 else p) * mult
-        except ValueError:
-            raise RQError(f"bad --context {text!r}: give token counts separated by commas, e.g. 512,2048 or 2K,8K")
-        if n < 1:
-            raise RQError(f"bad --context {text!r}: lengths must be positive")
-        out.append(n)
-    return out
 
 
 def _table(report: dict) -> None:

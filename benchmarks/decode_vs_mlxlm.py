@@ -1,0 +1,323 @@
+"""Decode speed of rq (fp16 and IsoQuant-3 KV) against mlx-lm on the same weight arrays, per context (GPU).
+
+    python3 benchmarks/decode_vs_mlxlm.py --family qwen3_moe  --dir /tmp/rq-synth
+    python3 benchmarks/decode_vs_mlxlm.py --family gemma4     --dir /tmp/rq-synth
+    python3 benchmarks/decode_vs_mlxlm.py --family nemotron_h --dir /tmp/rq-synth
+
+For each family a synthetic checkpoint of its real config (benchmarks/synth_checkpoint.py: random codes at the
+shipped recipe's bits, rq quantize's layout, which mlx-lm loads as it is) is written under --dir (reused when there).
+It is loaded once: rq's loader and mlx-lm's `load_model` read the same lazily loaded arrays (mx.load is shared while
+both load), so the two models hold one copy of the weights (`shared_weights` says how many bytes the second model
+added). Then, in one process, interleaved, the order rotating each repetition, for every context (2K, 32K, 128K that
+fit the config's max_position_embeddings): rq with fp16 KV, rq with IsoQuant-3 KV (as `rq run` makes it: fp16
+window 32, 4-bit edge layers) and mlx-lm (its fp16 KVCache / RotatingKVCache) each get a fresh cache filled to the
+context with random K/V through the cache's own append (rq: rq_core.profile.fill_caches; mlx-lm: update_and_fetch),
+then --tokens greedy tokens through the runner's own loop (rq_core.generate.generate; mlx_lm.generate.generate_step).
+tok/s counts the tokens after the first over the time from the first to the last (both loops are timed alike).
+Before timing, the two models' logits on a short prompt are compared (max abs difference).
+
+Results: benchmarks/results/decode_vs_mlxlm.json; a run replaces its families' rows and keeps the others'.
+CPU check at tiny scale: --config PATH (any config JSON) --layers 2 --contexts 64,256 --tokens 8 --repeats 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "benchmarks")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import mlx.core as mx  # noqa: E402
+
+import synth_checkpoint as synth  # noqa: E402
+
+FAMILIES = {"qwen3_moe": "qwen3-30b-a3b", "gemma4": "gemma4-26b-a4b", "nemotron_h": "nemotron3-nano-30b-a3b"}
+RESULTS = "decode_vs_mlxlm"
+RUNNERS = ("rq fp16", "rq isoquant3", "mlx-lm fp16")
+
+
+@contextlib.contextmanager
+def shared_mx_load():
+    """While open, mx.load of the same file returns the same arrays (a fresh dict each call), so two loaders share
+    one lazily loaded copy of the weights."""
+    orig = mx.load
+    seen: dict[str, dict] = {}
+
+    def load(path, *a, **kw):
+        if not isinstance(path, (str, os.PathLike)) or a or kw:
+            return orig(path, *a, **kw)
+        key = os.path.realpath(path)
+        if key not in seen:
+            seen[key] = orig(str(path))
+        return dict(seen[key])
+
+    mx.load = load
+    try:
+        yield
+    finally:
+        mx.load = orig
+
+
+def load_both(ck: Path):
+    """(rq checkpoint, mlx-lm model, bytes the mlx-lm model added beyond rq's) on one copy of the weights."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    from rq_core.checkpoint import load
+
+    with shared_mx_load():
+        rq = load(ck, tokenizer=False)  # stored dtype: a float32 cast on the CPU would copy
+        mx.eval(rq.model.parameters())
+        before = mx.get_active_memory()
+        theirs, _ = load_model(ck)  # evaluates its parameters: the arrays rq's model already holds
+        mx.eval(theirs.parameters())
+        added = mx.get_active_memory() - before
+    ours = {id(v) for _, v in tree_flatten(rq.model.parameters())}
+    n_theirs = [v for _, v in tree_flatten(theirs.parameters())]
+    same = sum(1 for v in n_theirs if id(v) in ours)
+    return rq, theirs, {"added_bytes": int(added), "arrays": len(n_theirs), "same_objects": same}
+
+
+def logits_diff(rq_model, mlx_model, vocab: int, n: int = 16, seed: int = 0) -> dict:
+    """Max abs difference of the two models' logits on `n` random token ids (fresh caches), and top-1 agreement."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    ids = mx.random.randint(0, vocab, (1, n), key=mx.random.key(seed))
+    a = rq_model(ids, cache=rq_model.make_cache()).astype(mx.float32)
+    b = mlx_model(ids, cache=make_prompt_cache(mlx_model)).astype(mx.float32)
+    mx.eval(a, b)
+    return {"prompt_tokens": n, "max_abs_diff": float(mx.abs(a - b).max()), "logit_std": float(b.std()),
+            "top1_agree": float((a.argmax(-1) == b.argmax(-1)).astype(mx.float32).mean())}
+
+
+def mlx_fill(model, cache: list, n_tokens: int, seed: int = 0, chunk: int = 8192) -> None:
+    """mlx-lm's caches holding `n_tokens` of context: one real token through the model (shapes, dtypes, state
+    caches), then random K/V for the rest through each KV cache's update_and_fetch."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    mx.eval(model(mx.array([[1]], mx.int32), cache=cache))
+    n = n_tokens - 1
+    rand: dict[tuple, tuple] = {}
+    key = mx.random.key(seed)
+    for c in cache:
+        if not isinstance(c, (KVCache, RotatingKVCache)) or n <= 0 or c.keys is None:
+            continue
+        B, H, _, D = c.keys.shape
+        Dv = c.values.shape[3]
+        for s in range(0, n, chunk):
+            L = min(chunk, n - s)
+            shp = (B, H, L, D, Dv, c.keys.dtype)
+            if shp not in rand:  # one random chunk a shape: values do not change the time
+                k1, k2, key = mx.random.split(key, 3)
+                rand[shp] = (mx.random.normal((B, H, L, D), key=k1).astype(c.keys.dtype),
+                             mx.random.normal((B, H, L, Dv), key=k2).astype(c.values.dtype))
+            k, v = rand[shp]
+            c.update_and_fetch(k, v)
+            mx.eval(c.state)
+    del rand
+
+
+def mlx_cell(model, context: int, tokens: int, seed: int = 0) -> dict:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    mlx_fill(model, cache, context, seed=seed)
+    fill_s = time.perf_counter() - t0
+    times, toks = [], []
+    for tok, _ in generate_step(mx.array([1], mx.int32), model, max_tokens=tokens, prompt_cache=cache):
+        toks.append(int(tok))
+        times.append(time.perf_counter())
+    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+    out = {"decode_tok_per_s": rate, "generated_tokens": len(toks), "peak_memory_bytes": int(mx.get_peak_memory()),
+           "fill_s": fill_s, "tokens": toks}
+    del cache
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
+def rq_cell(model, kv, context: int, tokens: int, seed: int = 0) -> dict:
+    from rq_core.bench import decode_cell
+
+    return decode_cell(model, kv, context, tokens, seed=seed)
+
+
+def build_rows(runs: dict, contexts: list[int], cfg: dict, label: str) -> list[dict]:
+    from rq_core.bench import spread
+
+    rows = []
+    for c in contexts:
+        if not runs[(c, "mlx-lm fp16")]:
+            continue
+        ref = spread([x["decode_tok_per_s"] for x in runs[(c, "mlx-lm fp16")]])["median"]
+        for r in RUNNERS:
+            xs = runs[(c, r)]
+            if not xs:
+                continue
+            s = spread([x["decode_tok_per_s"] for x in xs])
+            rows.append({"family": cfg["model_type"], "config": label, "context": c, "runner": r,
+                         "decode_tok_per_s": s, "decode_tok_per_s_runs": [x["decode_tok_per_s"] for x in xs],
+                         "ratio_to_mlx_lm_fp16": s["median"] / ref if ref > 0 else None,
+                         "peak_memory_bytes": max(x["peak_memory_bytes"] for x in xs),
+                         "kv_bytes": xs[-1].get("kv_bytes"), "generated_tokens": xs[-1]["generated_tokens"],
+                         "fill_s": spread([x["fill_s"] for x in xs])})
+    return rows
+
+
+def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_partial=None) -> dict:
+    from rq_core.bench import kv_settings
+    from rq_core.checkpoint import text_config
+    from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW
+
+    if a.layers is not None:
+        cfg = synth.truncate(cfg, a.layers)
+        if cfg["model_type"] == "nemotron_h" and "M" not in cfg["hybrid_override_pattern"]:
+            raise SystemExit(f"mlx-lm's nemotron_h needs a Mamba layer; --layers {a.layers} keeps "
+                             f"{cfg['hybrid_override_pattern']!r}: use --layers 3 or more")
+    tc = text_config(cfg)
+    limit = tc.get("max_position_embeddings")
+    contexts = [c for c in a.contexts if not limit or c + a.tokens <= limit]
+    skipped = [c for c in a.contexts if c not in contexts]
+    recipe_name = a.recipe or synth.default_recipe(cfg)
+    t0 = time.perf_counter()
+    ck, reused = synth.ensure(cfg, recipe_name, ck_root / label, seed=a.seed,
+                              progress=lambda s, d, t: print(f"\r  {label}: writing shard {d}/{t}", end="" if d < t
+                                                             else "\n", file=sys.stderr, flush=True))
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rq, theirs, shared = load_both(ck)
+    load_s = time.perf_counter() - t0
+    vocab = int(tc["vocab_size"])
+    check = logits_diff(rq.model, theirs, vocab, seed=a.seed)
+    print(f"  {label}: logits max |rq - mlx-lm| {check['max_abs_diff']:.3g} (logit std {check['logit_std']:.3g}, "
+          f"top-1 agreement {check['top1_agree']:.0%}); mlx-lm model added {shared['added_bytes'] / 2**20:.0f} MiB",
+          file=sys.stderr, flush=True)
+    fp16, iso = kv_settings(["fp16", "isoquant3"], fp16_window=DEFAULT_FP16_WINDOW, edge_layers=DEFAULT_EDGE_LAYERS)
+    cells = {"rq fp16": lambda c: rq_cell(rq.model, fp16, c, a.tokens, a.seed),
+             "rq isoquant3": lambda c: rq_cell(rq.model, iso, c, a.tokens, a.seed),
+             "mlx-lm fp16": lambda c: mlx_cell(theirs, c, a.tokens, a.seed)}
+    info = {"config": label, "layers": tc["num_hidden_layers"], "recipe": recipe_name, "contexts": contexts,
+            "contexts_skipped_beyond_max_position_embeddings": skipped, "checkpoint": str(ck),
+            "checkpoint_reused": reused, "checkpoint_bytes": sum(f.stat().st_size for f in ck.glob("*.safetensors")),
+            "write_s": write_s, "load_s": load_s, "logits_check": check, "shared_weights": shared,
+            "tokens": a.tokens, "repeats": a.repeats}
+    for name, fn in cells.items():  # warm-up: kernels compiled, untimed
+        fn(min(contexts))
+    runs: dict[tuple[int, str], list[dict]] = {(c, r): [] for c in contexts for r in RUNNERS}
+    for rep in range(a.repeats):
+        order = list(RUNNERS[rep % 3:] + RUNNERS[:rep % 3])
+        for c in contexts:
+            for r in order:
+                x = cells[r](c)
+                runs[(c, r)].append(x)
+                print(f"  {label} repeat {rep} context {c} {r}: {x['decode_tok_per_s']:.2f} tok/s, "
+                      f"peak {x['peak_memory_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+        if on_partial is not None:  # saved after each repetition: a run cut short keeps what it measured
+            on_partial({**info, "repeats_done": rep + 1}, build_rows(runs, contexts, cfg, label))
+    rows = build_rows(runs, contexts, cfg, label)
+    # the same check in float32, after timing (casting copies the scales, biases and norms): rounding apart, the two
+    # models should compute the same function
+    rq.model.set_dtype(mx.float32)
+    theirs.set_dtype(mx.float32)
+    info["logits_check_float32"] = logits_diff(rq.model, theirs, vocab, seed=a.seed)
+    del rq, theirs
+    gc.collect()
+    mx.clear_cache()
+    if not a.keep and not reused:
+        shutil.rmtree(ck, ignore_errors=True)
+    return {"info": info, "rows": rows}
+
+
+def table(rows: list[dict], infos: dict) -> str:
+    lines = ["| model | context | runner | decode tok/s median (min-max) | vs mlx-lm fp16 | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        d = r["decode_tok_per_s"]
+        ratio = "-" if r["ratio_to_mlx_lm_fp16"] is None else f"{r['ratio_to_mlx_lm_fp16']:.2f}x"
+        part = ", partial" if infos[r["config"]].get("partial") else ""
+        lines.append(f"| {r['config']} ({infos[r['config']]['layers']} layers{part}) | {r['context']} | {r['runner']} | "
+                     f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {ratio} | "
+                     f"{r['peak_memory_bytes'] / 2**30:.2f} |")
+    lines.append("")
+    def f32(v: dict, key: str, spec: str) -> str:
+        c = v.get("logits_check_float32")
+        return "-" if c is None else format(c[key], spec)
+
+    lines.append("Logits of rq's and mlx-lm's models on one 16-token prompt, max abs difference in the stored dtype / in "
+                 "float32: " + "; ".join(
+                     f"{k} {v['logits_check']['max_abs_diff']:.3g} / {f32(v, 'max_abs_diff', '.3g')} "
+                     f"(logit std {v['logits_check']['logit_std']:.2f}, top-1 agreement "
+                     f"{v['logits_check']['top1_agree']:.0%} / {f32(v, 'top1_agree', '.0%')})"
+                     for k, v in infos.items()) + ". The models share one copy of the weights: " + "; ".join(
+                     f"{k} {v['shared_weights']['same_objects']}/{v['shared_weights']['arrays']} arrays the same "
+                     f"objects, {v['shared_weights']['added_bytes'] / 2**20:.0f} MiB added by the second model"
+                     for k, v in infos.items()) + ".")
+    return "\n".join(lines)
+
+
+def parse_contexts(text: str) -> list[int]:
+    out = []
+    for p in text.split(","):
+        p = p.strip().lower()
+        if p:
+            out.append(int(p[:-1]) * 1024 if p.endswith("k") else int(p))
+    return out
+
+
+def main() -> None:
+    import _readme
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", action="append", choices=list(FAMILIES),
+                    help="model family (repeatable; default all three)")
+    ap.add_argument("--config", action="append", help="a config JSON instead of a family's real config (repeatable)")
+    ap.add_argument("--recipe", help="recipe (default: the family's shipped recipe)")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the config's)")
+    ap.add_argument("--contexts", type=parse_contexts, default=parse_contexts("2K,32K,128K"))
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dir", default="/tmp/rq-synth", help="where the synthetic checkpoints are written (reused)")
+    ap.add_argument("--keep", action="store_true", help="keep checkpoints written by this run")
+    ap.add_argument("--out", help="results file (default benchmarks/results/decode_vs_mlxlm.json)")
+    a = ap.parse_args()
+    if a.tokens < 2 or a.repeats < 1:
+        ap.error("--tokens must be at least 2 and --repeats at least 1")
+    jobs = [(synth.read_config(c), Path(c).stem) for c in a.config or []]
+    if not jobs or a.family:
+        jobs += [(synth.read_config(FAMILIES[f]), FAMILIES[f]) for f in (a.family or list(FAMILIES))]
+    out = Path(a.out) if a.out else _readme.RESULTS / f"{RESULTS}.json"
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    meta = _readme.meta()
+    infos = {k: v for k, v in old.get("models", {}).items()}
+    rows = [r for r in old.get("rows", []) if r["config"] not in {lab for _, lab in jobs}]
+    for cfg, label in jobs:
+        def partial(info, part, label=label):
+            infos[label] = {**info, "run": meta, "partial": True}
+            cur = [r for r in rows if r["config"] != label] + part
+            _readme.save(RESULTS, {"models": infos, "rows": cur}, table(cur, infos), path=out)
+
+        res = run_family(cfg, Path(a.dir), a, label, on_partial=partial)
+        infos[label] = {**res["info"], "run": meta}
+        rows = [r for r in rows if r["config"] != label] + res["rows"]
+        infos = {k: infos[k] for k in infos if any(r["config"] == k for r in rows)}
+        body = table(rows, infos)
+        _readme.save(RESULTS, {"models": infos, "rows": rows}, body, path=out)  # after each family: partial runs count
+    print(body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""`rq bench`: decode and prefill speed, peak memory and KV bytes of one checkpoint, per context and KV mode.
+
+Every measurement runs in this one process, the (context, KV mode) cells interleaved within each repetition (the
+order of KV modes rotating between repetitions) so that drift (thermals, other jobs) spreads over all cells alike.
+A cell: a fresh cache from the model's own `make_cache`, filled to the context with random K/V appended through each
+cache's own `attend` (rq_core.profile.fill_caches: compressed caches hold real codes, sliding windows their window),
+then `tokens` greedy tokens through rq_core.generate.generate (rq's decode loop). Prefill speed is a real prefill of
+`prefill_tokens` random ids through the model (long prompts would take minutes; decode speed at a context does not
+depend on how the context was made).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import replace
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from rq_core.errors import RQError
+from rq_core.kv_cache import KVSettings
+
+Progress = Callable[[str, int, int], None]
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    """{median, min, max} of measurements."""
+    return {"median": float(statistics.median(xs)), "min": float(min(xs)), "max": float(max(xs))}
+
+
+def check_contexts(contexts: list[int], tokens: int, limit: Optional[int]) -> None:
+    """RQError (one line) when a context plus the decoded tokens does not fit the model's positions."""
+    for n in contexts:
+        if n < 1:
+            raise RQError(f"context must be at least 1 token (got {n})")
+        if limit is not None and n + tokens > limit:
+            raise RQError(f"context {n} + {tokens} decoded tokens is beyond the model's max_position_embeddings "
+                          f"({limit}); choose contexts up to {max(1, limit - tokens)}")
+
+
+def _free() -> None:
+    gc.collect()
+    mx.clear_cache()
+
+
+def decode_cell(model: nn.Module, kv: KVSettings, context: int, tokens: int, *, seed: int = 0,
+                vocab_size: Optional[int] = None) -> dict[str, Any]:
+    """One measurement: a fresh cache filled to `context` tokens (synthetic K/V), then `tokens` greedy tokens."""
+    from rq_core.generate import cache_bytes, generate
+    from rq_core.profile import fill_caches
+
+    cache = model.make_cache(kv)
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    fill_caches(model, cache, context, fill="synthetic", seed=seed, vocab_size=vocab_size)
+    fill_s = time.perf_counter() - t0
+    fill_peak = int(mx.get_peak_memory())
+    kv_bytes, kv_fp16 = cache_bytes(cache)
+    # one real token after the filled context, then the decode loop; no EOS: every run decodes `tokens` tokens
+    res = generate(model, [1], max_tokens=tokens, temp=0.0, seed=seed, cache=cache)
+    out = {"decode_tok_per_s": res.decode_tok_per_s, "steady_decode_tok_per_s": res.steady_decode_tok_per_s,
+           "generated_tokens": res.generated_tokens, "peak_memory_bytes": max(fill_peak, res.peak_memory_bytes),
+           "kv_bytes": kv_bytes, "kv_bytes_fp16": kv_fp16, "kv_bytes_end": res.kv_bytes, "fill_s": fill_s,
+           "tokens": res.tokens}
+    del cache, res
+    _free()
+    return out
+
+
+def prefill_cell(model: nn.Module, kv: KVSettings, n_tokens: int, vocab_size: int, *, seed: int = 0) -> dict:
+    """A real prefill of `n_tokens` random ids (one generated token)."""
+    from rq_core.generate import generate
+
+    ids = [int(x) for x in mx.random.randint(0, vocab_size, (n_tokens,), key=mx.random.key(seed)).tolist()]
+    res = generate(model, ids, max_tokens=1, temp=0.0, kv=kv)
+    out = {"prefill_tok_per_s": res.prefill_tok_per_s, "prefill_s": res.prefill_s,
+           "peak_memory_bytes": res.peak_memory_bytes}
+    del res
+    _free()
+    return out
+
+
+def bench(model: nn.Module, config: dict, contexts: list[int], kvs: list[KVSettings], *, tokens: int = 128,
+          repeats: int = 3, prefill_tokens: int = 512, warmup: bool = True, seed: int = 0,
+          progress: Optional[Progress] = None) -> dict[str, Any]:
+    """The report `rq bench --json` prints: `decode` rows per (context, kv), `prefill` rows per kv."""
+    from rq_core.checkpoint import context_length, text_config
+
+    if tokens < 1 or repeats < 1:
+        raise RQError("tokens and repeats must be at least 1")
+    limit = context_length(config)
+    check_contexts(contexts, tokens, limit)
+    vocab = int(text_config(config)["vocab_size"])
+    prefill_tokens = min(prefill_tokens, limit) if limit else prefill_tokens
+    names = [k.mode for k in kvs]
+    if len(set(names)) != len(names):
+        raise RQError(f"each KV mode once (got {', '.join(names)})")
+    progress = progress or (lambda *a: None)
+    total = repeats * (len(contexts) * len(kvs) + (len(kvs) if prefill_tokens > 0 else 0))
+    done = 0
+    if warmup:  # kernels compiled and caches of every shape seen once, untimed
+        for kv in kvs:
+            decode_cell(model, kv, min(contexts), min(tokens, 4), seed=seed, vocab_size=vocab)
+            if prefill_tokens > 0:
+                prefill_cell(model, kv, min(prefill_tokens, 64), vocab, seed=seed)
+            progress("warm-up", kvs.index(kv) + 1, len(kvs))
+    runs: dict[tuple[int, str], list[dict]] = {(c, k.mode): [] for c in contexts for k in kvs}
+    pre: dict[str, list[dict]] = {k.mode: [] for k in kvs}
+    for r in range(repeats):
+        order = kvs[r % len(kvs):] + kvs[:r % len(kvs)]  # who goes first rotates
+        for c in contexts:
+            for kv in order:
+                runs[(c, kv.mode)].append(decode_cell(model, kv, c, tokens, seed=seed, vocab_size=vocab))
+                done += 1
+                progress("measure", done, total)
+        if prefill_tokens > 0:
+            for kv in order:
+                pre[kv.mode].append(prefill_cell(model, kv, prefill_tokens, vocab, seed=seed + r))
+                done += 1
+                progress("measure", done, total)
+    decode = []
+    for c in contexts:
+        for kv in kvs:
+            rs = runs[(c, kv.mode)]
+            decode.append({
+                "context": c, "kv": kv.mode,
+                "decode_tok_per_s": spread([x["decode_tok_per_s"] for x in rs]),
+                "steady_decode_tok_per_s": spread([x["steady_decode_tok_per_s"] for x in rs]),
+                "decode_tok_per_s_runs": [x["decode_tok_per_s"] for x in rs],
+                "peak_memory_bytes": max(x["peak_memory_bytes"] for x in rs),
+                "kv_bytes": rs[-1]["kv_bytes"], "kv_bytes_fp16": rs[-1]["kv_bytes_fp16"],
+                "kv_bytes_end": rs[-1]["kv_bytes_end"],
+                "fill_s": spread([x["fill_s"] for x in rs]),
+                "generated_tokens": rs[-1]["generated_tokens"],
+                # the same fill every repetition: greedy decoding gives the same tokens unless something is off
+                "tokens_same_every_run": all(x["tokens"] == rs[0]["tokens"] for x in rs[1:]),
+            })
+    prefill = [{"kv": k.mode, "tokens": prefill_tokens,
+                "prefill_tok_per_s": spread([x["prefill_tok_per_s"] for x in pre[k.mode]]),
+                "peak_memory_bytes": max(x["peak_memory_bytes"] for x in pre[k.mode])}
+               for k in kvs if pre[k.mode]]
+    return {"contexts": contexts, "kv_modes": names, "tokens": tokens, "repeats": repeats,
+            "prefill_tokens": prefill_tokens, "fill": "synthetic", "max_position_embeddings": limit,
+            "kv_settings": {k.mode: {"fp16_window": k.fp16_window, "edge_layers": k.edge_layers,
+                                     "bits": k.bits, "rotation": k.rotation} for k in kvs},
+            "decode": decode, "prefill": prefill}
+
+
+def kv_settings(modes: list[str], *, fp16_window: int, edge_layers: int) -> list[KVSettings]:
+    """The caches `rq run` makes for each mode (fp16: the plain cache)."""
+    from rq_core.kv_cache import KV_MODES
+
+    out = []
+    for m in modes:
+        if m not in KV_MODES:
+            raise RQError(f"unknown KV mode {m!r} (choose from: {', '.join(KV_MODES)})")
+        base = KVSettings(mode=m)
+        out.append(base if m == "fp16" else replace(base, fp16_window=fp16_window, edge_layers=edge_layers))
+    return out

@@ -1,0 +1,106 @@
+"""`rq bench` on the bundled model (CPU): the JSON fields, positive and consistent numbers, refused contexts."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rq_cli.common import parse_contexts
+from rq_cli.main import app
+from rq_core.bench import check_contexts, spread
+from rq_core.errors import RQError
+
+
+@pytest.fixture(scope="module")
+def report():
+    res = CliRunner().invoke(app, ["bench", "--context", "128,768", "--kv", "fp16,isoquant3", "--tokens", "6",
+                                   "--repeats", "2", "--prefill-tokens", "48", "--json"])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_fields_and_cells(report):
+    for k in ("model", "model_type", "backend", "mlx_version", "contexts", "kv_modes", "tokens", "repeats",
+              "prefill_tokens", "fill", "max_position_embeddings", "decode", "prefill", "kv_settings"):
+        assert k in report, k
+    assert report["contexts"] == [128, 768] and report["kv_modes"] == ["fp16", "isoquant3"]
+    cells = {(r["context"], r["kv"]) for r in report["decode"]}
+    assert cells == {(c, m) for c in (128, 768) for m in ("fp16", "isoquant3")}
+    assert [p["kv"] for p in report["prefill"]] == ["fp16", "isoquant3"]
+
+
+def test_numbers_are_positive_and_consistent(report):
+    rows = {(r["context"], r["kv"]): r for r in report["decode"]}
+    for r in report["decode"]:
+        d = r["decode_tok_per_s"]
+        assert 0 < d["min"] <= d["median"] <= d["max"]
+        assert len(r["decode_tok_per_s_runs"]) == 2 and min(r["decode_tok_per_s_runs"]) == d["min"]
+        assert r["generated_tokens"] == 6  # no EOS stop: every run decodes all its tokens
+        assert r["tokens_same_every_run"]  # same fill, greedy: the same tokens
+        assert r["peak_memory_bytes"] > r["kv_bytes"] > 0
+        # an fp16-equivalent cache of `context` tokens: 2 bytes x (K + V) x heads x head dim x full-attention layers
+        assert r["kv_bytes_fp16"] % r["context"] == 0
+    for c in (128, 768):
+        assert rows[(c, "isoquant3")]["kv_bytes"] < rows[(c, "fp16")]["kv_bytes"]
+        assert rows[(c, "isoquant3")]["kv_bytes_fp16"] == rows[(c, "fp16")]["kv_bytes_fp16"]
+    for m in ("fp16", "isoquant3"):
+        assert rows[(768, m)]["kv_bytes"] > rows[(128, m)]["kv_bytes"]
+        assert rows[(768, m)]["kv_bytes_fp16"] == 6 * rows[(128, m)]["kv_bytes_fp16"]
+    for p in report["prefill"]:
+        s = p["prefill_tok_per_s"]
+        assert p["tokens"] == 48 and 0 < s["min"] <= s["median"] <= s["max"] and p["peak_memory_bytes"] > 0
+
+
+def test_context_beyond_the_model_is_refused_in_one_line():
+    res = CliRunner().invoke(app, ["bench", "--context", "2K", "--tokens", "8", "--json"])
+    assert res.exit_code != 0
+    lines = [l for l in res.output.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and "max_position_embeddings (2048)" in lines[0], res.output
+    with pytest.raises(RQError):
+        check_contexts([100], 10, 105)
+    check_contexts([100], 5, 105)
+
+
+def test_parse_contexts_and_spread():
+    assert parse_contexts("2K,32k,131072") == [2048, 32768, 131072]
+    with pytest.raises(RQError):
+        parse_contexts("2K,abc")
+    assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+
+
+def test_decode_vs_mlxlm_at_tiny_scale(tmp_path):
+    """benchmarks/decode_vs_mlxlm.py end to end on tiny configs of the three families (mlx-lm installed): one copy of
+    the weights, the same logits in float32, every cell measured."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("mlx_lm")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _tiny_models import TINY
+
+    root = Path(__file__).resolve().parents[1]
+    args = []
+    for f in ("qwen3_moe", "gemma4", "nemotron_h"):
+        (tmp_path / f"{f}.json").write_text(json.dumps(TINY[f]))
+        args += ["--config", str(tmp_path / f"{f}.json")]
+    out = tmp_path / "res.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_vs_mlxlm.py"), *args, "--recipe",
+                        str(root / "tests" / "data" / "tiny-rtn.toml"), "--contexts", "40,120", "--tokens", "4",
+                        "--repeats", "2", "--dir", str(tmp_path / "ck"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["models"]) == {"qwen3_moe", "gemma4", "nemotron_h"}
+    for m in res["models"].values():
+        sw = m["shared_weights"]
+        assert sw["same_objects"] == sw["arrays"] > 0 and sw["added_bytes"] < 1 << 20
+        assert m["logits_check_float32"]["max_abs_diff"] < 1e-3  # gemma4 in float32 too
+        assert m["logits_check_float32"]["top1_agree"] == 1.0
+    assert len(res["rows"]) == 3 * 2 * 3
+    for row in res["rows"]:
+        assert row["decode_tok_per_s"]["min"] > 0 and len(row["decode_tok_per_s_runs"]) == 2
+        assert row["generated_tokens"] == 4
+        if row["runner"] == "mlx-lm fp16":
+            assert row["ratio_to_mlx_lm_fp16"] == 1.0
+    assert not (tmp_path / "ck" / "qwen3_moe").exists()  # written by the run, removed without --keep

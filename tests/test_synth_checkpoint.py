@@ -1,0 +1,86 @@
+"""benchmarks/synth_checkpoint.py: the layout rq quantize writes (names, shapes, dtypes, quantization config, recipe)
+on tiny configs of every family, and a 2-layer checkpoint of each real config that loads and gives finite, spread
+logits."""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import synth_checkpoint as synth  # noqa: E402
+from _tiny_models import TINY, make_tiny  # noqa: E402
+from rq_core import recipe  # noqa: E402
+from rq_core.checkpoint import load, weight_files  # noqa: E402
+from rq_core.quantize import quantize  # noqa: E402
+
+RECIPE = ROOT / "tests" / "data" / "tiny-rtn.toml"
+REAL = ["qwen3-30b-a3b", "gemma4-26b-a4b", "nemotron3-nano-30b-a3b", "nemotron3-super-120b-a12b"]
+
+
+def _layout(d: Path) -> dict:
+    out = {}
+    for f in weight_files(d):
+        for k, v in mx.load(str(f)).items():
+            out[k] = (tuple(v.shape), str(v.dtype))
+    return out
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_layout_is_what_rq_quantize_writes(family, tmp_path):
+    src = make_tiny(family, tmp_path / "src")
+    quantize(src, recipe.load(RECIPE), tmp_path / "q")
+    cfg = json.loads((src / "config.json").read_text())
+    s = synth.write(cfg, str(RECIPE), tmp_path / "s")
+    assert s["quantized"] > 0
+    q, y = _layout(tmp_path / "q"), _layout(tmp_path / "s")
+    assert y == q
+    qc = json.loads((tmp_path / "q" / "config.json").read_text())
+    sc = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert sc == qc
+    assert (tmp_path / "s" / "recipe.toml").read_text() == (tmp_path / "q" / "recipe.toml").read_text()
+    assert (tmp_path / "s" / "tokenizer.json").is_file()
+    assert len(weight_files(tmp_path / "s")) == s["shards"] >= 2  # one shard a layer, one for the rest
+
+
+def test_random_codes_dequantize_to_the_asked_spread():
+    w, s, b = synth.quantized_arrays((256, 1024), 2, 64, mx.random.key(0), dtype=mx.float32)
+    x = mx.dequantize(w, s, b, group_size=64, bits=2)
+    assert abs(float(x.mean())) < 0.002
+    assert abs(float(x.std()) * 1024 ** 0.5 - 1.0) < 0.1
+    w, s, b = synth.quantized_arrays((64, 512), 8, 64, mx.random.key(1), dtype=mx.float32)
+    x = mx.dequantize(w, s, b, group_size=64, bits=8)
+    assert abs(float(x.std()) * 512 ** 0.5 - 1.0) < 0.1
+    assert len(set(int(v) for v in (w & 0xFF).reshape(-1).tolist()[:4096])) > 200  # the low codes vary too
+
+
+def test_truncated_patterns_keep_an_attention_layer():
+    g = synth.truncate(synth.read_config("gemma4-26b-a4b"), 2)["text_config"]
+    assert g["num_hidden_layers"] == 2 and "full_attention" in g["layer_types"] and len(g["layer_types"]) == 2
+    n = synth.truncate(synth.read_config("nemotron3-nano-30b-a3b"), 2)
+    assert n["num_hidden_layers"] == 2 and "*" in n["hybrid_override_pattern"] and "E" in n["hybrid_override_pattern"]
+    n3 = synth.truncate(synth.read_config("nemotron3-nano-30b-a3b"), 3)["hybrid_override_pattern"]
+    assert sorted(n3) == ["*", "E", "M"]
+
+
+@pytest.mark.parametrize("name", REAL)
+def test_two_layers_of_a_real_config_load_and_run(name, tmp_path):
+    cfg = synth.truncate(synth.read_config(name), 2)
+    out = tmp_path / name
+    synth.write(cfg, synth.default_recipe(cfg), out)
+    ck = load(out, tokenizer=True)
+    assert ck.tokenizer is not None
+    logits = ck.model(mx.array([[1, 5, 100, 7]]), cache=ck.model.make_cache()).astype(mx.float32)
+    mx.eval(logits)
+    tc = cfg.get("text_config", cfg)
+    assert logits.shape == (1, 4, tc["vocab_size"])
+    assert bool(mx.isfinite(logits).all())
+    assert 0.3 < float(logits.std()) < 10  # spread, not all equal
+    top = logits[0].argmax(-1).tolist()
+    assert top != [1, 5, 100, 7]  # the head does not just echo the input (tied embeddings)
+    assert len(set(top)) > 1
+    assert synth.ensure(cfg, synth.default_recipe(cfg), out) == (out, True)  # reused, not rewritten

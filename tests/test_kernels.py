@@ -295,7 +295,10 @@ def test_rotation_args():
         assert np.abs(ours - theirs).max() < 1e-5, variant
 
 
-@pytest.mark.parametrize("case", [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128, sacc=1),
+# attn_fused shape classes on the executor: (case, which renderings run it). The Metal rendering runs a subset that
+# covers each configuration axis (SACC, ring STAGE, VDEC, MERGE, 384 threads, query dtypes, pair codebooks,
+# head dim 64), as compiling a program per class is most of the suite's time
+FUSED_CASES = [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128, sacc=1),
                                   dict(G=4, d=128, T=300, nth=256, pf=1, stage=2, rot=11),
                                   dict(G=2, d=128, T=300, L=2, causal=True, rot=4, B=2, qdtype="bf16", nth=256, pf=1,
                                        stage=2),
@@ -320,18 +323,24 @@ def test_rotation_args():
                                        bits=5, key_bits=7, pair_points=(128, 32)),
                                   # head dim 64: rows of 7 and 5 words
                                   dict(G=8, d=64, T=2000, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
-                                       bits=5, key_bits=7, pair_points=(128, 32))])
-def test_fused_cuda_source_runs_on_cpu_executor(case):
-    """attn_fused's CUDA rendering executed as host C++ by tests/kernel_emu/cuda_emu.h (threads as cooperative
-    contexts, mma.sync emulated from the PTX layouts, blocks in shuffled order): warps streaming their own steps,
-    per-warp softmax state, the in-block merge, the last block's merge; correct against float64, every output
-    written, counters left zeroed. Cases with STAGE > 0 take the code rows through the cp.async ring (copies done
-    at once by the executor)."""
+                                       bits=5, key_bits=7, pair_points=(128, 32))]
+METAL_FUSED = {1, 2, 3, 5, 8, 9, 11, 13}
+
+
+@pytest.mark.parametrize("backend,case", [("cuda", c) for c in FUSED_CASES]
+                         + [("metal", c) for i, c in enumerate(FUSED_CASES) if i in METAL_FUSED])
+def test_fused_source_runs_on_cpu_executor(backend, case):
+    """attn_fused's CUDA rendering (tests/kernel_emu/cuda_emu.h: inline PTX executed by its semantics, mma.sync with
+    the PTX ISA's fragment layouts) and its Metal rendering (metal_emu.h: SIMD-group functions across the 32 lanes,
+    simdgroup_matrix with Apple's lane layout) executed as host C++, threads as cooperative contexts, blocks in
+    shuffled order: warps streaming their own steps, per-warp softmax state, the in-block merge, the last block's
+    merge; correct against float64, every output written, counters left zeroed. Cases with STAGE > 0 take the code
+    rows through the copy ring (CUDA: cp.async copies that land at issue or only at their wait_group, at random)."""
     if shutil.which("g++") is None or not sys.platform.startswith("linux"):
         pytest.skip("needs g++ and ucontext (Linux)")
     from kernel_emu import emulate as EK
 
-    r = EK.run_fused(np.random.default_rng(13), seed=5, **case)
+    r = EK.run_fused(np.random.default_rng(13), seed=5, backend=backend, **case)
     assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
     # f32 queries: fp32 accumulation level (~2e-7 here); dropping one of SACC 4's chains gives 2e-5. f16: the output's
     # own rounding (~2e-4, the same with the hi / lo split); bf16 likewise (~1.6e-3)
@@ -538,3 +547,33 @@ def test_executor_programs_compiled_once_per_source(tmp_path, monkeypatch):
     assert EK.compiled(prog, "probe") == a and a.is_file() and len(runs) == 1
     b = EK.compiled(prog.replace("0", "1"), "probe")
     assert b != a and len(runs) == 2 and real([str(b)]).returncode == 1
+
+
+@pytest.mark.parametrize("strategy,case", [("word", dict(d=128, T=200, bits=3, key_bits=4, pair=None)),
+                                           ("dim", dict(d=64, T=130, bits=5, key_bits=7, pair=(128, 32)))])
+def test_four_kernels_metal_rendering_on_cpu_executor(strategy, case, monkeypatch):
+    """The four-kernel pipeline's Metal renderings (rotate_query, qk_dot, softmax, value_word / value_dim,
+    value_reduce, rotate_inverse) on the executor (metal_emu.h) standing in for mx.fast.metal_kernel, through the
+    wrappers' Metal launch arguments, against float64 (the CUDA renderings: tests/test_split_kernels.py)."""
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ and ucontext (Linux)")
+    import mlx.core as mx
+
+    from kernel_emu import attn_reference as KC
+    from kernel_emu import configure
+    from kernel_emu import emulate as EK
+
+    stand: dict = {}
+    configure(monkeypatch, disk_cache=False, poison=True)
+    monkeypatch.setattr(K, "backend", lambda: "metal")
+    monkeypatch.setattr(K, "available", lambda: True)
+    monkeypatch.setattr(K, "_kernel", lambda name, be: stand.setdefault(name, EK.MLXStandIn(name, be)))
+    rng = np.random.default_rng(11)
+    L = 2
+    c = KC.make_case(rng, B=1, Hkv=2, G=4, L=L, d=case["d"], T=case["T"], bits=case["bits"],
+                     key_bits=case["key_bits"], pair_points=case["pair"])
+    err, nan, _ = KC.run_case(K, mx, c, T=case["T"], bits=case["bits"], path="four", strategy=strategy, causal=True,
+                              offset=case["T"] - L, rot=3, key_bits=case["key_bits"])
+    assert nan == 0 and err < 2e-6, err
+    assert {"rotate_query", "qk_dot", "softmax", "rotate_inverse", f"value_{strategy}"} <= set(stand)
+    assert all(s.backend == "metal" and s.calls for s in stand.values())

@@ -327,8 +327,8 @@ FUSED_CASES = [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128
 METAL_FUSED = {1, 2, 3, 5, 8, 9, 11, 13}
 
 
-@pytest.mark.parametrize("backend,case", [("cuda", c) for c in FUSED_CASES]
-                         + [("metal", c) for i, c in enumerate(FUSED_CASES) if i in METAL_FUSED])
+@pytest.mark.parametrize("backend,case", [pytest.param(be, c, id=f"{be}-case{i}") for be in ("cuda", "metal")
+                                          for i, c in enumerate(FUSED_CASES) if be == "cuda" or i in METAL_FUSED])
 def test_fused_source_runs_on_cpu_executor(backend, case):
     """attn_fused's CUDA rendering (tests/kernel_emu/cuda_emu.h: inline PTX executed by its semantics, mma.sync with
     the PTX ISA's fragment layouts) and its Metal rendering (metal_emu.h: SIMD-group functions across the 32 lanes,

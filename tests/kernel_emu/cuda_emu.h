@@ -5,6 +5,8 @@
 // per-lane fragment layouts, written independently of metal/prelude_cuda.h; cp.async as deferred copies with
 // commit / wait_group; ex2.approx; atom; ld.shared), its operands bound as the asm statement lists them.
 #pragma once
+#ifndef RQ_CUDA_EMU_H  // also a guard: a precompiled header keeps macros, not every compiler's pragma-once state
+#define RQ_CUDA_EMU_H
 #include "emu_core.h"
 
 #define __global__
@@ -319,23 +321,22 @@ class Ptx {
         y |= ((src >> (16 * (row & 1))) & 0xffffu) << (16 * j);
       }
       set(a, n, d.regs[0], y, 'r', 4);
-    } else if (op == "ex2.approx.ftz.f32" || op == "ex2.approx.f32") {
-      // 2^x; .ftz: subnormal inputs and results flushed to sign-preserving zero (the approximation's error,
-      // ~2^-22 relative, is not modelled)
-      const bool ftz = op.find(".ftz") != std::string::npos;
+    } else if (op == "ex2.approx.ftz.f32") {
+      // 2^x, subnormal inputs and results flushed to sign-preserving zero (the approximation's error, ~2^-22
+      // relative, is not modelled)
       float x = f32_of(arg(a, n, want(in, 1, 'r', 1).regs[0], 'f', 4));
-      if (ftz && is_denormal(x)) x = 0.0f;
+      if (is_denormal(x)) x = 0.0f;
       float y = std::exp2(x);
-      if (ftz && is_denormal(y)) y = std::copysign(0.0f, y);
+      if (is_denormal(y)) y = std::copysign(0.0f, y);
       set_f(a, n, want(in, 0, 'r', 1).regs[0], y);
-    } else if (starts(op, "cp.async.ca.shared.global") || starts(op, "cp.async.cg.shared.global")) {
-      // [dst] a shared-window address, [src] a global one, cp-size 4, 8 or 16 (.cg: 16 only), both aligned to it
+    } else if (op == "cp.async.cg.shared.global") {
+      // [dst] a shared-window address, [src] a global one, cp-size 16 (the only one .cg takes), both aligned to it
       const uint64_t da = arg(a, n, want(in, 0, 'm', 1).regs[0], 0, 0).bits;
       const uint64_t sa = arg(a, n, want(in, 1, 'm', 1).regs[0], 0, 0).bits;
       if (in.args.size() < 3) bad("cp-size");
       const Opd& sz = in.args[2];
       const long long bytes = sz.kind == 'i' ? sz.imm : (long long)arg(a, n, sz.regs.at(0), 0, 0).bits;
-      if (!(bytes == 16 || (starts(op, "cp.async.ca") && (bytes == 4 || bytes == 8)))) bad("cp-size");
+      if (bytes != 16) bad("cp-size");
       void* dst = shared_ptr(da, bytes, "cp.async destination (threadgroup)");
       const void* src = reinterpret_cast<const void*>(sa);
       check(src, bytes, bytes, "cp.async source (global)", GLOBAL);
@@ -356,8 +357,6 @@ class Ptx {
         land(st.groups.front());
         st.groups.erase(st.groups.begin());
       }
-    } else if (op == "cp.async.wait_all") {
-      cp_land_all();
     } else if (starts(op, "atom.") && op.size() > 8 && op.compare(op.size() - 8, 8, ".add.u32") == 0 &&
                op.find(".global") != std::string::npos) {
       // atom{.sem}{.scope}.global.add.u32 d, [a], b: d = old *a, *a += b (blocks run one after another here)
@@ -369,7 +368,7 @@ class Ptx {
       const uint32_t old = *p;
       *p = old + b;
       set(a, n, want(in, 0, 'r', 1).regs[0], old, 'r', 4);
-    } else if (op == "ld.shared.b32" || op == "ld.shared.u32") {
+    } else if (op == "ld.shared.b32") {
       const uint64_t addr = u32_of(arg(a, n, want(in, 1, 'm', 1).regs[0], 'r', 4));
       const unsigned char* p = shared_ptr(addr, 4, "ld.shared");
       check(p, 4, 4, "ld.shared.b32", SHARED);
@@ -392,3 +391,4 @@ inline P checked_cast(const char* fn, Q* q) {
   return reinterpret_cast<P>(q);
 }
 }  // namespace emu
+#endif  // RQ_CUDA_EMU_H

@@ -5,6 +5,8 @@
 // memory the hardware checks (alignment, bounds) and the block's threadgroup memory. Slow (a context switch per
 // barrier), for checking a kernel's logic without a GPU, never its speed or memory ordering.
 #pragma once
+#ifndef RQ_EMU_CORE_H  // also a guard: a precompiled header keeps macros, not every compiler's pragma-once state
+#define RQ_EMU_CORE_H
 #include <ucontext.h>
 
 #include <algorithm>
@@ -286,3 +288,4 @@ inline bool report() {
   return faults.empty();
 }
 }  // namespace emu
+#endif  // RQ_EMU_CORE_H

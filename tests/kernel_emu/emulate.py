@@ -73,19 +73,48 @@ def _headers_digest() -> str:
     return h.hexdigest()
 
 
+# the executor's headers, as a program's first line includes them, and the standard headers its main() uses
+_PCH_HEADERS = ('#include "metal_emu.h"', '#include "mlx/backend/cuda/device/utils.cuh"')
+_PCH_STD = "#include <algorithm>\n#include <random>\n#include <string>\n"
+
+
+def _pch(first_line: str) -> Path | None:
+    """A precompiled header of the executor's headers (`first_line`) and the standard ones, built once per header
+    digest (parsing them is a second of every compile); None when g++ cannot build one."""
+    d = binary_cache_dir() / f"pch-{_headers_digest()[:24]}"
+    h = d / ("emu_metal.h" if "metal" in first_line else "emu_cuda.h")
+    gch = Path(str(h) + ".gch")
+    if gch.is_file():
+        return h
+    d.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="rq_emu_pch_", dir=d) as t:
+        th = Path(t) / h.name
+        th.write_text(first_line + "\n" + _PCH_STD)
+        r = subprocess.run([*CXX, f"-I{EMU}", "-x", "c++-header", str(th), "-o", f"{th}.gch"], capture_output=True)
+        if r.returncode:
+            return None
+        os.replace(th, h)  # the header before its .gch: a process that finds the .gch finds the header
+        os.replace(f"{th}.gch", gch)
+    return h
+
+
 def compiled(program: str, name: str) -> Path:
     """The executable of `program` (a whole C++ translation unit), compiled once per source hash: the same kernel
-    class is run by many tests and cases, and g++ takes most of a run's time."""
+    class is run by many tests and cases, and g++ takes most of a run's time. A program that starts by including
+    the executor's header is compiled against a precompiled one (_pch)."""
     key = hashlib.sha256((_headers_digest() + "\0" + program).encode()).hexdigest()[:32]
     out = binary_cache_dir() / f"{name}-{key}.exe"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    first, _, rest = program.partition("\n")
+    pch = _pch(first) if first in _PCH_HEADERS else None
     with tempfile.TemporaryDirectory(prefix="rq_emu_build_", dir=out.parent) as d:
         cpp = Path(d) / f"{name}.cpp"
-        cpp.write_text(program)
+        cpp.write_text(rest if pch else program)
         exe = Path(d) / f"{name}.exe"
-        r = subprocess.run([*CXX, f"-I{EMU}", str(cpp), "-o", str(exe)], capture_output=True, text=True)
+        pre = ["-include", str(pch)] if pch else []
+        r = subprocess.run([*CXX, f"-I{EMU}", *pre, str(cpp), "-o", str(exe)], capture_output=True, text=True)
         if r.returncode:
             raise RuntimeError(f"compile failed:\n{r.stderr[:4000]}")
         os.replace(exe, out)  # atomic: a concurrent test process sees the whole binary or none

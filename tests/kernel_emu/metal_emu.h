@@ -10,6 +10,8 @@
 // float and gives each lane its elements of the result. Address-space qualifiers are empty; threadgroup arrays are
 // laid out by emu::shared_alloc (emulate.py rewrites their declarations).
 #pragma once
+#ifndef RQ_METAL_EMU_H  // also a guard: a precompiled header keeps macros, not every compiler's pragma-once state
+#define RQ_METAL_EMU_H
 #include "emu_core.h"
 
 #define device
@@ -198,3 +200,4 @@ inline void atomic_store_explicit(device atomic_uint* p, uint v, memory_order) {
   emu::check(p, 4, 4, "atomic (device)", emu::GLOBAL);
   p->v = v;
 }
+#endif  // RQ_METAL_EMU_H

@@ -72,9 +72,15 @@ CASES = [
 ]
 
 
+# the Metal rendering on the cases that differ most: wht_so4 with a zero row, dense with norm correction, a strided
+# bf16 view (the CUDA rendering on all)
+METAL_CASES = (0, 1, 3)
+
+
 @needs_emu
-@pytest.mark.parametrize("backend", ["cuda", "metal"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("backend,case", [pytest.param(be, c, id=f"{be}-" + "-".join(f"{k}{v}" for k, v in c.items()))
+                                          for be in ("cuda", "metal") for i, c in enumerate(CASES)
+                                          if be == "cuda" or i in METAL_CASES])
 def test_source_matches_quantize_kv(case, backend):
     """The kernel's codes equal quantize_kv's bit for bit except within float32 rounding of a threshold
     (counted), norms equal quantize_kv's and are within half an fp16 ulp of float64; outputs start poisoned."""
@@ -114,8 +120,7 @@ def test_a_broken_kernel_is_caught(old, new, tmp_path, monkeypatch):
 
 
 @needs_emu
-@pytest.mark.parametrize("backend", ["cuda", "metal"])
-@pytest.mark.parametrize("nc", [False, True])
+@pytest.mark.parametrize("nc,backend", [(False, "cuda"), (True, "cuda"), (True, "metal")])
 def test_pair_codebooks_match_quantize_kv(nc, backend):
     """Pair codebooks (kv.pair_points (128, 32)): the kernel's 7- and 5-bit fields equal quantize_kv's nearest points
     (a near-tie may differ: counted, none on random rows), norms equal, with norm correction too; f16 rows, wht_so4."""

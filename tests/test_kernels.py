@@ -3,8 +3,9 @@
 The kernels themselves run only on a GPU (tools/gpu_check.py checks them there against float64 math).
 Here: the renderer, that the Metal and CUDA renderings differ only by the prelude, a compile-level syntax
 check of both renderings with a host C++ compiler against stub headers for Metal's and CUDA's built-ins
-(tests/kernel_stubs/), and attn_fused's CUDA rendering executed on the CPU (tests/kernel_emu/emulate.py)
-against float64; the compiler tests are skipped when no compiler is installed.
+(tests/kernel_stubs/), and both renderings of attn_fused (and the Metal renderings of the four-kernel pipeline)
+executed on the CPU (tests/kernel_emu/emulate.py) against float64; the compiler tests are skipped when no compiler
+is installed.
 """
 
 from __future__ import annotations
@@ -295,43 +296,52 @@ def test_rotation_args():
         assert np.abs(ours - theirs).max() < 1e-5, variant
 
 
-@pytest.mark.parametrize("case", [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128, sacc=1),
-                                  dict(G=4, d=128, T=300, nth=256, pf=1, stage=2, rot=11),
-                                  dict(G=2, d=128, T=300, L=2, causal=True, rot=4, B=2, qdtype="bf16", nth=256, pf=1,
-                                       stage=2),
-                                  dict(G=8, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2),
-                                  dict(G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2, merge=1),
-                                  dict(G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2, merge=1, sacc=4),
-                                  dict(G=4, d=128, T=300, bits=2, L=2, causal=True, qdtype="bf16", nth=128, pf=2,
-                                       stage=0, vdec=2),
-                                  # the default: one ring slot, half queries -> single fp16 operands
-                                  dict(G=8, d=128, T=1000, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1,
-                                       qdtype="f16"),
-                                  # 384 threads: the warps' merge shares slabs (NSL = 6), round 1 summed in registers
-                                  dict(G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12),
-                                  # 512 threads (128 registers; the (m, l) arrays in the table's padding), f16 queries
-                                  dict(G=8, d=128, T=3000, nth=512, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
-                                       qdtype="f16"),
-                                  # pair codebooks (128, 32): 7-bit key fields (lane chunks start mid-word), 5-bit
-                                  # values; the ring (T + 5 even: 16-byte aligned heads) and rows through registers
-                                  dict(G=8, d=128, T=1001, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
-                                       qdtype="f16", bits=5, key_bits=7, pair_points=(128, 32)),
-                                  dict(G=4, d=128, T=301, L=2, causal=True, nth=256, pf=2, stage=0, vdec=2, merge=1,
-                                       bits=5, key_bits=7, pair_points=(128, 32)),
-                                  # head dim 64: rows of 7 and 5 words
-                                  dict(G=8, d=64, T=2000, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
-                                       bits=5, key_bits=7, pair_points=(128, 32))])
-def test_fused_cuda_source_runs_on_cpu_executor(case):
-    """attn_fused's CUDA rendering executed as host C++ by tests/kernel_emu/cuda_emu.h (threads as cooperative
-    contexts, mma.sync emulated from the PTX layouts, blocks in shuffled order): warps streaming their own steps,
-    per-warp softmax state, the in-block merge, the last block's merge; correct against float64, every output
-    written, counters left zeroed. Cases with STAGE > 0 take the code rows through the cp.async ring (copies done
-    at once by the executor)."""
+# attn_fused shape classes on the executor: (case, which renderings run it). The Metal rendering runs a subset that
+# covers each configuration axis (SACC, ring STAGE, VDEC, MERGE, 384 threads, query dtypes, pair codebooks,
+# head dim 64), as compiling a program per class is most of the suite's time
+FUSED_CASES = [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128, sacc=1),
+               dict(G=4, d=128, T=300, nth=256, pf=1, stage=2, rot=11),
+               dict(G=2, d=128, T=300, L=2, causal=True, rot=4, B=2, qdtype="bf16", nth=256, pf=1,
+                    stage=2),
+               dict(G=8, d=128, T=1000, nth=256, pf=1, stage=2, vdec=2),
+               dict(G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2, merge=1),
+               dict(G=8, d=128, T=700, nth=256, pf=1, stage=2, vdec=2, merge=1, sacc=4),
+               dict(G=4, d=128, T=300, bits=2, L=2, causal=True, qdtype="bf16", nth=128, pf=2,
+                    stage=0, vdec=2),
+               # the default: one ring slot, half queries -> single fp16 operands
+               dict(G=8, d=128, T=1000, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1,
+                    qdtype="f16"),
+               # 384 threads: the warps' merge shares slabs (NSL = 6), round 1 summed in registers
+               dict(G=8, d=128, T=3000, nth=384, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12),
+               # 512 threads (128 registers; the (m, l) arrays in the table's padding), f16 queries
+               dict(G=8, d=128, T=3000, nth=512, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
+                    qdtype="f16"),
+               # pair codebooks (128, 32): 7-bit key fields (lane chunks start mid-word), 5-bit
+               # values; the ring (T + 5 even: 16-byte aligned heads) and rows through registers
+               dict(G=8, d=128, T=1001, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
+                    qdtype="f16", bits=5, key_bits=7, pair_points=(128, 32)),
+               dict(G=4, d=128, T=301, L=2, causal=True, nth=256, pf=2, stage=0, vdec=2, merge=1,
+                    bits=5, key_bits=7, pair_points=(128, 32)),
+               # head dim 64: rows of 7 and 5 words
+               dict(G=8, d=64, T=2000, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
+                    bits=5, key_bits=7, pair_points=(128, 32))]
+METAL_FUSED = {1, 2, 3, 5, 8, 9, 11, 13}
+
+
+@pytest.mark.parametrize("backend,case", [pytest.param(be, c, id=f"{be}-case{i}") for be in ("cuda", "metal")
+                                          for i, c in enumerate(FUSED_CASES) if be == "cuda" or i in METAL_FUSED])
+def test_fused_source_runs_on_cpu_executor(backend, case):
+    """attn_fused's CUDA rendering (tests/kernel_emu/cuda_emu.h: inline PTX executed by its semantics, mma.sync with
+    the PTX ISA's fragment layouts) and its Metal rendering (metal_emu.h: SIMD-group functions across the 32 lanes,
+    simdgroup_matrix with Apple's lane layout) executed as host C++, threads as cooperative contexts, blocks in
+    shuffled order: warps streaming their own steps, per-warp softmax state, the in-block merge, the last block's
+    merge; correct against float64, every output written, counters left zeroed. Cases with STAGE > 0 take the code
+    rows through the copy ring (CUDA: cp.async copies that land at issue or only at their wait_group, at random)."""
     if shutil.which("g++") is None or not sys.platform.startswith("linux"):
         pytest.skip("needs g++ and ucontext (Linux)")
     from kernel_emu import emulate as EK
 
-    r = EK.run_fused(np.random.default_rng(13), seed=5, **case)
+    r = EK.run_fused(np.random.default_rng(13), seed=5, backend=backend, **case)
     assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
     # f32 queries: fp32 accumulation level (~2e-7 here); dropping one of SACC 4's chains gives 2e-5. f16: the output's
     # own rounding (~2e-4, the same with the hi / lo split); bf16 likewise (~1.6e-3)
@@ -538,3 +548,62 @@ def test_executor_programs_compiled_once_per_source(tmp_path, monkeypatch):
     assert EK.compiled(prog, "probe") == a and a.is_file() and len(runs) == 1
     b = EK.compiled(prog.replace("0", "1"), "probe")
     assert b != a and len(runs) == 2 and real([str(b)]).returncode == 1
+
+
+@pytest.mark.parametrize("strategy,case", [("word", dict(d=128, T=200, bits=3, key_bits=4, pair=None)),
+                                           ("dim", dict(d=64, T=130, bits=5, key_bits=7, pair=(128, 32)))])
+def test_four_kernels_metal_rendering_on_cpu_executor(strategy, case, monkeypatch):
+    """The four-kernel pipeline's Metal renderings (rotate_query, qk_dot, softmax, value_word / value_dim,
+    value_reduce, rotate_inverse) on the executor (metal_emu.h) standing in for mx.fast.metal_kernel, through the
+    wrappers' Metal launch arguments, against float64 (the CUDA renderings: tests/test_split_kernels.py)."""
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ and ucontext (Linux)")
+    import mlx.core as mx
+
+    from kernel_emu import attn_reference as KC
+    from kernel_emu import configure
+    from kernel_emu import emulate as EK
+
+    stand: dict = {}
+    configure(monkeypatch, disk_cache=False, poison=True)
+    monkeypatch.setattr(K, "backend", lambda: "metal")
+    monkeypatch.setattr(K, "available", lambda: True)
+    monkeypatch.setattr(K, "_kernel", lambda name, be: stand.setdefault(name, EK.MLXStandIn(name, be)))
+    rng = np.random.default_rng(11)
+    L = 2
+    c = KC.make_case(rng, B=1, Hkv=2, G=4, L=L, d=case["d"], T=case["T"], bits=case["bits"],
+                     key_bits=case["key_bits"], pair_points=case["pair"])
+    err, nan, _ = KC.run_case(K, mx, c, T=case["T"], bits=case["bits"], path="four", strategy=strategy, causal=True,
+                              offset=case["T"] - L, rot=3, key_bits=case["key_bits"])
+    assert nan == 0 and err < 2e-6, err
+    assert {"rotate_query", "qk_dot", "softmax", "rotate_inverse", f"value_{strategy}"} <= set(stand)
+    assert all(s.backend == "metal" and s.calls for s in stand.values())
+
+
+@pytest.mark.parametrize("backend,file,old,new", [
+    # the lane -> element layout of a simdgroup_matrix fragment (Apple's: row bit 2 is lane bit 4)
+    ("metal", "prelude_metal.h", "return ((lane >> 2) & 4) + ((lane >> 1) & 3);",
+     "return ((lane >> 2) & 2) + ((lane >> 1) & 3);"),
+    # mma.sync's B registers in the asm operand list
+    ("cuda", "prelude_cuda.h", '"r"(b.x[0]), "r"(b.x[1])', '"r"(b.x[1]), "r"(b.x[0])'),
+], ids=["metal-fragment-row", "cuda-mma-b-swapped"])
+def test_executor_catches_planted_bugs(backend, file, old, new, tmp_path, monkeypatch):
+    """The executor's lane-level semantics can fail a kernel: the Metal fragments' layout and the mma operands as the
+    asm statement binds them each matter (the unmodified sources pass the same case in
+    test_fused_source_runs_on_cpu_executor; tests/README.md lists more planted bugs and the tests that catch them)."""
+    if shutil.which("g++") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs g++ and ucontext (Linux)")
+    from kernel_emu import emulate as EK
+
+    src = tmp_path / "metal"
+    shutil.copytree(K.SRC_DIR, src)
+    text = (src / file).read_text()
+    assert text.count(old) == 1
+    (src / file).write_text(text.replace(old, new))
+    monkeypatch.setattr(K, "SRC_DIR", src)
+    K._read.cache_clear()
+    try:
+        r = EK.run_fused(np.random.default_rng(13), seed=5, backend=backend, **FUSED_CASES[5])
+    finally:
+        K._read.cache_clear()
+    assert r["nan"] > 0 or not r["err_half"] < 1e-3

@@ -1,9 +1,8 @@
 """kv_append (metal/kv_append.body): IsoQuantCache's append, quantize + pack of new K and V, in one launch.
 
-No GPU here: the CUDA rendering itself is executed on the CPU by tests/kernel_emu/emulate.py (threads as
-cooperative contexts) and compared with quantize_kv (the MLX-op reference) and float64 math through
-tests/kernel_emu/append_reference.py, the checks tools/gpu_check.py runs on the GPU; the Metal rendering is
-syntax-checked against stubs. Plus the cache's dispatch (GPU: kernel, RQ_APPEND=ops or CPU: quantize_kv).
+No GPU here: the CUDA and the Metal rendering are executed on the CPU by tests/kernel_emu/emulate.py (threads as
+cooperative contexts, SIMD-group functions across 32 lanes) and compared with quantize_kv (the MLX-op reference) and
+float64 math through tests/kernel_emu/append_reference.py, the checks tools/gpu_check.py runs on the GPU. Plus the cache's dispatch (GPU: kernel, RQ_APPEND=ops or CPU: quantize_kv).
 """
 
 from __future__ import annotations
@@ -73,15 +72,22 @@ CASES = [
 ]
 
 
+# the Metal rendering on the cases that differ most: wht_so4 with a zero row, dense with norm correction, a strided
+# bf16 view (the CUDA rendering on all)
+METAL_CASES = (0, 1, 3)
+
+
 @needs_emu
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_cuda_source_matches_quantize_kv(case):
+@pytest.mark.parametrize("backend,case", [pytest.param(be, c, id=f"{be}-" + "-".join(f"{k}{v}" for k, v in c.items()))
+                                          for be in ("cuda", "metal") for i, c in enumerate(CASES)
+                                          if be == "cuda" or i in METAL_CASES])
+def test_source_matches_quantize_kv(case, backend):
     """The kernel's codes equal quantize_kv's bit for bit except within float32 rounding of a threshold
     (counted), norms equal quantize_kv's and are within half an fp16 ulp of float64; outputs start poisoned."""
     from kernel_emu import append_reference as AC
 
     rng = np.random.default_rng(len(str(case)) * 7 + case["d"])
-    s = AC.summarize(AC.check_case(rng, case, "emu"))
+    s = AC.summarize(AC.check_case(rng, case, "emu" if backend == "cuda" else "emu-metal"))
     assert s["ok"], s
     assert s["ops_far"] == 0 and s["f64_far"] == 0 and s["norm_ulp_max"] <= 1.0 and s["norm_f64_ulp_max"] <= 0.51
     if case.get("boundary"):
@@ -114,8 +120,8 @@ def test_a_broken_kernel_is_caught(old, new, tmp_path, monkeypatch):
 
 
 @needs_emu
-@pytest.mark.parametrize("nc", [False, True])
-def test_pair_codebooks_match_quantize_kv(nc):
+@pytest.mark.parametrize("nc,backend", [(False, "cuda"), (True, "cuda"), (True, "metal")])
+def test_pair_codebooks_match_quantize_kv(nc, backend):
     """Pair codebooks (kv.pair_points (128, 32)): the kernel's 7- and 5-bit fields equal quantize_kv's nearest points
     (a near-tie may differ: counted, none on random rows), norms equal, with norm correction too; f16 rows, wht_so4."""
     from kernel_emu import emulate as EK
@@ -129,7 +135,8 @@ def test_pair_codebooks_match_quantize_kv(nc):
     consts = np.array(K._append_consts(c.levels, D, c.k_levels))
     assert consts.size == 3 * 32 + 2 + 3 * 128
     out = EK.run_kv_append(k, v, np.zeros(1, np.float32) if mats is None else np.array(mats), consts,
-                           shape=(B, H, T, D), bits=5, rot=rot, nc=nc, tk="f16", key_bits=7, pair_points=(128, 32))
+                           shape=(B, H, T, D), bits=5, rot=rot, nc=nc, tk="f16", key_bits=7, pair_points=(128, 32),
+                           backend=backend)
     ref = c.compress_kv(mx.array(k), mx.array(v))  # quantize_kv on the CPU
     for name, r in zip(("k_codes", "k_norms", "v_codes", "v_norms"), ref):
         assert out[name].shape == tuple(r.shape), name

@@ -1,6 +1,7 @@
 """kv_decode (metal/kv_decode.body): packed rows back to rotated-space vectors, the decode a prompt chunk's attention
-over compressed tokens takes on a GPU (kv.prefill_fp16). No GPU here: the CUDA rendering runs on the CPU executor
-(tests/kernel_emu/emulate.py) standing in for mx.fast.cuda_kernel, against the MLX-op reference."""
+over compressed tokens takes on a GPU (kv.prefill_fp16). No GPU here: the CUDA (and the Metal) rendering runs on the
+CPU executor (tests/kernel_emu/emulate.py) standing in for mx.fast.cuda_kernel (mx.fast.metal_kernel), against the
+MLX-op reference."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.s
                                reason="needs g++ and ucontext (Linux)")
 
 
-def _on_executor(monkeypatch) -> dict:
+def _on_executor(monkeypatch, backend: str = "cuda") -> dict:
     from kernel_emu import emulate as EK
 
     stand: dict = {}
     configure(monkeypatch, disk_cache=False, poison=True)  # outputs start as NaN: an element the kernel skips shows
-    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "backend", lambda: backend)
     monkeypatch.setattr(K, "available", lambda: True)
-    monkeypatch.setattr(K, "_kernel", lambda name, be: stand.setdefault(name, EK.MLXStandIn(name)))
+    monkeypatch.setattr(K, "_kernel", lambda name, be: stand.setdefault(name, EK.MLXStandIn(name, be)))
     return stand
 
 
@@ -45,16 +46,17 @@ def _filled(pair_points, d: int, T: int, seed: int) -> IsoQuantCache:
 
 
 @needs_emu
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
 @pytest.mark.parametrize("pair_points,d,dtype", [(None, 64, mx.float32), ((128, 32), 128, mx.bfloat16),
                                                  ((128, 32), 64, mx.float16)])
-def test_decode_rows_matches_the_reference(monkeypatch, pair_points, d, dtype):
+def test_decode_rows_matches_the_reference(monkeypatch, pair_points, d, dtype, backend):
     """Keys and values (their own field widths with pair codebooks), rows 0 .. n-1 of a buffer with spare capacity,
     every output element written, equal to dequantize_rotated up to the output dtype's rounding."""
     c = _filled(pair_points, d, 37, seed=3)  # capacity 256 rows, 37 valid; decode 30
     n = 30
     want = [dequantize_rotated(c.k_codes[:, :, :n], c.k_norms[:, :, :n], c.k_levels, c.key_bits or c.bits, d),
             dequantize_rotated(c.v_codes[:, :, :n], c.v_norms[:, :, :n], c.levels, c.bits, d)]
-    stand = _on_executor(monkeypatch)
+    stand = _on_executor(monkeypatch, backend)
     got = [K.decode_rows(c.k_codes, c.k_norms, c.k_levels, bits=c.key_bits or c.bits, d=d, n=n, dtype=dtype),
            K.decode_rows(c.v_codes, c.v_norms, c.levels, bits=c.bits, d=d, n=n, dtype=dtype)]
     tol = {mx.float32: 1e-6, mx.float16: 1e-3, mx.bfloat16: 8e-3}[dtype]

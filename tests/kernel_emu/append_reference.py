@@ -285,7 +285,7 @@ def run_gpu(k_mx, v_mx, rot, levels, bits, nc):
     return [np.array(a) for a in out]
 
 
-def run_emu(kin: Rows, vin: Rows, dtype, rot, levels, bits, nc, seed=0):
+def run_emu(kin: Rows, vin: Rows, dtype, rot, levels, bits, nc, seed=0, backend="cuda"):
     from kernel_emu import emulate as EK
 
     import rq_core.kernels as K
@@ -303,12 +303,13 @@ def run_emu(kin: Rows, vin: Rows, dtype, rot, levels, bits, nc, seed=0):
 
     o = EK.run_kv_append(enc(kd), enc(vd), mats, np.array(K._append_consts(levels, shape[-1])), shape=shape,
                          bits=bits, rot=r, nc=nc, tk=dtype, views={"keys": (shape, kst), "values": (shape, vst)},
-                         seed=seed)
+                         seed=seed, backend=backend)
     return [o["k_codes"], o["k_norms"], o["v_codes"], o["v_norms"]]
 
 
 def check_case(rng, c: dict, mode: str) -> dict:
-    """One case: kernel (mode 'gpu' or 'emu') against quantize_kv and float64, for K and for V."""
+    """One case: kernel (mode 'gpu', or 'emu' / 'emu-metal': the CUDA / Metal rendering on the CPU executor) against
+    quantize_kv and float64, for K and for V."""
     import mlx.core as mx
 
     from rq_core.kv_cache import quantize_kv
@@ -321,7 +322,8 @@ def check_case(rng, c: dict, mode: str) -> dict:
     if mode == "gpu":
         got = run_gpu(k_mx, v_mx, rot, levels, bits, nc)
     else:
-        got = run_emu(kin, vin, dtype, rot, levels, bits, nc, seed=int(rng.integers(1000)))
+        got = run_emu(kin, vin, dtype, rot, levels, bits, nc, seed=int(rng.integers(1000)),
+                      backend="metal" if mode == "emu-metal" else "cuda")
     k_np, v_np = kin.logical(), vin.logical()
     lv = np.array(levels)
     res = {}

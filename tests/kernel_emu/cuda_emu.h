@@ -1,23 +1,13 @@
-// A CPU executor for the CUDA rendering of the kernels (benchmarks/emulate_kernel.py): the kernel body
-// runs unchanged as host C++, one cooperative context (ucontext) per CUDA thread of a block, blocks one
-// after another in a chosen order. __syncthreads, warp shuffles and mma.sync m16n8k16 (fragment
-// layouts written from the PTX ISA, independently of metal/prelude_cuda.h) are emulated; a barrier that
-// not every live thread of its scope reaches is reported as a deadlock. Slow (a context switch per
-// barrier), for checking a kernel's logic without a GPU, never its speed or memory ordering.
+// A CPU executor for the CUDA rendering of the kernels: the kernel body runs unchanged as host C++ on the
+// cooperative threads of emu_core.h (one context per CUDA thread of a block, blocks one after another in a chosen
+// order). __syncthreads, warp shuffles and votes are emulated across the 32 lanes of a warp, and the inline PTX of
+// the prelude is executed by its semantics (emu::Ptx below: mma.sync m16n8k16 and movmatrix with the PTX ISA's
+// per-lane fragment layouts, written independently of metal/prelude_cuda.h; cp.async as deferred copies with
+// commit / wait_group; ex2.approx; atom; ld.shared), its operands bound as the asm statement lists them.
 #pragma once
-#include <ucontext.h>
-
-#include <array>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <map>
-#include <string>
-#include <type_traits>
-#include <vector>
+#ifndef RQ_CUDA_EMU_H  // also a guard: a precompiled header keeps macros, not every compiler's pragma-once state
+#define RQ_CUDA_EMU_H
+#include "emu_core.h"
 
 #define __global__
 #define __device__
@@ -72,112 +62,14 @@ inline unsigned atomicExch(unsigned* p, unsigned v) {
   return o;
 }
 
-struct rq_dim3 { unsigned x, y, z; };
-
-// ---------------------------------------------------------------------------------------------
-// cooperative threads of one block
-
-namespace emu {
-enum State { READY, WAIT_BLOCK, WAIT_WARP, DONE };
-struct Thread {
-  ucontext_t ctx;
-  std::vector<char> stack;
-  State state = READY;
-};
-inline std::vector<Thread> threads;
-inline ucontext_t sched;
-inline int cur = 0;
-inline int nthreads = 0;
-inline rq_dim3 tid, bid, bdim, gdim;
-inline std::function<void()> body;
-inline unsigned warp_u[1024];
-inline float warp_f[1024];
-inline bool deadlock = false;
-
-inline void yield() { swapcontext(&threads[cur].ctx, &sched); }
-
-inline void warp_barrier() {
-  const int w = cur / 32;
-  const int n = std::min(32, nthreads - 32 * w);
-  threads[cur].state = WAIT_WARP;
-  int waiting = 0;
-  for (int i = 0; i < n; ++i) waiting += threads[32 * w + i].state == WAIT_WARP;
-  if (waiting == n) {
-    for (int i = 0; i < n; ++i) threads[32 * w + i].state = READY;
-    return;  // the last lane to arrive goes on at once
-  }
-  yield();
-}
-
-inline void block_barrier() {
-  threads[cur].state = WAIT_BLOCK;
-  yield();
-}
-
-inline void entry() {
-  body();
-  threads[cur].state = DONE;
-  swapcontext(&threads[cur].ctx, &sched);
-}
-
-// run one block of n threads to completion; false on a deadlock
-inline bool run_block(int n) {
-  nthreads = n;
-  threads.assign(n, Thread());
-  for (int i = 0; i < n; ++i) {
-    threads[i].stack.resize(1 << 18);
-    getcontext(&threads[i].ctx);
-    threads[i].ctx.uc_stack.ss_sp = threads[i].stack.data();
-    threads[i].ctx.uc_stack.ss_size = threads[i].stack.size();
-    threads[i].ctx.uc_link = nullptr;
-    makecontext(&threads[i].ctx, (void (*)())entry, 0);
-  }
-  for (;;) {
-    bool ran = false;
-    for (int i = 0; i < n; ++i) {
-      if (threads[i].state != READY) continue;
-      cur = i;
-      tid = {(unsigned)i, 0u, 0u};
-      swapcontext(&sched, &threads[i].ctx);
-      ran = true;
-    }
-    if (ran) continue;
-    int done = 0, at_block = 0;
-    for (auto& t : threads) {
-      done += t.state == DONE;
-      at_block += t.state == WAIT_BLOCK;
-    }
-    if (done == n) return true;
-    if (at_block + done == n) {  // every live thread is at __syncthreads: release them
-      for (auto& t : threads)
-        if (t.state == WAIT_BLOCK) t.state = READY;
-      continue;
-    }
-    deadlock = true;
-    std::fprintf(stderr, "emu: deadlock in block (%u, %u): %d done, %d at __syncthreads, rest at a warp barrier\n",
-                 bid.x, bid.y, done, at_block);
-    return false;
-  }
-}
-}  // namespace emu
-
 #define threadIdx emu::tid
 #define blockIdx emu::bid
 #define blockDim emu::bdim
 #define gridDim emu::gdim
 
 inline void __syncthreads() { emu::block_barrier(); }
-inline float __shfl_xor_sync(unsigned, float x, int m) {
-  const int lane = emu::cur & 31;
-  const int base = emu::cur & ~31;
-  emu::warp_f[emu::cur] = x;
-  emu::warp_barrier();
-  const float y = emu::warp_f[base + (lane ^ m)];
-  emu::warp_barrier();
-  return y;
-}
-
-inline void __syncwarp() { emu::warp_barrier(); }  // attn_v5
+inline float __shfl_xor_sync(unsigned, float x, int m) { return emu::from_lane(x, emu::lane() ^ m); }
+inline void __syncwarp() { emu::warp_barrier(); }
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   const uint64_t v = ((uint64_t)y << 32) | x;
   unsigned r = 0;
@@ -185,170 +77,318 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   return r;
 }
 inline int __any_sync(unsigned, int b) {
-  const int base = emu::cur & ~31;
-  emu::warp_f[emu::cur] = b ? 1.0f : 0.0f;
-  emu::warp_barrier();
+  const auto v = emu::gather(b != 0);
   int any = 0;
-  for (int i = 0; i < std::min(32, emu::nthreads - base); ++i) any |= emu::warp_f[base + i] != 0.0f;
-  emu::warp_barrier();
+  for (int i = 0; i < emu::group_size(); ++i) any |= v[i];
   return any;
 }
 
-// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, from the PTX ISA's fragment layouts
-// (groupID = lane >> 2, tig = lane % 4):
-//   A 16x16: reg 0 = (g, 2t..2t+1), reg 1 = (g + 8, 2t..), reg 2 = (g, 2t + 8..), reg 3 = (g + 8, 2t + 8..)
-//   B 16x8:  reg 0 = (k 2t..2t+1, n g), reg 1 = (k 2t + 8.., n g)
-//   C 16x8:  c0, c1 = (g, 2t..2t+1), c2, c3 = (g + 8, 2t..2t+1)
+// ---------------------------------------------------------------------------------------------
+// Shared-memory window addresses: sm_80 and later reserve the first 1 KiB of a block's shared memory for the
+// system, so the block's own arrays start at window offset 1024 (CUDA programming guide, shared memory).
 namespace emu {
-inline unsigned mma_a[1024][4], mma_b[1024][2];  // per thread: warps interleave
-inline float h_lo(unsigned u) {
+inline constexpr unsigned SHARED_RESERVED = 1024;
+inline unsigned char* shared_ptr(uint64_t addr, size_t n, const char* what) {
+  if (addr < SHARED_RESERVED || addr - SHARED_RESERVED + n > sizeof(smem)) {
+    fault(std::string("shared window ") + what, std::string("out of bounds / wrong space: ") + what +
+                                                    " at shared address " + std::to_string(addr));
+    static unsigned char sink[64];
+    return sink;
+  }
+  return smem + (addr - SHARED_RESERVED);
+}
+}  // namespace emu
+inline size_t __cvta_generic_to_shared(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  const char* b = reinterpret_cast<const char*>(emu::smem);
+  if (c < b || c >= b + sizeof(emu::smem)) emu::fault("cvta", "__cvta_generic_to_shared of a non-shared address");
+  return (size_t)(c - b) + emu::SHARED_RESERVED;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Inline PTX, executed by its semantics. emulate.py rewrites each `asm [volatile] ("..." : outs : ins : clobbers)`
+// of the source into a call of emu::Ptx::run with the operands bound in the statement's order (%0, %1, ...), so
+// the instruction text and the operand list are both what runs: a register swapped in either changes the result.
+namespace emu {
+struct PtxArg {
+  void* out;      // the bound lvalue of an output ("=" / "+"), else null
+  uint64_t bits;  // the value (an input, or a "+" output's value on entry)
+  int size;
+  char kind;      // the constraint's letter: f r l h n
+};
+template <class T>
+inline PtxArg ptx_out(T& x, char kind) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8);
+  PtxArg a{&x, 0, (int)sizeof(T), kind};
+  std::memcpy(&a.bits, &x, sizeof(T));
+  return a;
+}
+template <class T>
+inline PtxArg ptx_in(const T& x, char kind) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8);
+  PtxArg a{nullptr, 0, (int)sizeof(T), kind};
+  std::memcpy(&a.bits, &x, sizeof(T));
+  return a;
+}
+
+// cp.async: copies queued per thread, grouped by commit_group, each landing either at once or only when a
+// wait_group retires its group (chosen at random per copy from the run's seed): a kernel that reads a copy's
+// destination before waiting for it, or refills a slot others may still read, sees the difference
+struct Copy {
+  void* dst;
+  const void* src;
+  int n;
+  bool landed;
+};
+struct CpState {
+  std::vector<Copy> open;
+  std::vector<std::vector<Copy>> groups;
+};
+inline CpState cp_state[1024];
+inline void land(std::vector<Copy>& g) {
+  for (auto& c : g)
+    if (!c.landed) std::memcpy(c.dst, c.src, c.n);
+  g.clear();
+}
+inline void cp_land_all() {
+  auto& st = cp_state[cur];
+  for (auto& g : st.groups) land(g);
+  st.groups.clear();
+  land(st.open);
+}
+inline const bool cp_hook = (thread_exit_hook = &cp_land_all, true);
+
+inline float f32_of(const PtxArg& a) {
+  float f;
+  uint32_t u = (uint32_t)a.bits;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t u32_of(const PtxArg& a) { return (uint32_t)a.bits; }
+inline float h_lo(uint32_t u) {
   _Float16 h;
   uint16_t s = (uint16_t)(u & 0xffffu);
   std::memcpy(&h, &s, 2);
   return (float)h;
 }
-inline float h_hi(unsigned u) { return h_lo(u >> 16); }
-inline void mma(float c[4], const unsigned a[4], const unsigned b[2]) {
-  const int lane = cur & 31;
-  const int base = cur & ~31;
-  for (int i = 0; i < 4; ++i) mma_a[cur][i] = a[i];
-  for (int i = 0; i < 2; ++i) mma_b[cur][i] = b[i];
-  warp_barrier();
-  float A[16][16], B[16][8];
-  for (int l = 0; l < 32; ++l) {
-    const int g = l >> 2, t = l & 3;
-    for (int r = 0; r < 4; ++r) {
-      const int row = g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
-      A[row][col] = h_lo(mma_a[base + l][r]);
-      A[row][col + 1] = h_hi(mma_a[base + l][r]);
-    }
-    for (int r = 0; r < 2; ++r) {
-      B[2 * t + 8 * r][g] = h_lo(mma_b[base + l][r]);
-      B[2 * t + 8 * r + 1][g] = h_hi(mma_b[base + l][r]);
-    }
-  }
-  warp_barrier();
-  const int g = lane >> 2, t = lane & 3;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-    float s = c[e];
-    for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
-    c[e] = s;
-  }
-}
-// movmatrix.sync.aligned.m8n8.trans.b16, from the PTX ISA: an 8x8 matrix of 16-bit elements, lane l holding row
-// l >> 2, columns 2 (l % 4) and 2 (l % 4) + 1 (low half first); each lane gets the same places of the transpose
-inline unsigned movm_trans(unsigned x) {
-  const int lane = cur & 31;
-  const int base = cur & ~31;
-  mma_b[cur][0] = x;
-  warp_barrier();
-  unsigned y = 0;
-  for (int j = 0; j < 2; ++j) {  // the transpose's (row lane >> 2, col 2 (lane % 4) + j) = source (2 (lane % 4) + j, lane >> 2)
-    const int row = 2 * (lane & 3) + j, col = lane >> 2;
-    const unsigned src = mma_b[base + 4 * row + (col >> 1)][0];
-    y |= ((src >> (16 * (col & 1))) & 0xffffu) << (16 * j);
-  }
-  warp_barrier();
-  return y;
-}
-}  // namespace emu
+inline float h_hi(uint32_t u) { return h_lo(u >> 16); }
+inline bool is_denormal(float x) { return x != 0.0f && std::fabs(x) < 1.17549435e-38f; }
 
-// ---------------------------------------------------------------------------------------------
-// Memory the hardware checks: a vector access (uint4, float4, half2 ... through a cast) and a cp.async
-// 16-byte copy fault on a GPU ("misaligned address") unless each address is aligned to the access size.
-// The executor runs every block to the end and reports each distinct fault once (emu::report).
-namespace emu {
-struct Region {
-  const char* base;
-  size_t bytes;
-  std::string name;
-  bool shared;
-};
-inline std::vector<Region> regions;  // global buffers (inputs, outputs) and threadgroup arrays
-inline std::map<std::string, std::pair<std::string, long>> faults;  // kind -> (first instance, count)
-enum Space { ANY, GLOBAL, SHARED };
+class Ptx {
+  struct Opd {
+    char kind;              // 'r' register %N, 'v' vector {%a, %b, ...}, 'm' memory [%N], 'i' immediate
+    std::vector<int> regs;  // operand numbers
+    long long imm = 0;
+  };
+  struct Ins {
+    std::string op;
+    std::vector<Opd> args;
+  };
+  std::vector<Ins> ins_;
+  std::string text_;
 
-inline const Region* find_region(const void* p) {
-  const char* c = static_cast<const char*>(p);
-  for (const auto& r : regions)
-    if (c >= r.base && c < r.base + r.bytes) return &r;
-  return nullptr;
-}
-
-inline void fault(const std::string& kind, const std::string& msg) {
-  auto& f = faults[kind];
-  if (f.second++ == 0) f.first = msg;
-}
-
-// threadgroup memory of a block, laid out as a compiler would place static __shared__ arrays: in
-// declaration order, each aligned only to its type (alignof). worst_layout: each array at an odd multiple
-// of its alignment (aligned to it and to nothing more), so no access may rely on accidental alignment.
-alignas(4096) inline unsigned char smem[232448];
-inline size_t smem_top = 0;
-inline bool worst_layout = false;
-template <class T>
-T& shared_alloc(size_t align, const char* name) {
-  size_t off = (smem_top + align - 1) / align * align;
-  if (worst_layout && align < 4096 && off % (2 * align) == 0) off += align;
-  if (off + sizeof(T) > sizeof(smem)) {
-    std::fprintf(stderr, "emu: threadgroup memory over %zu bytes\n", sizeof(smem));
+  [[noreturn]] void bad(const std::string& why) const {
+    std::fprintf(stderr, "emu: PTX not emulated (%s): %s\n", why.c_str(), text_.c_str());
     std::abort();
   }
-  smem_top = off + sizeof(T);
-  regions.push_back({reinterpret_cast<const char*>(smem + off), sizeof(T), name, true});
-  return *reinterpret_cast<T*>(smem + off);
-}
-
-inline std::string where(const void* p) {
-  const Region* r = find_region(p);
-  const size_t a = reinterpret_cast<uintptr_t>(p);
-  if (!r) return "thread-local or unknown memory (address % 16 = " + std::to_string(a % 16) + ")";
-  const size_t off = static_cast<const char*>(p) - r->base;
-  const size_t base = r->shared ? static_cast<size_t>(r->base - reinterpret_cast<const char*>(smem)) : 0;
-  return std::string(r->shared ? "threadgroup array " : "buffer ") + r->name + " + " + std::to_string(off) + " B" +
-         (r->shared ? " (threadgroup byte " + std::to_string(base + off) + ")" : "") +
-         " (address % 16 = " + std::to_string(a % 16) + ")";
-}
-
-// an access of n bytes at p that must be aligned to `align` and lie in one buffer of space `sp`
-inline void check(const void* p, size_t n, size_t align, const char* what, Space sp) {
-  const size_t a = reinterpret_cast<uintptr_t>(p);
-  if (a % align != 0) {
-    fault(std::string("misaligned ") + what + " @" + (find_region(p) ? find_region(p)->name : "?") + " %" +
-              std::to_string(a % align),
-          std::string("misaligned address: ") + what + " (" + std::to_string(n) + " B, needs " +
-              std::to_string(align) + "-byte alignment) at " + where(p));
+  static std::string trim(const std::string& s) {
+    size_t a = s.find_first_not_of(" \t\n"), b = s.find_last_not_of(" \t\n");
+    return a == std::string::npos ? "" : s.substr(a, b - a + 1);
   }
-  if (sp == ANY && n < 8) return;  // scalar-sized reinterpretations of registers: alignment only
-  const Region* r = find_region(p);
-  const bool ok = r && static_cast<const char*>(p) + n <= r->base + r->bytes &&
-                  (sp == ANY || r->shared == (sp == SHARED));
-  if (!ok && !(sp == ANY && !r))
-    fault(std::string("out of bounds ") + what, std::string("out of bounds / wrong space: ") + what + " (" +
-                                                    std::to_string(n) + " B) at " + where(p));
-}
+  static std::vector<int> regs_in(const std::string& s) {
+    std::vector<int> r;
+    for (size_t i = 0; i < s.size(); ++i)
+      if (s[i] == '%') r.push_back(std::atoi(s.c_str() + i + 1));
+    return r;
+  }
+
+ public:
+  explicit Ptx(const char* text) : text_(text) {
+    std::string t = text_;
+    size_t pos = 0;
+    while (pos < t.size()) {
+      size_t end = t.find(';', pos);
+      if (end == std::string::npos) end = t.size();
+      const std::string stmt = trim(t.substr(pos, end - pos));
+      pos = end + 1;
+      if (stmt.empty()) continue;
+      Ins in;
+      const size_t sp = stmt.find_first_of(" \t");
+      in.op = stmt.substr(0, sp);
+      std::string rest = sp == std::string::npos ? "" : stmt.substr(sp);
+      int depth = 0;
+      std::string cur_arg;
+      auto flush = [&]() {
+        const std::string a = trim(cur_arg);
+        cur_arg.clear();
+        if (a.empty()) return;
+        Opd o;
+        if (a[0] == '{') o.kind = 'v', o.regs = regs_in(a);
+        else if (a[0] == '[') o.kind = 'm', o.regs = regs_in(a);
+        else if (a[0] == '%') o.kind = 'r', o.regs = regs_in(a);
+        else o.kind = 'i', o.imm = std::strtoll(a.c_str(), nullptr, 0);
+        in.args.push_back(o);
+      };
+      for (char c : rest) {
+        if (c == '{' || c == '[') ++depth;
+        if (c == '}' || c == ']') --depth;
+        if (c == ',' && depth == 0) flush();
+        else cur_arg += c;
+      }
+      flush();
+      ins_.push_back(in);
+    }
+  }
+
+  void run(PtxArg* a, int n) const {
+    for (const Ins& in : ins_) exec(in, a, n);
+  }
+
+ private:
+  const PtxArg& arg(PtxArg* a, int n, int i, char kind, int size) const {
+    if (i < 0 || i >= n) bad("operand %" + std::to_string(i) + " not bound");
+    if (kind && a[i].kind != kind && !(kind == 'r' && a[i].kind == 'n'))
+      bad("operand %" + std::to_string(i) + " has constraint " + a[i].kind + ", wants " + kind);
+    if (size && a[i].size != size) bad("operand %" + std::to_string(i) + " size " + std::to_string(a[i].size));
+    return a[i];
+  }
+  void set(PtxArg* a, int n, int i, uint64_t v, char kind, int size) const {
+    const PtxArg& x = arg(a, n, i, kind, size);
+    if (!x.out) bad("operand %" + std::to_string(i) + " written but bound as an input");
+    std::memcpy(x.out, &v, x.size);
+  }
+  void set_f(PtxArg* a, int n, int i, float f) const {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    set(a, n, i, u, 'f', 4);
+  }
+  const Opd& want(const Ins& in, size_t k, char kind, size_t nregs) const {
+    if (k >= in.args.size() || in.args[k].kind != kind || (nregs && in.args[k].regs.size() != nregs))
+      bad("operand " + std::to_string(k) + " of " + in.op);
+    return in.args[k];
+  }
+  static bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
+
+  void exec(const Ins& in, PtxArg* a, int n) const {
+    const std::string& op = in.op;
+    if (op == "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32") {
+      // PTX ISA, mma.m16n8k16 with .f16 A/B and .f32 C/D (groupID = lane >> 2, threadID_in_group = lane % 4):
+      //   A (16 x 16, row): a0,a1: (groupID, 2 tig + {0,1}); a2,a3: (groupID + 8, ...); a4,a5: (groupID, 2 tig + 8
+      //     + {0,1}); a6,a7: (groupID + 8, 2 tig + 8 + ...): register i holds elements 2i, 2i + 1 (low half first)
+      //   B (16 x 8, col): b0,b1: (k 2 tig + {0,1}, n groupID); b2,b3: (k 2 tig + 8 + {0,1}, n groupID)
+      //   C, D (16 x 8): c0,c1: (groupID, 2 tig + {0,1}); c2,c3: (groupID + 8, 2 tig + {0,1})
+      const Opd& d = want(in, 0, 'v', 4);
+      const Opd& ra = want(in, 1, 'v', 4);
+      const Opd& rb = want(in, 2, 'v', 2);
+      const Opd& rc = want(in, 3, 'v', 4);
+      struct Frag { uint32_t a[4], b[2]; } mine;
+      for (int i = 0; i < 4; ++i) mine.a[i] = u32_of(arg(a, n, ra.regs[i], 'r', 4));
+      for (int i = 0; i < 2; ++i) mine.b[i] = u32_of(arg(a, n, rb.regs[i], 'r', 4));
+      float c[4];
+      for (int i = 0; i < 4; ++i) c[i] = f32_of(arg(a, n, rc.regs[i], 'f', 4));
+      const auto all = gather(mine);
+      float A[16][16], B[16][8];
+      for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        for (int e = 0; e < 8; ++e) {  // element e of the lane's A fragment, in register e / 2
+          const int row = g + ((e & 2) ? 8 : 0), col = 2 * t + (e & 1) + ((e & 4) ? 8 : 0);
+          const uint32_t r = all[l].a[e >> 1];
+          A[row][col] = (e & 1) ? h_hi(r) : h_lo(r);
+        }
+        for (int e = 0; e < 4; ++e) {
+          const int k = 2 * t + (e & 1) + ((e & 2) ? 8 : 0);
+          const uint32_t r = all[l].b[e >> 1];
+          B[k][g] = (e & 1) ? h_hi(r) : h_lo(r);
+        }
+      }
+      const int g = lane() >> 2, t = lane() & 3;
+      for (int e = 0; e < 4; ++e) {
+        const int row = g + ((e & 2) ? 8 : 0), col = 2 * t + (e & 1);
+        float s = c[e];
+        for (int k = 0; k < 16; ++k) s += A[row][k] * B[k][col];
+        set_f(a, n, d.regs[e], s);
+      }
+    } else if (op == "movmatrix.sync.aligned.m8n8.trans.b16") {
+      // PTX ISA, movmatrix: an 8 x 8 matrix of 16-bit elements, lane l holding row l >> 2, columns 2 (l % 4) and
+      // 2 (l % 4) + 1 (low half first); with .trans each lane receives the same places of the transpose
+      const Opd& d = want(in, 0, 'r', 1);
+      const Opd& s = want(in, 1, 'r', 1);
+      const auto all = gather(u32_of(arg(a, n, s.regs[0], 'r', 4)));
+      uint32_t y = 0;
+      for (int j = 0; j < 2; ++j) {  // the transpose's (row, col) = (lane >> 2, 2 (lane % 4) + j) is source (col, row)
+        const int row = lane() >> 2, col = 2 * (lane() & 3) + j;
+        const uint32_t src = all[4 * col + (row >> 1)];
+        y |= ((src >> (16 * (row & 1))) & 0xffffu) << (16 * j);
+      }
+      set(a, n, d.regs[0], y, 'r', 4);
+    } else if (op == "ex2.approx.ftz.f32") {
+      // 2^x, subnormal inputs and results flushed to sign-preserving zero (the approximation's error, ~2^-22
+      // relative, is not modelled)
+      float x = f32_of(arg(a, n, want(in, 1, 'r', 1).regs[0], 'f', 4));
+      if (is_denormal(x)) x = 0.0f;
+      float y = std::exp2(x);
+      if (is_denormal(y)) y = std::copysign(0.0f, y);
+      set_f(a, n, want(in, 0, 'r', 1).regs[0], y);
+    } else if (op == "cp.async.cg.shared.global") {
+      // [dst] a shared-window address, [src] a global one, cp-size 16 (the only one .cg takes), both aligned to it
+      const uint64_t da = arg(a, n, want(in, 0, 'm', 1).regs[0], 0, 0).bits;
+      const uint64_t sa = arg(a, n, want(in, 1, 'm', 1).regs[0], 0, 0).bits;
+      if (in.args.size() < 3) bad("cp-size");
+      const Opd& sz = in.args[2];
+      const long long bytes = sz.kind == 'i' ? sz.imm : (long long)arg(a, n, sz.regs.at(0), 0, 0).bits;
+      if (bytes != 16) bad("cp-size");
+      void* dst = shared_ptr(da, bytes, "cp.async destination (threadgroup)");
+      const void* src = reinterpret_cast<const void*>(sa);
+      check(src, bytes, bytes, "cp.async source (global)", GLOBAL);
+      check(dst, bytes, bytes, "cp.async destination (threadgroup)", SHARED);
+      const bool now = (rng() & 1u) != 0;
+      if (now) std::memcpy(dst, src, bytes);
+      cp_state[cur].open.push_back({dst, src, (int)bytes, now});
+    } else if (op == "cp.async.commit_group") {
+      auto& st = cp_state[cur];
+      st.groups.push_back(std::move(st.open));
+      st.open.clear();
+    } else if (op == "cp.async.wait_group") {
+      // until at most N of this thread's most recent committed groups are pending: the older ones land
+      const Opd& o = in.args.at(0);
+      const long long keep = o.kind == 'i' ? o.imm : (long long)arg(a, n, o.regs.at(0), 'n', 0).bits;
+      auto& st = cp_state[cur];
+      while ((long long)st.groups.size() > keep) {
+        land(st.groups.front());
+        st.groups.erase(st.groups.begin());
+      }
+    } else if (starts(op, "atom.") && op.size() > 8 && op.compare(op.size() - 8, 8, ".add.u32") == 0 &&
+               op.find(".global") != std::string::npos) {
+      // atom{.sem}{.scope}.global.add.u32 d, [a], b: d = old *a, *a += b (blocks run one after another here)
+      uint32_t* p = reinterpret_cast<uint32_t*>(arg(a, n, want(in, 1, 'm', 1).regs[0], 'l', 8).bits);
+      check(p, 4, 4, "atom (global)", GLOBAL);
+      if (in.args.size() != 3) bad("operands of " + op);
+      const Opd& ob = in.args[2];
+      const uint32_t b = ob.kind == 'i' ? (uint32_t)ob.imm : u32_of(arg(a, n, want(in, 2, 'r', 1).regs[0], 'r', 4));
+      const uint32_t old = *p;
+      *p = old + b;
+      set(a, n, want(in, 0, 'r', 1).regs[0], old, 'r', 4);
+    } else if (op == "ld.shared.b32") {
+      const uint64_t addr = u32_of(arg(a, n, want(in, 1, 'm', 1).regs[0], 'r', 4));
+      const unsigned char* p = shared_ptr(addr, 4, "ld.shared");
+      check(p, 4, 4, "ld.shared.b32", SHARED);
+      uint32_t v;
+      std::memcpy(&v, p, 4);
+      set(a, n, want(in, 0, 'r', 1).regs[0], v, 'r', 4);
+    } else {
+      bad("unknown instruction " + op);
+    }
+  }
+};
+}  // namespace emu
 
 // reinterpret_cast<P>(q) of the preludes, with the access it is made for checked (P's pointee)
+namespace emu {
 template <class P, class Q>
 inline P checked_cast(const char* fn, Q* q) {
   using T = std::remove_cv_t<std::remove_pointer_t<P>>;
   check(q, sizeof(T), alignof(T), fn, ANY);
   return reinterpret_cast<P>(q);
 }
-
-// cp.async.cg.shared.global 16 bytes: source in global memory, destination in threadgroup memory,
-// both 16-byte aligned (PTX ISA: cp.async), completed at once here
-inline void cp_async16(void* dst, const void* src) {
-  check(src, 16, 16, "cp.async source (global)", GLOBAL);
-  check(dst, 16, 16, "cp.async destination (threadgroup)", SHARED);
-  std::memcpy(dst, src, 16);
-}
-
-// the distinct faults, once each; true if there were none
-inline bool report() {
-  for (const auto& [kind, f] : faults)
-    std::fprintf(stderr, "emu: %s [%ld times]\n", f.first.c_str(), f.second);
-  return faults.empty();
-}
 }  // namespace emu
+#endif  // RQ_CUDA_EMU_H

@@ -259,10 +259,26 @@ def pager_cost(a: argparse.Namespace) -> None:
             "model": {k_: cfg[k_] for k_ in ("num_hidden_layers", "hidden_size", "moe_intermediate_size",
                                               "num_experts", "num_experts_per_tok")},
             "prompt_tokens": a.prompt, "decode_tokens": a.tokens, "temp": 0.0}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    from _readme import save
+
+    save("pager-cost", {"meta": meta, "rows": rows}, cost_table(rows), path=Path(a.out))
+
+
+def cost_table(rows: list[dict]) -> str:
+    """Markdown: one row a run of pager_cost, tok/s also as a share of the all-resident run's."""
+    full = next(r["decode_tok_per_s"] for r in rows if r["policy"] == "none")
+    out = ["| experts resident | speculation | decode tok/s | of all resident | read MB/token | host syncs/pass "
+           "| measured peak GB | budget GB | same tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        paged = r["policy"] != "none"
+        out.append("| " + " | ".join([
+            f"{r['resident_fraction']:.0%}", ("on" if r["speculate"] else "off") if paged else "—",
+            f"{r['decode_tok_per_s']:.1f}", f"{r['decode_tok_per_s'] / full:.0%}",
+            f"{r['bytes_read_per_token'] / 1e6:.1f}" if paged else "—",
+            f"{r['host_syncs_per_pass']:.1f}" if paged else "—",
+            f"{(r['measured_peak_bytes'] if paged else r['peak_memory_bytes']) / 1e9:.3f}",
+            f"{r['budget_bytes'] / 1e9:.3f}" if paged else "—", "yes" if r["tokens_equal_all_resident"] else "NO"]) + " |")
+    return "\n".join(out)
 
 
 def main() -> None:

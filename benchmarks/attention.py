@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-import rq_core.kernels as K  # noqa: E402
+import rq_core.kernels.launch as K  # noqa: E402
 
 HQ, HKV, D, BITS = 32, 4, 128, 3
 G = HQ // HKV
@@ -187,7 +187,7 @@ def turbo3(L, i):
 def iso_fused(L, i, nth=None, blocks=None, pf=None, vdec=None, stage=None):
     """The fused kernel (rotation, split-context attention, merge and inverse rotation in one launch); the launch
     configuration as given (threads per block, block target, load-ahead depth, value decode, copy-ring
-    stages), else rq_core.kernels' defaults."""
+    stages), else rq_core.kernels.launch' defaults."""
     T = L["kc"][i].shape[2]
     return K.fused_attention(L["q"][i], L["mats"][i], L["kc"][i], L["kn"][i], L["vc"][i], L["vn"][i], L["levels"],
                           bits=BITS, scale=SCALE, valid_len=T, nth=nth, blocks=blocks, pf=pf, vdec=vdec,
@@ -332,7 +332,7 @@ def main() -> None:
                     "matching methods (fp16 SDPA always runs: it is the baseline)")
     ap.add_argument("--fused-configs", default="", help="comma-separated THREADS:BLOCKS[:PF[:VDEC[:STAGE]]]: "
                     "extra rows of the fused kernel (threads per block, block target, load-ahead depth, "
-                    "value decode, copy-ring stages; default: rq_core.kernels' settings)")
+                    "value decode, copy-ring stages; default: rq_core.kernels.launch' settings)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     info = {"device": str(mx.default_device()), "backend": K.backend(), "layers": a.layers, "chain": a.chain,

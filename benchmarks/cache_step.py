@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 
-from rq_core.kv_cache import DEFAULT_FP16_WINDOW, FP16Cache, KVSettings, make_kv_cache  # noqa: E402
+from rq_core.cache.kv_cache import DEFAULT_FP16_WINDOW, FP16Cache, KVSettings, make_kv_cache  # noqa: E402
 
 HQ, HKV, D = 32, 4, 128
 

@@ -53,10 +53,10 @@ def main() -> None:
                     help="run one comparison (the other's rows are left out of the JSON and table)")
     a = ap.parse_args()
 
-    from rq_core import recipe
+    from rq_core.quant import recipe
     from rq_core.checkpoint import load, resolve_model_path
-    from rq_core.eval import load_heldout_text
-    from rq_core.quantize import quantize
+    from rq_core.tools.eval import load_heldout_text
+    from rq_core.quant.quantize import quantize
 
     src = resolve_model_path(a.model)
     calib = a.calib

@@ -11,7 +11,7 @@ both load), so the two models hold one copy of the weights (`shared_weights` say
 added). Then, in one process, interleaved, the order rotating each repetition, for every context (2K, 32K, 128K that
 fit the config's max_position_embeddings): rq with fp16 KV, rq with IsoQuant-3 KV (as `rq run` makes it: fp16
 window 32, 4-bit edge layers) and mlx-lm (its fp16 KVCache / RotatingKVCache) each get a fresh cache filled to the
-context with random K/V through the cache's own append (rq: rq_core.profile.fill_caches; mlx-lm: update_and_fetch),
+context with random K/V through the cache's own append (rq: rq_core.tools.profile.fill_caches; mlx-lm: update_and_fetch),
 then --tokens greedy tokens through the runner's own loop (rq_core.generate.generate; mlx_lm.generate.generate_step).
 tok/s counts the tokens after the first over the time from the first to the last (both loops are timed alike).
 Before timing, the two models' logits on a short prompt are compared (max abs difference).
@@ -150,13 +150,13 @@ def mlx_cell(model, context: int, tokens: int, seed: int = 0) -> dict:
 
 
 def rq_cell(model, kv, context: int, tokens: int, seed: int = 0) -> dict:
-    from rq_core.bench import decode_cell
+    from rq_core.tools.bench import decode_cell
 
     return decode_cell(model, kv, context, tokens, seed=seed)
 
 
 def build_rows(runs: dict, contexts: list[int], cfg: dict, label: str) -> list[dict]:
-    from rq_core.bench import spread
+    from rq_core.tools.bench import spread
 
     rows = []
     for c in contexts:
@@ -178,9 +178,9 @@ def build_rows(runs: dict, contexts: list[int], cfg: dict, label: str) -> list[d
 
 
 def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_partial=None) -> dict:
-    from rq_core.bench import kv_settings
+    from rq_core.tools.bench import kv_settings
     from rq_core.checkpoint import text_config
-    from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW
+    from rq_core.cache.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW
 
     if a.layers is not None:
         cfg = synth.truncate(cfg, a.layers)

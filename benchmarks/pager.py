@@ -86,8 +86,8 @@ def verify_cost(a: argparse.Namespace) -> None:
     from rq_core.checkpoint import load, load_config
     from rq_core.errors import RQError
     from rq_core.generate import generate
-    from rq_core.pack import INDEX, find_pages, pack
-    from rq_core.pager import ExpertPager
+    from rq_core.paging.pack import INDEX, find_pages, pack
+    from rq_core.paging.pager import ExpertPager
 
     t0 = time.perf_counter()
     if a.synthetic:
@@ -171,8 +171,8 @@ def _checkpoint(a: argparse.Namespace) -> Path:
     """--synthetic DIR (written when missing) or --ckpt DIR, packed (again when its pages are stale)."""
     from rq_core.checkpoint import load, load_config
     from rq_core.errors import RQError
-    from rq_core.pack import INDEX, find_pages, pack
-    from rq_core.pager import ExpertPager
+    from rq_core.paging.pack import INDEX, find_pages, pack
+    from rq_core.paging.pager import ExpertPager
 
     if a.synthetic:
         ck = Path(a.synthetic)
@@ -202,8 +202,8 @@ def pager_cost(a: argparse.Namespace) -> None:
     all-resident ones."""
     from rq_core.checkpoint import load, load_config
     from rq_core.generate import generate
-    from rq_core.pack import expert_banks, load_index
-    from rq_core.pager import READ_THREADS, ExpertPager, slots_for_budget
+    from rq_core.paging.pack import expert_banks, load_index
+    from rq_core.paging.pager import READ_THREADS, ExpertPager, slots_for_budget
 
     t0 = time.perf_counter()
     ck = _checkpoint(a)
@@ -315,12 +315,12 @@ def main() -> None:
         return
     a.layers = 8 if a.layers is None else a.layers
 
-    from rq_core import recipe
+    from rq_core.quant import recipe
     from rq_core.checkpoint import load
     from rq_core.generate import generate
-    from rq_core.pack import pack
-    from rq_core.pager import ExpertPager
-    from rq_core.quantize import quantize
+    from rq_core.paging.pack import pack
+    from rq_core.paging.pager import ExpertPager
+    from rq_core.quant.quantize import quantize
 
     tmp = Path(tempfile.mkdtemp(prefix="rq-pager-"))
     try:

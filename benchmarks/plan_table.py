@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from rq_core import recipe  # noqa: E402
-from rq_core.planner import plan  # noqa: E402
+from rq_core.quant import recipe  # noqa: E402
+from rq_core.paging.planner import plan  # noqa: E402
 
 CASES = [  # (config, recipe, paper's measured peak GB)
     ("qwen3-30b-a3b.json", "qwen3-16gb", 6.8),

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 
 from rq_core.generate import generate  # noqa: E402
-from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
+from rq_core.cache.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
 
 
 def table(rows: list[dict], layers: int) -> str:
@@ -46,7 +46,7 @@ def main() -> int:
     a = ap.parse_args()
     import profile_gpu
 
-    from rq_core.kv_cache import IsoQuantCache
+    from rq_core.cache.kv_cache import IsoQuantCache
 
     model, cfg = profile_gpu.build(a.layers)
     rows = []

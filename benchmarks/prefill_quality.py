@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from rq_core.eval import encode_ids, load_eval_model, load_heldout_text, window_logprobs, windows  # noqa: E402
-from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
+from rq_core.tools.eval import encode_ids, load_eval_model, load_heldout_text, window_logprobs, windows  # noqa: E402
+from rq_core.cache.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
 
 
 def table(out: dict) -> str:

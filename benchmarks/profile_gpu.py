@@ -29,9 +29,9 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from rq_core.checkpoint import build_model  # noqa: E402
-from rq_core.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
+from rq_core.cache.kv_cache import DEFAULT_FP16_WINDOW, KVSettings  # noqa: E402
 from rq_core.models.base import SwitchLinear  # noqa: E402
-from rq_core.profile import STAGES, backend, profile_model  # noqa: E402
+from rq_core.tools.profile import STAGES, backend, profile_model  # noqa: E402
 
 import _readme as results  # noqa: E402
 

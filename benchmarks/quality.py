@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._readme import RESULTS, save  # noqa: E402
-from rq_core import eval as ev  # noqa: E402
-from rq_core.kv_cache import DEFAULT_EDGE_LAYERS  # noqa: E402
+from rq_core.tools import eval as ev  # noqa: E402
+from rq_core.cache.kv_cache import DEFAULT_EDGE_LAYERS  # noqa: E402
 
 MODES = [("fp16", None), ("turbo3", None), ("isoquant3", "so3"), ("isoquant3", "so4"), ("isoquant3", "wht"),
          ("isoquant3", "wht_so4")]
@@ -125,7 +125,7 @@ def main() -> None:
     settings += [ev.kv_settings(m, r, fp16_window=n, pair_points=(), edge_layers=edges) for n in args.window_row
                  for m, r in (("turbo3", None), ("isoquant3", "wht_so4"))]
     if args.pair_row != "off":
-        from rq_core.codebook import check_pair_points
+        from rq_core.codec.codebook import check_pair_points
 
         pp = check_pair_points(args.pair_row.split(","))
         if args.pair_ablation:

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 CHILD = r"""
 import json, resource, sys
 import mlx.core as mx
-from rq_core import recipe
-from rq_core.quantize import quantize
+from rq_core.quant import recipe
+from rq_core.quant.quantize import quantize
 rec = recipe.load("qwen3-16gb")
 for r in rec.roles.values():
     r.method = "rtn"

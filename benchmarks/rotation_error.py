@@ -26,10 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from rq_core.attention import packed_attention, reference_attention
-from rq_core.codebook import sphere_codebook
-from rq_core.kv_cache import dequantize_kv, quantize_kv
-from rq_core.rotation import VARIANTS, Rotation
+from rq_core.attention.reference import packed_attention, reference_attention
+from rq_core.codec.codebook import sphere_codebook
+from rq_core.cache.kv_cache import dequantize_kv, quantize_kv
+from rq_core.codec.rotation import VARIANTS, Rotation
 
 
 def make_keys(rng, H, T, d, n_outliers, lo, hi, biased):

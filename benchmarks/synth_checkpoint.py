@@ -4,8 +4,8 @@
     python3 benchmarks/synth_checkpoint.py tests/data/configs/nemotron3-nano-30b-a3b.json --recipe nemotron-32gb \
         -o /tmp/nano --layers 4
 
-Each tensor gets the bits and group size `rq quantize` would give it (rq_core.roles / rq_core.recipe, through
-rq_core.quantize's own per-tensor decision and output names); packed codes (uint32), scales and biases are drawn at
+Each tensor gets the bits and group size `rq quantize` would give it (rq_core.quant.roles / rq_core.quant.recipe, through
+rq_core.quant.quantize's own per-tensor decision and output names); packed codes (uint32), scales and biases are drawn at
 the quantized shapes directly, so peak memory is one decoder layer's quantized tensors. The output is rq quantize's
 format: one shard a decoder layer (and one for embeddings, final norm and head) named and indexed as rq quantize
 names them, config.json with mlx-lm's `quantization` entries, the resolved recipe.toml, and a tokenizer.
@@ -97,11 +97,11 @@ def truncate(cfg: dict, layers: int) -> dict:
 
 
 class _Spec:
-    """rq quantize's per-tensor decision (rq_core.quantize._Job.spec_for / out_name / validate) on a config
+    """rq quantize's per-tensor decision (rq_core.quant.quantize._Job.spec_for / out_name / validate) on a config
     alone: a _Job without a source checkpoint."""
 
     def __init__(self, config: dict, rec) -> None:
-        from rq_core.quantize import QuantizeResult, _Job, model_skeleton, quantizable_modules
+        from rq_core.quant.quantize import QuantizeResult, _Job, model_skeleton, quantizable_modules
 
         job = object.__new__(_Job)
         job.config, job.recipe, job.progress = config, rec, (lambda *a: None)
@@ -169,10 +169,10 @@ def write(config: dict, recipe_name: str, out: str | Path, *, seed: int = 0, tok
           progress: Optional[Callable[[str, int, int], None]] = None) -> dict:
     """Write the checkpoint into `out` (a temp folder renamed onto it; an existing `out` is replaced). Returns a
     summary: bytes, tensors, shards, seconds."""
-    from rq_core import recipe as recipe_mod
+    from rq_core.quant import recipe as recipe_mod
     from rq_core.checkpoint import DEFAULT_MODEL
-    from rq_core.quantize import _ShardWriter, _write_metadata
-    from rq_core.roles import EMBEDDINGS
+    from rq_core.quant.quantize import _ShardWriter, _write_metadata
+    from rq_core.quant.roles import EMBEDDINGS
 
     t0 = time.perf_counter()
     rec = recipe_mod.load(recipe_name)

@@ -42,19 +42,19 @@ def bench(
                            help="KV cache modes, comma-separated: fp16, isoquant3, turbo3 (each with the checkpoint's "
                                 "recipe.toml kv settings, else rq run's defaults)."),
     kv_config: KvConfig = None,
-    tokens: int = typer.Option(128, "--tokens", "-n", metavar="N", help="Greedy tokens decoded per measurement."),
+    tokens: int = typer.Option(128, "--tokens", "-n", metavar="N", help="Greedy tokens decoded in each timed run."),
     repeats: int = typer.Option(3, "--repeats", metavar="N", help="Interleaved repetitions of every (context, KV) cell."),
     prefill_tokens: int = typer.Option(512, "--prefill-tokens", metavar="N",
-                                       help="Real prefill measured on this many random tokens (0 = skip)."),
+                                       help="Random prompt tokens prefilled to time prefill (0 = skip)."),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the synthetic context and prompt."),
     json_out: Json = False,
 ) -> None:
     """Decode speed, prefill speed, peak memory and KV bytes per context and KV mode, in one process, interleaved."""
     import mlx.core as mx
 
-    from rq_core.bench import bench as run_bench, check_contexts
+    from rq_core.tools.bench import bench as run_bench, check_contexts
     from rq_core.checkpoint import context_length, load, load_config, resolve_model_path
-    from rq_core.profile import backend
+    from rq_core.tools.profile import backend
 
     contexts = parse_contexts(context)
     modes = [m.strip() for m in parse_list(kv, str, "--kv")]

@@ -17,7 +17,7 @@ def _samples(path: Path, tensor: Optional[str], dim: Optional[int], rotation: st
     import mlx.core as mx
     import numpy as np
 
-    from rq_core.rotation import Rotation, check_dim
+    from rq_core.codec.rotation import Rotation, check_dim
 
     if not path.is_file():
         raise RQError(f"samples file not found: {path}")
@@ -60,8 +60,8 @@ def calibrate_codebook(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Compute a Lloyd-Max codebook; levels are in units where a rotated coordinate has unit variance."""
-    from rq_core.codebook import check_bits, fit_codebook, gaussian_codebook, sphere_codebook
-    from rq_core.rotation import check_dim, check_variant
+    from rq_core.codec.codebook import check_bits, fit_codebook, gaussian_codebook, sphere_codebook
+    from rq_core.codec.rotation import check_dim, check_variant
 
     check_bits(bits)
     if dim is not None:

@@ -221,9 +221,9 @@ def _default(o: Any) -> Any:
 
 
 def gpu_first_run_note() -> None:
-    """On stderr: a note when this looks like the first GPU run on the machine (rq_core.kernel_cache.first_run_note),
+    """On stderr: a note when this looks like the first GPU run on the machine (rq_core.kernels.cache.first_run_note),
     so minutes of MLX compiling its kernels do not read as a hang."""
-    from rq_core.kernel_cache import first_run_note
+    from rq_core.kernels.cache import first_run_note
 
     note = first_run_note()
     if note:
@@ -250,7 +250,7 @@ class RQCommand(typer.core.TyperCommand):
         return rv
 
 
-# rq_core.recipe.KV_KEYS less mode (that is --kv), spelled out so that --help does not import MLX (a test keeps
+# rq_core.quant.recipe.KV_KEYS less mode (that is --kv), spelled out so that --help does not import MLX (a test keeps
 # them equal)
 KV_CONFIG_KEYS = ("bits", "rotation", "codebook", "fp16_window", "prefill_fp16", "norm_correction", "value_gain",
                   "seed", "key_bits", "pair_points", "edge_layers", "edge_bits")
@@ -308,7 +308,7 @@ def model_arg(positional: Optional[str], option: Optional[str], required: bool =
 def recipe_of(path: Path) -> Any:
     """The checkpoint's recipe.toml (written by `rq quantize`), or None."""
     if (Path(path) / "recipe.toml").is_file():
-        from rq_core import recipe
+        from rq_core.quant import recipe
 
         return recipe.load(Path(path) / "recipe.toml")
     return None
@@ -322,8 +322,8 @@ def check_kv_flags(kv: Optional[str], kv_config: Optional[list[str]]) -> None:
 def kv_settings(rec: Any, kv: Optional[str], kv_config: Optional[list[str]], default_mode: str = "fp16") -> Any:
     """The KV cache settings every command builds: the recipe's [kv] (else the defaults `rq run` uses, in
     `default_mode`), then --kv, then each --kv-config KEY=VALUE, checked as a recipe is."""
-    from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KV_MODES, KVSettings
-    from rq_core.recipe import apply_kv_config
+    from rq_core.cache.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KV_MODES, KVSettings
+    from rq_core.quant.recipe import apply_kv_config
 
     if kv is not None and kv not in KV_MODES:
         raise RQError(f"unknown --kv {kv!r} (choose from: {', '.join(KV_MODES)})")
@@ -338,7 +338,7 @@ def memory_budget_of(rec: Any, path: Path, memory_budget: Optional[str], pages: 
     """--memory-budget, else the recipe's pager.memory_budget when the checkpoint is packed for paging, else None
     (everything resident)."""
     if memory_budget is None and rec is not None and rec.pager.memory_budget:
-        from rq_core.pack import INDEX, find_pages
+        from rq_core.paging.pack import INDEX, find_pages
 
         if (find_pages(path, pages) / INDEX).is_file():
             return rec.pager.memory_budget

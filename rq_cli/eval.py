@@ -15,7 +15,7 @@ app = typer.Typer(no_args_is_help=True, cls=RQGroup)
 
 
 def _ids(em, text: Optional[str]):
-    from rq_core.eval import encode_ids, load_heldout_text
+    from rq_core.tools.eval import encode_ids, load_heldout_text
 
     return encode_ids(em.tokenizer, load_heldout_text(text))
 
@@ -40,7 +40,7 @@ def ppl(
 ) -> None:
     """Perplexity over held-out text: each window's first half is prefilled, the second half is scored
     as decode reads the (compressed) cache."""
-    from rq_core.eval import check_context, load_eval_model, perplexity
+    from rq_core.tools.eval import check_context, load_eval_model, perplexity
 
     model = model_arg(model, model_opt)
     check_kv_flags(kv, kv_config)
@@ -77,7 +77,7 @@ def niah_cmd(
     json_out: Json = False,
 ) -> None:
     """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end."""
-    from rq_core.eval import load_eval_model, needle_token_pieces, niah
+    from rq_core.tools.eval import load_eval_model, needle_token_pieces, niah
 
     model = model_arg(model, model_opt)
     Ls = parse_list(lengths, int, "--lengths")
@@ -129,7 +129,7 @@ def gates_cmd(
     json_out: Json = False,
 ) -> None:
     """Twelve quality gates of a KV mode against fp16; exits 1 if any gate fails."""
-    from rq_core.eval import GateRunner, load_eval_model, load_gates
+    from rq_core.tools.eval import GateRunner, load_eval_model, load_gates
 
     model = model_arg(model, model_opt)
     check_kv_flags(kv, kv_config)

@@ -24,8 +24,8 @@ def pack(
 ) -> None:
     """Lay out each routed expert contiguously (aligned) in CKPT/experts/ (or --out DIR) for the pager; with
     --move, the checkpoint then holds its routed experts only there (once on disk)."""
-    from rq_core.pack import pack as run_pack
-    from rq_core.planner import fmt_bytes
+    from rq_core.paging.pack import pack as run_pack
+    from rq_core.paging.planner import fmt_bytes
 
     ckpt = model_arg(ckpt, model_opt)
     with progress_bar(disable=json_out) as progress:

@@ -69,7 +69,7 @@ def profile(
 ) -> None:
     """Time one decode step per context: the five attention kernels, and KV attention vs experts, SSM, rest."""
     from rq_core.checkpoint import load, resolve_model_path, text_config
-    from rq_core.profile import profile_model
+    from rq_core.tools.profile import profile_model
 
     model = model_arg(model, model_opt)
     contexts = parse_contexts(context)

@@ -25,14 +25,14 @@ def quantize(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Quantize a checkpoint by role with a TOML recipe."""
-    from rq_core import recipe as rq_recipe
+    from rq_core.quant import recipe as rq_recipe
     from rq_core.checkpoint import load_config, resolve_model_path
 
     model = model_arg(model, model_opt, required=True)
 
     rec = rq_recipe.load(recipe)
     if plan:
-        from rq_core.planner import plan as make_plan, render
+        from rq_core.paging.planner import plan as make_plan, render
 
         from pathlib import Path
 
@@ -45,7 +45,7 @@ def quantize(
             console.print(render(p))
         return
     if out is None and analyze:  # analysis only
-        from rq_core.quantize import analyze as run_analyze
+        from rq_core.quant.quantize import analyze as run_analyze
 
         a = run_analyze(model, rec, calib=calib)
         if json_out:
@@ -57,7 +57,7 @@ def quantize(
     if out is None:
         raise RQError("missing -o/--out OUT (the output directory)")
 
-    from rq_core.quantize import quantize as run_quantize
+    from rq_core.quant.quantize import quantize as run_quantize
 
     with progress_bar(disable=json_out, elapsed=True) as progress:
         res = run_quantize(model, rec, out, calib=calib, analyze_roles=analyze,
@@ -65,7 +65,7 @@ def quantize(
     if json_out:
         print_json({"quantize": res.as_dict(), "recipe": rec.name})
         return
-    from rq_core.planner import fmt_bytes
+    from rq_core.paging.planner import fmt_bytes
 
     if res.kurtosis:
         for role, k in sorted(res.kurtosis.items()):

@@ -92,7 +92,7 @@ def run(
     if pages is not None and memory_budget is None and not plan_only:
         raise RQError("--pages needs --memory-budget (or a recipe's [pager] memory_budget)")
     pager_obj = None
-    if memory_budget is not None or plan_only:  # expert pager (rq_core.pager); --plan: print and exit
+    if memory_budget is not None or plan_only:  # expert pager (rq_core.paging.pager); --plan: print and exit
         from rq_cli.run_pager import attach_pager
 
         pager_obj = attach_pager(ckpt, memory_budget, pager, plan_only, json_out,

@@ -14,10 +14,10 @@ def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only
     """Plan slots for the budget and attach an ExpertPager to ckpt.model; with --plan print the plan
     and return None. No weights are read here (the model is lazy). `pages`: the pack folder (`--pages`,
 default CKPT/experts)."""
-    from rq_core.pack import INDEX, expert_banks, find_pages, load_index
-    from rq_core.pager import ExpertPager, check_policy, slots_for_budget
-    from rq_core.planner import fmt_bytes
-    from rq_core.recipe import parse_size
+    from rq_core.paging.pack import INDEX, expert_banks, find_pages, load_index
+    from rq_core.paging.pager import ExpertPager, check_policy, slots_for_budget
+    from rq_core.paging.planner import fmt_bytes
+    from rq_core.quant.recipe import parse_size
 
     check_policy(policy, "--pager")
     if memory_budget is None:

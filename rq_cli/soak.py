@@ -87,7 +87,7 @@ def soak(
 ) -> None:
     """Generate continuously from varied prompts; exit 1 when memory grows, speed drifts or a check fails."""
     from rq_core.checkpoint import load, resolve_model_path
-    from rq_core.soak import Soak, SoakSettings, Thresholds, default_interval
+    from rq_core.tools.soak import Soak, SoakSettings, Thresholds, default_interval
 
     model = model_arg(model, model_opt)
     given = [x for x in (hours, minutes, seconds) if x is not None]

@@ -10,7 +10,7 @@ import os
 import sys
 
 # Run as a script, this folder (rq_core/) comes first on sys.path: its modules must not shadow the stdlib's
-# or jinja2's imports (rq_core/profile.py would hide the stdlib's profile).
+# or jinja2's imports (rq_core/tools/profile.py would hide the stdlib's profile).
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 

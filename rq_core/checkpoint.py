@@ -224,7 +224,7 @@ def load_weights(path: Path) -> dict[str, mx.array]:
             weights.update(mx.load(str(f)))
         except Exception as e:  # mx.load raises plain exceptions for malformed files
             raise RQError(f"cannot read {f}: {_first_line(e)}")
-    from rq_core.pack import moved_placeholders  # banks `rq pack --move` left only in the pages
+    from rq_core.paging.pack import moved_placeholders  # banks `rq pack --move` left only in the pages
 
     weights.moved, weights.path = moved_placeholders(path, weights), Path(path)
     return weights
@@ -341,7 +341,7 @@ def build_model(config: dict, weights: Optional[dict[str, mx.array]] = None) -> 
     except ValueError as e:
         raise RQError(f"checkpoint does not match its config ({model_type}): {_first_line(e)[:300]}")
     if moved:
-        from rq_core.pack import serve_moved_banks
+        from rq_core.paging.pack import serve_moved_banks
 
         serve_moved_banks(model, src, moved)
     return model

@@ -17,7 +17,7 @@ safetensors with HF names, sharded below --shard-mb, tokenizer.json, tokenizer_c
 generation_config.json) and train_log.json / train_log.md (seed, arguments, steps, loss curve,
 held-out perplexity next to the unigram baseline's, needle accuracy). A share of the training
 sequences carry a synthetic needle (a secret number, asked for later in the same sequence:
-`rq_core.eval.needle_token_pieces`) so that the model can learn to retrieve from its context,
+`rq_core.tools.eval.needle_token_pieces`) so that the model can learn to retrieve from its context,
 which `rq eval niah` measures.
 """
 
@@ -111,7 +111,7 @@ def unigram_ppl(train_ids: np.ndarray, eval_ids: np.ndarray, vocab: int) -> floa
 
 
 def cmd_tokenize(args: argparse.Namespace) -> None:
-    from rq_core.eval import load_heldout_text
+    from rq_core.tools.eval import load_heldout_text
 
     data = args.data
     tok = train_tokenizer(data / "train.txt", args.vocab)
@@ -176,7 +176,7 @@ def needle_check(model, held_ids: np.ndarray, pieces: dict, T: int, rng: np.rand
                  n: int = 32) -> float:
     """Share of needles (random depth, haystack of held-out text, T tokens) whose digits the model
     predicts exactly (argmax, teacher-forced: the same as greedy for an exact match). The prompt is
-    `rq_core.eval.needle_trials`'s format: haystack with the needle, then question + answer at the end."""
+    `rq_core.tools.eval.needle_trials`'s format: haystack with the needle, then question + answer at the end."""
     import mlx.core as mx
 
     rows = np.stack([held_ids[s : s + T] for s in rng.integers(0, held_ids.size - T, size=n)]).astype(np.int32)
@@ -219,7 +219,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     import mlx.optimizers as optim
     from mlx.utils import tree_flatten, tree_map
 
-    from rq_core.eval import needle_token_pieces
+    from rq_core.tools.eval import needle_token_pieces
     from rq_core.models import qwen2_moe
 
     data, out = args.data, args.out

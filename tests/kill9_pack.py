@@ -47,7 +47,7 @@ def point(fn):
         return r
     return wrapped
 os.replace, os.fsync, shutil.rmtree = point(os.replace), point(os.fsync), point(shutil.rmtree)
-from rq_core.pack import pack
+from rq_core.paging.pack import pack
 pack(sys.argv[1], move=len(sys.argv) > 3)
 print(" ".join(seen))
 """
@@ -64,7 +64,7 @@ def _temps(ck: Path) -> list[str]:
 def _paged_tokens(ck: Path) -> list[int]:
     from rq_core.checkpoint import load
     from rq_core.generate import generate
-    from rq_core.pager import ExpertPager
+    from rq_core.paging.pager import ExpertPager
 
     model = load(ck, tokenizer=False, cpu_float32=True).model  # float32: MLX's CPU kernels are faster
     pager = ExpertPager(model, ck, slots=SLOTS)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from rq_core.checkpoint import DEFAULT_MODEL, load
     from rq_core.errors import RQError
     from rq_core.generate import generate
-    from rq_core.pack import pack
+    from rq_core.paging.pack import pack
 
     rng = random.Random(a.seed)
     tmp = Path(tempfile.mkdtemp(prefix="rq-kill9-"))
@@ -178,7 +178,7 @@ def _leftovers(ck: Path) -> list[str]:
 
 def main_move(a: argparse.Namespace) -> int:
     from rq_core.checkpoint import DEFAULT_MODEL
-    from rq_core.pack import moved_experts, pack
+    from rq_core.paging.pack import moved_experts, pack
 
     rng = random.Random(a.seed)
     tmp = Path(tempfile.mkdtemp(prefix="rq-kill9-move-"))

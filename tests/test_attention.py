@@ -6,12 +6,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from rq_core import attention
-from rq_core.attention import (dense_attention, dequantized_attention, merge, packed_attention,
+from rq_core.attention import reference as attention
+from rq_core.attention.reference import (dense_attention, dequantized_attention, merge, packed_attention,
                                reference_attention)
-from rq_core.codebook import sphere_codebook
-from rq_core.kv_cache import quantize_kv
-from rq_core.rotation import Rotation
+from rq_core.codec.codebook import sphere_codebook
+from rq_core.cache.kv_cache import quantize_kv
+from rq_core.codec.rotation import Rotation
 
 
 def _packed(B, Hkv, T, d, bits, T_cap=None, seed=0):

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from _tiny_models import make_tiny
 from rq_cli.common import handle_errors
 from rq_cli.main import app
-from rq_core import recipe
+from rq_core.quant import recipe
 from rq_core.errors import RQError
 
 try:
@@ -33,8 +33,8 @@ RECIPE = Path(__file__).parent / "data" / "tiny-rtn.toml"
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """A tiny full-precision qwen3_moe checkpoint and its quantized + packed copy."""
-    from rq_core.pack import pack
-    from rq_core.quantize import quantize
+    from rq_core.paging.pack import pack
+    from rq_core.quant.quantize import quantize
 
     root = tmp_path_factory.mktemp("bad")
     src = make_tiny("qwen3_moe", root / "src")
@@ -155,7 +155,7 @@ def test_json_stdout_is_one_object(ckpts, tmp_path):
 
 # ------------------------------------------------------------------------------- interrupted writers
 def test_interrupted_pack_keeps_the_old_pages(ckpts, tmp_path):
-    from rq_core.pack import load_index, pack
+    from rq_core.paging.pack import load_index, pack
 
     _, q = ckpts
     ck = tmp_path / "q"
@@ -178,7 +178,7 @@ def test_interrupted_pack_keeps_the_old_pages(ckpts, tmp_path):
 
 _KILL = """
 import os, signal, sys
-from rq_core import recipe
+from rq_core.quant import recipe
 from rq_core.{mod} import {fn}
 def progress(stage, done, total):
     if done == 1:
@@ -194,14 +194,14 @@ def test_killed_writer_leaves_nothing_that_loads(ckpts, tmp_path, what):
     src, q = ckpts
     if what == "quantize":
         out = tmp_path / "q"
-        code = _KILL.format(mod="quantize", fn="quantize",
+        code = _KILL.format(mod="quant.quantize", fn="quantize",
                             call=f"quantize({str(src)!r}, recipe.load({str(RECIPE)!r}), {str(out)!r}, progress=progress)")
     else:
         ck = tmp_path / "ck"
         shutil.copytree(q, ck)
         shutil.rmtree(ck / "experts")
         out = ck / "experts"
-        code = _KILL.format(mod="pack", fn="pack", call=f"pack({str(ck)!r}, progress=progress)")
+        code = _KILL.format(mod="paging.pack", fn="pack", call=f"pack({str(ck)!r}, progress=progress)")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr
@@ -215,8 +215,8 @@ def test_killed_writer_leaves_nothing_that_loads(ckpts, tmp_path, what):
 
 # ------------------------------------------------------------------------------------------ packaging
 def test_wheel_package_list_covers_the_tree_and_runtime_data():
-    from rq_core import kernels
-    from rq_core.recipe import RECIPES_DIR
+    from rq_core.kernels import launch as kernels
+    from rq_core.quant.recipe import RECIPES_DIR
 
     st = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(st["packages"])

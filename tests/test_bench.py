@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from rq_cli.common import parse_contexts
 from rq_cli.main import app
-from rq_core.bench import check_contexts, spread
+from rq_core.tools.bench import check_contexts, spread
 from rq_core.errors import RQError
 
 

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rq_cli.main import app
-from rq_core.codebook import Codebook, get_codebook
+from rq_core.codec.codebook import Codebook, get_codebook
 
 runner = CliRunner()
 

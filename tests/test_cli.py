@@ -91,7 +91,7 @@ def test_error_lines_keep_brackets() -> None:
 
 def test_kv_config_help_names_every_recipe_key() -> None:
     from rq_cli.common import KV_CONFIG_KEYS
-    from rq_core.recipe import KV_KEYS
+    from rq_core.quant.recipe import KV_KEYS
 
     assert set(KV_CONFIG_KEYS) == set(KV_KEYS) - {"mode"}
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rq_core.codebook import Codebook, fit_codebook, gaussian_codebook, get_codebook, sphere_codebook
+from rq_core.codec.codebook import Codebook, fit_codebook, gaussian_codebook, get_codebook, sphere_codebook
 from rq_core.errors import RQError
 
 GAUSS3 = [0.2451, 0.7560, 1.3439, 2.1519]
@@ -80,7 +80,7 @@ def test_bad_inputs(tmp_path):
 def test_pair_codebooks_shipped_equal_their_fit():
     """assets/pair_codebooks.json holds exactly what `_pair_lloyd` fits (float32), for every head dim it covers;
     checked here on the cheapest entry and on an entry computed on the fly (head dim 32 is not shipped)."""
-    from rq_core.codebook import PAIR_POINTS, _pair_lloyd, check_pair_points, pair_codebook
+    from rq_core.codec.codebook import PAIR_POINTS, _pair_lloyd, check_pair_points, pair_codebook
 
     pair_codebook.cache_clear()
     shipped = pair_codebook(16, 64, "keys")
@@ -99,7 +99,7 @@ def test_reconstruction_gain_is_one_over_one_minus_distortion():
     """A Lloyd codebook shrinks its reconstructions by its distortion D: the gain E|z|^2 / E<ẑ, z> is 1 / (1 - D),
     checked against the scalar codebook's own mse (computed on a grid, not sampled); the 32-point value pair codebook
     (2.5 bits a coordinate) shrinks more than the 128-point key one."""
-    from rq_core.codebook import pair_codebook, reconstruction_gain
+    from rq_core.codec.codebook import pair_codebook, reconstruction_gain
 
     cb = sphere_codebook(3, 128)
     assert reconstruction_gain(cb.levels, 128) == pytest.approx(1 / (1 - cb.mse), abs=2e-3)

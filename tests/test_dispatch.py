@@ -1,5 +1,5 @@
-"""rq_core.dispatch: which path a compressed cache's attention takes, from the shapes and the settings read once
-(rq_core.env); the reference path never calls a GPU kernel; caches list their arrays in `state`."""
+"""rq_core.attention.dispatch: which path a compressed cache's attention takes, from the shapes and the settings read once
+(rq_core.kernels.config); the reference path never calls a GPU kernel; caches list their arrays in `state`."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from kernel_emu import configure
 
-import rq_core.kernels as K
-from rq_core import env
+import rq_core.kernels.launch as K
+from rq_core.kernels import config as env
 from rq_core.errors import RQError
-from rq_core.kv_cache import FP16Cache, IsoQuantCache
+from rq_core.cache.kv_cache import FP16Cache, IsoQuantCache
 
 B, HKV, G, D = 1, 2, 4, 128
 SCALE = D ** -0.5

@@ -12,9 +12,9 @@ from mlx.utils import tree_map
 from typer.testing import CliRunner
 
 from rq_cli.main import app
-from rq_core import eval as ev
+from rq_core.tools import eval as ev
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings
+from rq_core.cache.kv_cache import KVSettings
 from rq_core.models import qwen2_moe
 
 runner = CliRunner()

@@ -1,8 +1,8 @@
-"""rq_core.eval's metrics against independent float64 numpy computations on constructed distributions.
+"""rq_core.tools.eval's metrics against independent float64 numpy computations on constructed distributions.
 
 The models here are stubs whose logits are fixed tables, so every expected number (KL(fp16 ‖ mode) and its
 direction, perplexity, top-1 agreement, p99 KL, needle accuracy, McNemar's p, repeated 4-grams, each gate's
-verdict) is computed in the test from the tables alone, without rq_core.eval's arithmetic.
+verdict) is computed in the test from the tables alone, without rq_core.tools.eval's arithmetic.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from rq_core import eval as ev
-from rq_core.kv_cache import KVSettings
+from rq_core.tools import eval as ev
+from rq_core.cache.kv_cache import KVSettings
 
 # Float32 (mlx) against float64 (numpy) on these tables: `PYTHONPATH=. python3 tests/test_eval_metrics.py` prints
 # the relative error of each value checked with REL; the largest measured was 8.8e-7 (rel_delta_ppl), at most

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from kernel_emu import configure
 
-import rq_core.kernels as K
+import rq_core.kernels.launch as K
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -90,7 +90,7 @@ def test_attention_cases_run_through_the_executor(cs, monkeypatch):
 def test_cache_check_runs_and_can_fail(monkeypatch):
     """gpu_check's cache path on the reference path (no GPU here): decode steps and a prompt compressed while
     prefilled agree with its float64 reference; a cache whose attention is wrong fails it."""
-    from rq_core import dispatch
+    from rq_core.attention import dispatch
 
     rng = np.random.default_rng(5)
     kw = dict(hq=8, hkv=2, d=64, steps=2)

@@ -1,4 +1,4 @@
-"""rq_core.kernel_cache off the GPU: MLX's module naming, the verbose print's parsing, the capture of
+"""rq_core.kernels.cache off the GPU: MLX's module naming, the verbose print's parsing, the capture of
 file descriptor 1, the cache layout MLX reads, atomic writes, and the launch hook's once-per-class rule.
 (The NVRTC compile itself needs a GPU machine: benchmarks/diag/kernel_cache_check.py.)"""
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from rq_core import kernel_cache as kc
+from rq_core.kernels import cache as kc
 
 # libstdc++'s std::hash<std::string>, printed by a C++ program (g++ 13, x86-64)
 HASHES = {"": 0x553E93901E462A6E, "custom_kernel_rq_attn_v5": 0x70EAFA31AED752B1,
@@ -109,7 +109,7 @@ def test_launch_caches_once_per_class_and_survives_failures(monkeypatch, tmp_pat
 
 def test_first_run_note(tmp_path, monkeypatch):
     """The first GPU run on a machine (MLX's PTX cache empty) gets a one-line note; later runs and CPU runs none."""
-    import rq_core.kernels as K
+    import rq_core.kernels.launch as K
 
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     monkeypatch.setattr(K, "backend", lambda: None)

@@ -10,7 +10,7 @@ import pytest
 from kernel_emu import attn_reference as KC
 from kernel_emu import emulate as EK
 
-import rq_core.kernels as K
+import rq_core.kernels.launch as K
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel emulator needs g++")
 

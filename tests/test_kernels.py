@@ -1,4 +1,4 @@
-"""CPU-side checks of the GPU kernel sources (rq_core.kernels, metal/).
+"""CPU-side checks of the GPU kernel sources (rq_core.kernels.launch, metal/).
 
 The kernels themselves run only on a GPU (tools/gpu_check.py checks them there against float64 math).
 Here: the renderer, that the Metal and CUDA renderings differ only by the prelude, a compile-level syntax
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import rq_core.kernels as K
-from rq_core import env
+import rq_core.kernels.launch as K
+from rq_core.kernels import config as env
 
 STUBS = Path(__file__).resolve().parent / "kernel_stubs"
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,12 +238,12 @@ def test_cpu_has_no_gpu_path():
 
 def test_reference_matches_project_oracle():
     """tests/kernel_emu/attn_reference.py's float64 reference (written from FORMAT.md) agrees with
-    rq_core.attention's oracle, so the GPU checks compare against the same function."""
+    rq_core.attention.reference's oracle, so the GPU checks compare against the same function."""
     import mlx.core as mx
 
     from kernel_emu import attn_reference as KC
 
-    from rq_core.attention import dequantized_attention
+    from rq_core.attention.reference import dequantized_attention
 
     rng = np.random.default_rng(0)
     c = KC.make_case(rng, B=1, Hkv=2, G=4, L=3, d=64, T=50, bits=3)
@@ -276,7 +276,7 @@ def test_counter_pool(monkeypatch):
 
 
 def test_rotation_args():
-    from rq_core.rotation import Rotation
+    from rq_core.codec.rotation import Rotation
 
     r = Rotation(64, 2, variant="wht_so4")
     rot, m = K.rotation_args(r)
@@ -497,7 +497,7 @@ def test_fused_launch_plan_follows_shapes(monkeypatch):
     a new plan, an identical call the same launch arguments as the first."""
     import mlx.core as mx
 
-    from rq_core import env
+    from rq_core.kernels import config as env
 
     calls = []
 

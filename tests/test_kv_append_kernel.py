@@ -16,10 +16,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import rq_core.kernels as K
+import rq_core.kernels.launch as K
 from kernel_emu import configure
 from rq_core.errors import RQError
-from rq_core.kv_cache import IsoQuantCache, quantize_kv
+from rq_core.cache.kv_cache import IsoQuantCache, quantize_kv
 
 ROOT = Path(__file__).resolve().parent.parent
 STUBS = Path(__file__).resolve().parent / "kernel_stubs"
@@ -150,7 +150,7 @@ def _cache(**kw):
 
 
 def test_cpu_keeps_the_ops_path(monkeypatch):
-    from rq_core import env
+    from rq_core.kernels import config as env
 
     assert env.KernelConfig.from_env({}).append == "kernel"
     assert env.KernelConfig.from_env({"RQ_APPEND": "ops"}).append == "ops"

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from rq_core.attention import reference_attention
+from rq_core.attention.reference import reference_attention
 from rq_core.errors import RQError
-from rq_core.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, TurboQuantCache, dequantize_kv,
+from rq_core.cache.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, TurboQuantCache, dequantize_kv,
                               make_kv_cache, quantize_kv)
 
 B, HQ, HKV, D = 1, 4, 2, 32
@@ -46,8 +46,8 @@ def test_isoquant_is_5x_smaller_at_d128(pair_points, k_words, v_words):
 
 
 def test_quantize_reconstruction():
-    from rq_core.codebook import sphere_codebook
-    from rq_core.rotation import Rotation
+    from rq_core.codec.codebook import sphere_codebook
+    from rq_core.codec.rotation import Rotation
 
     rot = Rotation(128, 2, seed=0)
     levels = mx.array(sphere_codebook(3, 128).levels.astype(np.float32))
@@ -209,7 +209,7 @@ def test_prefill_layers_in_flight_are_bounded(monkeypatch):
     """IsoQuantCache.prefill_inflight = n: a bounded prefill's decoded attention is queued (mx.async_eval) and the
     output n layers back waited for, so at most n are in flight; outputs equal the sync default's (n = 0, nothing
     queued), and end_prefill drains the queue. The caches of one model share one queue (with_edge_layers)."""
-    from rq_core.kv_cache import with_edge_layers
+    from rq_core.cache.kv_cache import with_edge_layers
 
     D64 = 64
     chunks = [_rand((B, HQ, 12, D64), 300 + i) for i in range(3)]
@@ -243,7 +243,7 @@ def test_value_gain_unshrinks_attention_over_many_tokens(pair_points):
     """kv.value_gain: the values' stored norms are quantize_kv's times the codebook's reconstruction gain, so
     attention spread over many tokens returns their common part at full length; without it, shrunk by the codebook's
     distortion (~6% for the 32-point value pairs, ~3.5% for 3-bit scalar levels)."""
-    from rq_core.codebook import reconstruction_gain
+    from rq_core.codec.codebook import reconstruction_gain
 
     d, T = 64, 600
     m = _rand((1, HKV, 1, d), 7) * 3.0  # a common part every value shares, plus per-token noise
@@ -270,7 +270,7 @@ def test_value_gain_unshrinks_attention_over_many_tokens(pair_points):
 def test_edge_layers_are_the_first_and_last_compressed_ones():
     """with_edge_layers: the first and last `edge_layers` compressed caches (sliding-window and other caches not
     counted) become scalar caches at edge_bits; the middle ones are the same objects as before."""
-    from rq_core.kv_cache import with_edge_layers
+    from rq_core.cache.kv_cache import with_edge_layers
     from rq_core.models.base import SlidingWindowCache
 
     kv = KVSettings(mode="isoquant3", fp16_window=4, edge_layers=1)
@@ -345,7 +345,7 @@ def test_factory_errors(kw, match):
 def test_default_codebooks_resolve_per_setting_and_head_dim():
     """isoquant3 takes the pair codebooks (128, 32) by default where they cost the scalar codes' bytes (3 bits, sphere,
     no key_bits, head dim a multiple of 64); everything else keeps scalar codebooks unless pair_points names points."""
-    from rq_core.kv_cache import DEFAULT_PAIR_POINTS
+    from rq_core.cache.kv_cache import DEFAULT_PAIR_POINTS
 
     iso = KVSettings(mode="isoquant3")
     assert iso.pairs == DEFAULT_PAIR_POINTS == (128, 32)
@@ -384,8 +384,8 @@ def test_nearest_pair_in_slabs_is_exact_and_bounded():
     """nearest_pair walks the pairs in slabs, each after the one before: the same indices as one argmin over all the
     distances, without holding every slab's distances at once (4,096 vectors x 64 pairs x 128 points: 128 MiB
     one-shot; the slabs' peak measured 41 MiB on the CPU, was 130 before they were chained)."""
-    from rq_core.codebook import pair_codebook
-    from rq_core.kv_cache import nearest_pair
+    from rq_core.codec.codebook import pair_codebook
+    from rq_core.cache.kv_cache import nearest_pair
 
     pts = mx.array(pair_codebook(128, 128, "keys"))
     z = mx.random.normal((1, 2, 2048, 128), key=mx.random.key(3))

@@ -14,10 +14,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import rq_core.kernels as K
+import rq_core.kernels.launch as K
 from kernel_emu import configure
-from rq_core.attention import dequantize_rotated
-from rq_core.kv_cache import IsoQuantCache, KVSettings, make_kv_cache
+from rq_core.attention.reference import dequantize_rotated
+from rq_core.cache.kv_cache import IsoQuantCache, KVSettings, make_kv_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 

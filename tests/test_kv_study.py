@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools.kv_study import (PairVQCache, PairVQKeysCache, pair_codebook_points, QJLKeysCache, SplitBitsCache, Setting, StudyCache, all_settings,  # noqa: E402
                                  packed_bytes, paired_stats, pairwise)
 from rq_core.errors import RQError  # noqa: E402
-from rq_core.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, dequantize_kv, make_kv_cache,  # noqa: E402
+from rq_core.cache.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, dequantize_kv, make_kv_cache,  # noqa: E402
                               quantize_kv)
 
 B, HQ, HKV, D = 1, 4, 2, 32
@@ -80,7 +80,7 @@ def test_cache_pair_points_matches_the_emulation(window):
     big = IsoQuantCache(head_dim=128, n_kv_heads=1, pair_points=(128, 32))
     assert (big.k_words, big.words) == (14, 10)
     # the stored codes decode to the nearest points: re-quantizing the dequantized keys gives the same codes
-    from rq_core.attention import decode
+    from rq_core.attention.reference import decode
 
     z = decode(c.k_codes[:, :, :T], c.k_levels, 7, D)
     assert mx.array_equal(quantize_kv(c.rotation.inverse(z / math.sqrt(D)), c.rotation, c.k_levels, 7)[0],
@@ -102,8 +102,8 @@ def test_pair_points_settings():
 def test_pair_codebooks_on_a_gpu_dispatch(monkeypatch):
     """With a GPU backend, a pair-codebook cache appends with kv_append (its pair path) and attends with attn_fused
     (PK / PV); RQ_ATTN=reference keeps the MLX-op path."""
-    from rq_core import env
-    from rq_core import kernels as K
+    from rq_core.kernels import config as env
+    from rq_core.kernels import launch as K
 
     appended, attended = [], []
     monkeypatch.setattr(K, "available", lambda: True)
@@ -253,7 +253,7 @@ def test_new_settings_build_study_caches():
 
 class _FakeModel:
     def make_cache(self, kv):
-        from rq_core.kv_cache import make_kv_cache
+        from rq_core.cache.kv_cache import make_kv_cache
         return [make_kv_cache(kv, layer=i, n_kv_heads=HKV, head_dim=D) for i in range(2)]
 
 
@@ -312,7 +312,7 @@ def test_pair_codebooks_of_any_size_move_bits_between_keys_and_values():
     """pair_codebook_points: n points a pair of rotated coordinates (log2(n) / 2 bits a coordinate), Lloyd-fitted;
     16 points (2 bits a coordinate) beat the scalar 2-bit codebook on the sphere's marginal. PairVQCache with
     (128, 32) points: keys finer than values, each below / above the 3-bit scalar error."""
-    from rq_core.codebook import get_codebook
+    from rq_core.codec.codebook import get_codebook
 
     d = 32
     rng = np.random.default_rng(3)

@@ -18,7 +18,7 @@ import pytest
 from rq_core.checkpoint import build_model, context_length, load, load_weights
 from rq_core.errors import RQError
 from rq_core.generate import generate
-from rq_core.kv_cache import FP16Cache, KVSettings
+from rq_core.cache.kv_cache import FP16Cache, KVSettings
 from rq_core.models import MODEL_TYPES, base
 
 GOLDEN = Path(__file__).parent / "golden"

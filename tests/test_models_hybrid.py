@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 
 from rq_core.checkpoint import build_model, load_weights
 from rq_core.errors import RQError
-from rq_core.kv_cache import FP16Cache, KVSettings
+from rq_core.cache.kv_cache import FP16Cache, KVSettings
 from rq_core.models import base, gemma4, nemotron_h, text_config
 from rq_core.models.mamba import Mamba2Mixer, MambaCache
 
@@ -425,7 +425,7 @@ def test_every_family_gives_its_edge_layers_their_bits(family, layers) -> None:
     import copy
 
     from tests._tiny_models import TINY
-    from rq_core.kv_cache import IsoQuantCache
+    from rq_core.cache.kv_cache import IsoQuantCache
 
     cfg = copy.deepcopy(TINY[family])
     if layers:

@@ -27,7 +27,7 @@ def _hamilton(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def test_rotation_matches_format_md_by_quaternions(variant: str) -> None:
     """forward(x) = q_L ⊗ blk ⊗ conj(q_R) of H_d(D_s x) per 4-block, from FORMAT.md's rng streams, in float64 with
     this test's own Hamilton product; inverse undoes it. Measured max error 3.4e-7 (float32); bound 1e-5."""
-    from rq_core.rotation import Rotation, hadamard_matrix
+    from rq_core.codec.rotation import Rotation, hadamard_matrix
 
     d, H, seed, layer = 32, 2, 3, 1
     x = np.random.default_rng(5).standard_normal((1, H, 4, d))
@@ -111,7 +111,7 @@ def test_generate_stops_at_the_context_length() -> None:
 @pytest.mark.parametrize("name", ["..", ".", "../p.bin", "sub/p.bin", "/abs/p.bin", "p\0.bin", ""])
 def test_page_index_refuses_a_file_name_outside_the_pack(name: str) -> None:
     from rq_core.errors import RQError
-    from rq_core.pack import check_layer
+    from rq_core.paging.pack import check_layer
 
     with pytest.raises(RQError, match="plain file name inside the pack folder"):
         check_layer({"file": name}, "index.json")
@@ -120,7 +120,7 @@ def test_page_index_refuses_a_file_name_outside_the_pack(name: str) -> None:
 def test_page_index_takes_a_plain_file_name() -> None:
     """The same entry with a plain name passes the name check (and fails on the next field)."""
     from rq_core.errors import RQError
-    from rq_core.pack import check_layer
+    from rq_core.paging.pack import check_layer
 
     with pytest.raises(RQError, match="num_experts must be a positive integer"):
         check_layer({"file": "..p.bin"}, "index.json")
@@ -136,7 +136,7 @@ def test_shipped_pair_codebook_is_a_lloyd_fixed_point(role: str, n: int) -> None
     point by more than 0.03. Measured 0.0069 (32 points) and 0.0089 (128); a point moved by +1.0: 0.14 and 0.053."""
     import math
 
-    from rq_core.codebook import _PAIR_ASSET, PAIR_SEEDS
+    from rq_core.codec.codebook import _PAIR_ASSET, PAIR_SEEDS
 
     d, seed = 128, PAIR_SEEDS[role]
     pts = np.asarray(json.loads(_PAIR_ASSET.read_text())[f"d{d}_n{n}_s{seed}"], np.float64).reshape(n, 2)
@@ -159,8 +159,8 @@ def test_four_setting_takes_the_four_kernel_pipeline_not_the_fused_kernel(monkey
     it), never to attn_fused."""
     from kernel_emu import configure
 
-    import rq_core.kernels as K
-    from rq_core.kv_cache import IsoQuantCache
+    import rq_core.kernels.launch as K
+    from rq_core.cache.kv_cache import IsoQuantCache
 
     calls: list[str] = []
 

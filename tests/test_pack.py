@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from _tiny_models import make_tiny
-from rq_core import recipe
+from rq_core.quant import recipe
 from rq_core.errors import RQError
-from rq_core.pack import ALIGN, SMALL_ALIGN, decode_page, load_index, pack, page_align
-from rq_core.quantize import quantize
+from rq_core.paging.pack import ALIGN, SMALL_ALIGN, decode_page, load_index, pack, page_align
+from rq_core.quant.quantize import quantize
 
 RECIPE = Path(__file__).parent / "data" / "tiny-rtn.toml"
 

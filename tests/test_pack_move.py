@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from rq_core.checkpoint import DEFAULT_MODEL, load
 from rq_core.errors import RQError
 from rq_core.generate import generate
-from rq_core.pack import moved_experts, pack
-from rq_core.pager import ExpertPager
+from rq_core.paging.pack import moved_experts, pack
+from rq_core.paging.pager import ExpertPager
 
 PROMPT = list(range(3, 43))
 

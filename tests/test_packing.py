@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from rq_core.errors import RQError
-from rq_core.packing import pack, pack_np, unpack, unpack_np, words_per_row
+from rq_core.codec.packing import pack, pack_np, unpack, unpack_np, words_per_row
 
 
 @settings(max_examples=60, deadline=None)

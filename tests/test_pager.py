@@ -9,13 +9,13 @@ import pytest
 from typer.testing import CliRunner
 
 from _tiny_models import TINY, available, make_tiny
-from rq_core import recipe
+from rq_core.quant import recipe
 from rq_core.checkpoint import load
 from rq_core.errors import RQError
 from rq_core.generate import generate
-from rq_core.pack import pack
-from rq_core.pager import ExpertPager, slots_for_budget
-from rq_core.quantize import quantize
+from rq_core.paging.pack import pack
+from rq_core.paging.pager import ExpertPager, slots_for_budget
+from rq_core.quant.quantize import quantize
 
 RECIPE = Path(__file__).parent / "data" / "tiny-rtn.toml"
 PROMPT = list(range(3, 43))  # 40 tokens: prefill routes to every expert
@@ -119,7 +119,7 @@ def test_peak_memory_stays_under_the_budget(packed):
     assert full.tokens == res.tokens
     assert pager.report().hit_rate is not None
     # a compressing cache's fp16 prompt while it prefills takes budget from the experts (the planner's count)
-    from rq_core.planner import prefill_fp16_bytes
+    from rq_core.paging.planner import prefill_fp16_bytes
 
     iso = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=16, kv_mode="isoquant3")
     pre = prefill_fp16_bytes(cfg, "isoquant3", ctx, None, 16)

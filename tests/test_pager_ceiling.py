@@ -9,8 +9,8 @@ import pytest
 
 from rq_core.checkpoint import DEFAULT_MODEL, load
 from rq_core.generate import generate
-from rq_core.pack import expert_banks, load_index, pack
-from rq_core.pager import ExpertPager, slots_for_budget
+from rq_core.paging.pack import expert_banks, load_index, pack
+from rq_core.paging.pager import ExpertPager, slots_for_budget
 
 PROMPT = list(range(3, 43))
 N = 24

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from _tiny_models import TINY, available
-from rq_core import recipe
-from rq_core.planner import kv_bytes, param_shapes, plan, tensor_bytes
-from rq_core.recipe import RoleSpec
+from rq_core.quant import recipe
+from rq_core.paging.planner import kv_bytes, param_shapes, plan, tensor_bytes
+from rq_core.quant.recipe import RoleSpec
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 
@@ -59,7 +59,7 @@ def test_qwen3_real_config_plan(monkeypatch):
     rec.kv.prefill_fp16 = 4096
     assert plan(cfg, rec, context=32768).prefill_fp16_bytes == fp16_tok * 4096 + 2 * (fp16_tok // 48) * 32768
     # two layers' decoded context: the one waited for and IsoQuantCache.prefill_inflight (1) queued ahead; one with 0
-    from rq_core.kv_cache import IsoQuantCache
+    from rq_core.cache.kv_cache import IsoQuantCache
 
     monkeypatch.setattr(IsoQuantCache, "prefill_inflight", 0)
     assert plan(cfg, rec, context=32768).prefill_fp16_bytes == fp16_tok * 4096 + fp16_tok // 48 * 32768
@@ -103,7 +103,7 @@ def test_plan_bytes_match_a_real_quantized_checkpoint(family, tmp_path):
     if not available(family):
         pytest.skip(f"model family {family} not in this build yet")
     from _tiny_models import make_tiny
-    from rq_core.quantize import quantize
+    from rq_core.quant.quantize import quantize
 
     r = recipe.load(Path(__file__).parent / "data" / "tiny-rtn.toml")
     src = make_tiny(family, tmp_path / "src")

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from rq_cli.main import app
 from rq_core.checkpoint import build_model
-from rq_core.kv_cache import KVSettings
-from rq_core.profile import (STAGES, Recorder, fill_caches, find_components, profile_model, time_fn,
+from rq_core.cache.kv_cache import KVSettings
+from rq_core.tools.profile import (STAGES, Recorder, fill_caches, find_components, profile_model, time_fn,
                              time_round_robin, verdict)
 
 GOLDEN = Path(__file__).parent / "golden" / "qwen3_moe" / "model"
@@ -92,7 +92,7 @@ def test_profile_compressed_kernels_add_up(tiny) -> None:
 def test_profile_takes_pair_codebooks_and_key_widths(tiny, extra) -> None:
     """Caches with pair codebooks or keys at their own width are staged too (their own tables and field widths):
     the stages, run in order, give what the cache's attention gives."""
-    from rq_core.profile import attention_stages
+    from rq_core.tools.profile import attention_stages
 
     rep = profile_model(tiny, [200], kv=KVSettings(mode="isoquant3", fp16_window=0, **extra), warmup=0, repeats=2)
     r = rep["results"][0]
@@ -108,7 +108,7 @@ def test_profile_takes_pair_codebooks_and_key_widths(tiny, extra) -> None:
     out = None
     for name in STAGES:
         out = st["stages"][name]()
-    from rq_core.attention import packed_attention
+    from rq_core.attention.reference import packed_attention
 
     q_rot = cache.rotation.forward_queries(q)
     o_rot, _ = packed_attention(q_rot, cache.k_codes, cache.k_norms, cache.v_codes, cache.v_norms, cache.levels,

@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from _tiny_models import TINY, available, make_tiny
-from rq_core import recipe
+from rq_core.quant import recipe
 from rq_core.errors import RQError
-from rq_core.quantize import gptq_quantize, pack_codes, quantize
+from rq_core.quant.quantize import gptq_quantize, pack_codes, quantize
 
 RECIPE = Path(__file__).parent / "data" / "tiny-rtn.toml"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rq_core import recipe
+from rq_core.quant import recipe
 from rq_core.errors import RQError
 
 BASE = 'version = 1\nname = "t"\n'
@@ -67,7 +67,7 @@ def test_recipe_for_another_family_and_group_dims():
 
 def test_kv_settings_and_sizes():
     r = recipe.loads(BASE + '[kv]\nmode = "isoquant3"\nrotation = "so3"\nseed = 7\n')
-    from rq_core.kv_cache import KVSettings
+    from rq_core.cache.kv_cache import KVSettings
 
     assert isinstance(r.kv, KVSettings) and r.kv.rotation == "so3" and r.kv.seed == 7
     assert r.kv.key_bits is None and "key_bits" not in r.dumps()  # TOML has no null: left out when unset
@@ -77,14 +77,14 @@ def test_kv_settings_and_sizes():
     assert rp.kv.pair_points == (128, 32) and recipe.loads(rp.dumps()).kv.pair_points == (128, 32)
     # kv.prefill_fp16: the default bound, a count, or "all" (the whole prompt; written back as "all", since a key left
     # out would read back as the default)
-    from rq_core.kv_cache import DEFAULT_PREFILL_FP16
+    from rq_core.cache.kv_cache import DEFAULT_PREFILL_FP16
 
     assert r.kv.prefill_fp16 == DEFAULT_PREFILL_FP16 == recipe.loads(r.dumps()).kv.prefill_fp16
     ra = recipe.loads(BASE + '[kv]\nmode = "isoquant3"\nprefill_fp16 = "all"\n')
     assert ra.kv.prefill_fp16 is None and recipe.loads(ra.dumps()).kv.prefill_fp16 is None
     assert recipe.loads(BASE + '[kv]\nprefill_fp16 = 0\n').kv.prefill_fp16 == 0
     # kv.edge_layers: the default where a recipe leaves it out, written back and read again
-    from rq_core.kv_cache import DEFAULT_EDGE_LAYERS
+    from rq_core.cache.kv_cache import DEFAULT_EDGE_LAYERS
 
     assert r.kv.edge_layers == DEFAULT_EDGE_LAYERS == 1 and r.kv.edge_bits == 4
     r0 = recipe.loads(BASE + '[kv]\nedge_layers = 0\n')

@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 
 from _tiny_models import TINY, available
 from rq_core.errors import RQError
-from rq_core.roles import NEVER, ROLES, role_of
+from rq_core.quant.roles import NEVER, ROLES, role_of
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 

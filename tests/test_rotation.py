@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rq_core.errors import RQError
-from rq_core.rotation import (VARIANTS, Rotation, hadamard_matrix, head_params, quat_conj, quat_mul, wht)
+from rq_core.codec.rotation import (VARIANTS, Rotation, hadamard_matrix, head_params, quat_conj, quat_mul, wht)
 
 DIMS = [16, 32, 64, 128, 256, 512, 1024]
 

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from rq_cli.main import app
-from rq_core import soak as soak_mod
-from rq_core.soak import (LEAK_ENV, MB, Thresholds, coefficient_of_variation, linear_fit, summarize, theil_sen,
+from rq_core.tools import soak as soak_mod
+from rq_core.tools.soak import (LEAK_ENV, MB, Thresholds, coefficient_of_variation, linear_fit, summarize, theil_sen,
                           validate_report, write_json_atomic)
 
 GOLDEN = Path(__file__).parent / "golden" / "qwen3_moe" / "model"

@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import rq_core.kernels as K
+import rq_core.kernels.launch as K
 from kernel_emu import configure
-from rq_core.kv_cache import IsoQuantCache
+from rq_core.cache.kv_cache import IsoQuantCache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,9 +87,9 @@ def test_kv_append_split_widths_match_quantize_kv(variant, nc, monkeypatch):
     """kv_append with 4-bit keys and 3-bit values: codes and norms equal quantize_kv's at each width, for every
     rotation kind and with norm correction (the keys' own levels and thresholds in consts)."""
     from kernel_emu import emulate as EK
-    from rq_core.codebook import sphere_codebook
-    from rq_core.kv_cache import quantize_kv
-    from rq_core.rotation import Rotation
+    from rq_core.codec.codebook import sphere_codebook
+    from rq_core.cache.kv_cache import quantize_kv
+    from rq_core.codec.rotation import Rotation
 
     fake = EK.MLXStandIn("kv_append")
     configure(monkeypatch, disk_cache=False)

@@ -14,9 +14,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import synth_checkpoint as synth  # noqa: E402
 from _tiny_models import TINY, make_tiny  # noqa: E402
-from rq_core import recipe  # noqa: E402
+from rq_core.quant import recipe  # noqa: E402
 from rq_core.checkpoint import load, weight_files  # noqa: E402
-from rq_core.quantize import quantize  # noqa: E402
+from rq_core.quant.quantize import quantize  # noqa: E402
 
 RECIPE = ROOT / "tests" / "data" / "tiny-rtn.toml"
 REAL = ["qwen3-30b-a3b", "gemma4-26b-a4b", "nemotron3-nano-30b-a3b", "nemotron3-super-120b-a12b"]

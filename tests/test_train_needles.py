@@ -1,4 +1,4 @@
-"""The training script's needle rows use exactly `rq_core.eval`'s needle format, and the answer-digit
+"""The training script's needle rows use exactly `rq_core.tools.eval`'s needle format, and the answer-digit
 loss weights sit on the answer targets (target t is predicted at position t - 1)."""
 
 import importlib.util
@@ -20,7 +20,7 @@ def _load():
 def test_needle_rows_match_eval_format():
     from tokenizers import Tokenizer
 
-    from rq_core.eval import QUESTION, needle_token_pieces, needle_trials
+    from rq_core.tools.eval import QUESTION, needle_token_pieces, needle_trials
 
     tok = Tokenizer.from_file(str(ROOT / "rq_core" / "assets" / "default_model" / "tokenizer.json"))
     pieces = needle_token_pieces(tok)

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from _tiny_models import make_tiny
 from rq_cli.main import app
-from rq_core import recipe
+from rq_core.quant import recipe
 from rq_core.errors import RQError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +61,7 @@ def _loads(path: Path) -> None:
 
 # ------------------------------------------------------------------------ 1. what is at -o stays
 def test_quantize_never_deletes_a_folder_that_appears_at_out(src, tmp_path):
-    from rq_core.quantize import quantize
+    from rq_core.quant.quantize import quantize
 
     out = tmp_path / "q"
 
@@ -77,7 +77,7 @@ def test_quantize_never_deletes_a_folder_that_appears_at_out(src, tmp_path):
 
 
 def test_quantize_removes_only_its_own_stale_temp_folders(src, tmp_path):
-    from rq_core.quantize import TMP_MARK, quantize
+    from rq_core.quant.quantize import TMP_MARK, quantize
 
     dead = _dead_pid()
     killed = tmp_path / f".q.tmp-{dead}"  # what a kill -9 leaves: marked, its process gone
@@ -103,7 +103,7 @@ def test_quantize_removes_only_its_own_stale_temp_folders(src, tmp_path):
 # ------------------------------------------------------------------------- 2. the disk fills up
 def test_quantize_disk_full_is_one_line_and_leaves_nothing(src, tmp_path, monkeypatch):
     """Shard writes hit ENOSPC after a few KB (the file the writer opens raises as a full disk does)."""
-    import rq_core.quantize as qmod
+    import rq_core.quant.quantize as qmod
 
     class FullDisk(io.FileIO):
         room = 4096
@@ -366,7 +366,7 @@ def _strict(text: str):
 
 def test_json_output_is_strict(tmp_path, capsys):
     from rq_cli.common import print_json
-    from rq_core.soak import write_json_atomic
+    from rq_core.tools.soak import write_json_atomic
 
     obj = {"ppl": float("nan"), "rate": float("inf"), "ok": [1.5, float("-inf")], "n": 3}
     print_json(obj)

@@ -16,8 +16,8 @@ from rq_cli.main import app
 from rq_core.checkpoint import DEFAULT_MODEL, load
 from rq_core.errors import RQError
 from rq_core.generate import generate
-from rq_core.pack import pack
-from rq_core.pager import ExpertPager
+from rq_core.paging.pack import pack
+from rq_core.paging.pager import ExpertPager
 
 PROMPT = "to be or not to be, that is the question: whether 'tis nobler in the mind to suffer"
 BANK = "model.layers.0.mlp.switch_mlp"

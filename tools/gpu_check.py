@@ -10,7 +10,7 @@ Each case draws fresh random inputs and runs with every kernel output poisoned f
                      repeated launches (the split counters must come back zeroed)
   four-kernel pipeline  rotate_queries, qk_dot, softmax, value_accum (both strategies), rotate_inverse
   kv_append          against quantize_kv and float64 (tests/kernel_emu/append_reference.py)
-  kv_decode          against the MLX-op decode (rq_core.attention.dequantize_rotated)
+  kv_decode          against the MLX-op decode (rq_core.attention.reference.dequantize_rotated)
   the cache          IsoQuant and TurboQuant caches with and without an fp16 window, a prompt compressed while it is
                      prefilled, then decode steps through cache.attend, against float64 on the cache's own contents
 
@@ -111,8 +111,8 @@ def label(cs: dict) -> str:
 
 
 def run_decode(K, mx, rng, *, pair_points, d: int, dtype, tokens: int = 300) -> tuple[bool, str]:
-    from rq_core.attention import dequantize_rotated
-    from rq_core.kv_cache import IsoQuantCache
+    from rq_core.attention.reference import dequantize_rotated
+    from rq_core.cache.kv_cache import IsoQuantCache
 
     c = IsoQuantCache(head_dim=d, n_kv_heads=2, layer=int(rng.integers(32)), pair_points=pair_points,
                       seed=int(rng.integers(1 << 20)))
@@ -142,7 +142,7 @@ def cache_reference(cache, q: np.ndarray, scale: float, half: bool = False) -> n
     use them."""
     import mlx.core as mx
 
-    from rq_core.kv_cache import dequantize_kv
+    from rq_core.cache.kv_cache import dequantize_kv
 
     n, D = cache.packed_len, cache.head_dim
     lv = cache.levels.astype(mx.float16).astype(mx.float32) if half else cache.levels
@@ -170,7 +170,7 @@ def run_cache(mx, rng, *, mode: str, context: int, window: int, steps: int = 3, 
               hq: int = 32, hkv: int = 4, d: int = 128, **kw) -> list[tuple[bool, str]]:
     """A cache filled with a random prompt (in chunks of `prefill_chunk` causal rows, or whole), then decode steps
     through cache.attend, each against float64 on the cache's contents."""
-    from rq_core.kv_cache import KVSettings, make_kv_cache
+    from rq_core.cache.kv_cache import KVSettings, make_kv_cache
 
     cache = make_kv_cache(KVSettings(mode=mode, fp16_window=window, prefill_fp16=4096 if prefill_chunk else None,
                                      **kw), layer=3, n_kv_heads=hkv, head_dim=d)
@@ -225,8 +225,8 @@ def main() -> int:
     a = ap.parse_args()
     import mlx.core as mx
 
-    import rq_core.kernels as K
-    from rq_core import env
+    import rq_core.kernels.launch as K
+    from rq_core.kernels import config as env
     from kernel_emu import append_reference as AC
 
     if not K.available():

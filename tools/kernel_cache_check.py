@@ -1,4 +1,4 @@
-"""Check rq_core.kernel_cache on a CUDA machine: two processes, the second loads what the first wrote.
+"""Check rq_core.kernels.cache on a CUDA machine: two processes, the second loads what the first wrote.
 
     python3 tools/kernel_cache_check.py --phase write --out DIR   # process 1
     python3 tools/kernel_cache_check.py --phase read --out DIR    # process 2
@@ -26,7 +26,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attention as A  # noqa: E402
-from rq_core import kernel_cache  # noqa: E402
+from rq_core.kernels import cache as kernel_cache  # noqa: E402
 
 
 def run_once(L) -> tuple[np.ndarray, float]:

@@ -18,8 +18,8 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from safetensors.numpy import save_file  # noqa: E402
 
-from rq_core import eval as ev  # noqa: E402
-from rq_core.kv_cache import KVSettings  # noqa: E402
+from rq_core.tools import eval as ev  # noqa: E402
+from rq_core.cache.kv_cache import KVSettings  # noqa: E402
 
 
 def main() -> int:

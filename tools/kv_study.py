@@ -46,8 +46,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rq_core import eval as ev  # noqa: E402
-from rq_core.kv_cache import FP16Cache, IsoQuantCache, KVSettings, dequantize_kv  # noqa: E402
+from rq_core.tools import eval as ev  # noqa: E402
+from rq_core.cache.kv_cache import FP16Cache, IsoQuantCache, KVSettings, dequantize_kv  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------ caches
@@ -58,7 +58,7 @@ class SplitBitsCache(IsoQuantCache):
     compresses it, decode steps compress their keys/values before attending (fp16_window newest kept)."""
 
     def __init__(self, *, key_bits: int, value_bits: int, **kw: Any) -> None:
-        from rq_core.codebook import get_codebook
+        from rq_core.codec.codebook import get_codebook
 
         super().__init__(bits=value_bits, **kw)
         self.key_bits, self.value_bits = key_bits, value_bits
@@ -69,7 +69,7 @@ class SplitBitsCache(IsoQuantCache):
         self._dv: mx.array | None = None
 
     def _qdq(self, x: mx.array, levels: mx.array, bits: int) -> mx.array:
-        from rq_core.kv_cache import quantize_kv
+        from rq_core.cache.kv_cache import quantize_kv
 
         codes, norms = quantize_kv(x, self.rotation, levels, bits, norm_correction=self.norm_correction)
         return dequantize_kv(codes, norms, self.rotation, levels, bits, self.head_dim)
@@ -126,7 +126,7 @@ class QJLKeysCache(SplitBitsCache):
     key's bits as IsoQuant at key_bits, plus one more float16 norm a key."""
 
     def __init__(self, **kw: Any) -> None:
-        from rq_core.codebook import get_codebook
+        from rq_core.codec.codebook import get_codebook
 
         super().__init__(**kw)
         d, h = int(kw["head_dim"]), int(kw["n_kv_heads"])
@@ -158,7 +158,7 @@ def pair_codebook(bits: int, d: int, seed: int = 0, iters: int = 30) -> np.ndarr
     """A 2^(2 bits)-point codebook for pairs of rotated coordinates (z = sqrt(d) R u of unit vectors u): Lloyd's
     algorithm on pairs drawn from the sphere's marginal, started from the scalar codebook's product grid. At 3 bits,
     d = 128: 0.0295 squared error a coordinate against the scalar codebook's 0.0340."""
-    from rq_core.codebook import get_codebook
+    from rq_core.codec.codebook import get_codebook
 
     rng = np.random.default_rng(seed)
     u = rng.standard_normal((4096, d))
@@ -198,9 +198,9 @@ class PairVQKeysCache(SplitBitsCache):
 @functools.lru_cache(maxsize=None)
 def pair_codebook_points(n: int, d: int, seed: int = 0, iters: int = 40) -> np.ndarray:
     """An n-point codebook for pairs of rotated coordinates (log2(n) / 2 bits a coordinate: 128 points are 3.5 bits,
-    32 are 2.5): Lloyd's algorithm on pairs drawn from the sphere's marginal (rq_core.codebook, whose `pair_codebook`
+    32 are 2.5): Lloyd's algorithm on pairs drawn from the sphere's marginal (rq_core.codec.codebook, whose `pair_codebook`
     the cache's kv.pair_points use: seed 1 for keys, 2 for values, as here)."""
-    from rq_core.codebook import _pair_lloyd
+    from rq_core.codec.codebook import _pair_lloyd
 
     return _pair_lloyd(n, d, seed, iters)
 
@@ -489,7 +489,7 @@ def all_settings(n_layers: int) -> list[Setting]:
               Setting(f"turbo3 win32 s{seed}", turbo(fp16_window=32, seed=seed))]
     for seed in range(6):  # random signs before the WHT (a randomized Hadamard), with the default window
         S.append(Setting(f"wht_so4 signs win32 s{seed}", iso(fp16_window=32, seed=seed), signs=True))
-    for seed in range(6):  # the same through the real cache: the rwht_so4 rotation (rq_core.rotation)
+    for seed in range(6):  # the same through the real cache: the rwht_so4 rotation (rq_core.codec.rotation)
         S.append(Setting(f"rwht_so4 win32 s{seed}", iso(rotation="rwht_so4", fp16_window=32, seed=seed)))
     for seed in (3, 4, 5):  # more rotation draws of the two default configurations
         S += [Setting(f"wht_so4 win32 s{seed}", iso(fp16_window=32, seed=seed)),

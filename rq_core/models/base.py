@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from rq_core.kv_cache import KVSettings, Mask, make_kv_cache
+from rq_core.cache.kv_cache import KVSettings, Mask, make_kv_cache
 
 
 # --------------------------------------------------------------------------------------------- args

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings, with_edge_layers
+from rq_core.cache.kv_cache import KVSettings, with_edge_layers
 from rq_core.models import text_config
 from rq_core.models.base import (
     MLP,

@@ -2,9 +2,9 @@
 
 
 def configure(monkeypatch, **changes) -> None:
-    """The kernel settings (rq_core.env.config()) with `changes` in force for one test."""
+    """The kernel settings (rq_core.kernels.config.config()) with `changes` in force for one test."""
     from dataclasses import replace
 
-    from rq_core import env
+    from rq_core.kernels import config as env
 
     monkeypatch.setattr(env, "_CONFIG", replace(env.config(), **changes))

@@ -146,8 +146,8 @@ def build(rng, c: dict):
     """Inputs of one case: rotation, levels, K and V Rows (fresh random rows, rotation seed and layer)."""
     import mlx.core as mx
 
-    from rq_core.codebook import get_codebook
-    from rq_core.rotation import Rotation
+    from rq_core.codec.codebook import get_codebook
+    from rq_core.codec.rotation import Rotation
 
     d, bits, t = c["d"], c["bits"], c["t"]
     B, H = c.get("B", 1), c.get("H", 2)
@@ -172,7 +172,7 @@ def boundary_rows(rng, shape, rot, levels: np.ndarray, frac: float = 0.25) -> np
     (up to the rounding of x to float32): where float32 paths may legitimately disagree."""
     from kernel_emu import attn_reference as KC
 
-    import rq_core.kernels as K
+    import rq_core.kernels.launch as K
 
     B, H, T, d = shape
     thr = ((levels[1:] + levels[:-1]) / 2).astype(np.float64)
@@ -197,7 +197,7 @@ def reference64(x: np.ndarray, rot, levels: np.ndarray):
     """z = √d·R·x/‖x‖ and n = ‖x‖ in float64, with the rotation's float32 parameters (what both paths use)."""
     from kernel_emu import attn_reference as KC
 
-    import rq_core.kernels as K
+    import rq_core.kernels.launch as K
 
     d = x.shape[-1]
     x = x.astype(np.float64)
@@ -235,7 +235,7 @@ def _f16_ulp(x: np.ndarray) -> np.ndarray:
 def compare(got: dict, ops: dict, x: np.ndarray, rot, levels: np.ndarray, bits: int, nc: bool,
             tol: float | None = None) -> dict:
     """got/ops: {'codes', 'norms'} for one of K or V (numpy); x: the rows (float32 holding dtype values)."""
-    from rq_core.packing import unpack_np
+    from rq_core.codec.packing import unpack_np
 
     tol = TOL if tol is None else tol
     d = x.shape[-1]
@@ -275,9 +275,9 @@ def compare(got: dict, ops: dict, x: np.ndarray, rot, levels: np.ndarray, bits: 
 def run_gpu(k_mx, v_mx, rot, levels, bits, nc):
     import mlx.core as mx
 
-    import rq_core.kernels as K
+    import rq_core.kernels.launch as K
 
-    from rq_core import env
+    from rq_core.kernels import config as env
 
     with env.override(poison=True):
         out = K.kv_append_codes(k_mx, v_mx, rot, levels, bits, norm_correction=nc)
@@ -288,7 +288,7 @@ def run_gpu(k_mx, v_mx, rot, levels, bits, nc):
 def run_emu(kin: Rows, vin: Rows, dtype, rot, levels, bits, nc, seed=0, backend="cuda"):
     from kernel_emu import emulate as EK
 
-    import rq_core.kernels as K
+    import rq_core.kernels.launch as K
 
     r, mats = K.rotation_args(rot)
     mats = np.zeros(1, np.float32) if mats is None else np.array(mats)
@@ -312,7 +312,7 @@ def check_case(rng, c: dict, mode: str) -> dict:
     quantize_kv and float64, for K and for V."""
     import mlx.core as mx
 
-    from rq_core.kv_cache import quantize_kv
+    from rq_core.cache.kv_cache import quantize_kv
 
     rot, levels, kin, vin = build(rng, c)
     dtype, bits, nc = c.get("dtype", "f16"), c["bits"], bool(c.get("nc"))

@@ -180,7 +180,7 @@ def make_case(rng, *, B, Hkv, G, L, d, T, bits, slack=5, dense=False, signs=Fals
 
 def run_case(K, mx, c, *, T, bits, path, causal, offset, rot, strategy=None, qdtype="f32", key_bits=None,
              fused_config=None):
-    """One case through the kernels (module K, rq_core.kernels): path "fused" (fused_attention; fused_config: its
+    """One case through the kernels (module K, rq_core.kernels.launch): path "fused" (fused_attention; fused_config: its
     nth / pf / vdec / stage overrides) or "four" (the four-kernel pipeline with value_accum's `strategy`).
     Returns (relative error against float64, NaN count, relative error against float64 with the codebook levels
     rounded to half as the matrix units see them; None for the four-kernel path, which is fp32 throughout)."""

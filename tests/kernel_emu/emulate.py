@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from kernel_emu import attn_reference as KC  # noqa: E402
 
-import rq_core.kernels as K  # noqa: E402
-from rq_core import env  # noqa: E402
+import rq_core.kernels.launch as K  # noqa: E402
+from rq_core.kernels import config as env  # noqa: E402
 
 EMU = Path(__file__).resolve().parent
 CTYPE = {"f32": "float", "u32": "uint32_t", "i32": "int32_t", "f16": "__half", "bf16": "__nv_bfloat16"}
@@ -483,7 +483,7 @@ def run_kv_append(keys, values, mats: np.ndarray, consts: np.ndarray, *, shape: 
 
 class MLXStandIn:
     """Stands in for the object `mx.fast.cuda_kernel` returns, running the CUDA rendering on this executor:
-    `rq_core.kernels._kernel` can be patched with it so a kernel's Python wrapper (inputs, template, grid,
+    `rq_core.kernels.launch._kernel` can be patched with it so a kernel's Python wrapper (inputs, template, grid,
     output shapes and dtypes, init_value) runs end to end without a GPU. Inputs arrive as contiguous copies
     (their own strides). Records each call's template, grid, threadgroup and init_value in `calls`."""
 

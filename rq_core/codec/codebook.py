@@ -157,7 +157,7 @@ def gaussian_codebook(bits: int) -> Codebook:
 
 def sphere_codebook(bits: int, d: int) -> Codebook:
     """Lloyd-Max for √d × one coordinate of a uniform unit vector in R^d."""
-    from rq_core.rotation import check_dim
+    from rq_core.codec.rotation import check_dim
 
     levels, mse = _sphere(check_bits(bits), check_dim(d))
     return Codebook(bits, np.array(levels), mse, "sphere", d)
@@ -216,7 +216,7 @@ def get_codebook(spec: str, bits: int, d: int) -> Codebook:
 
 PAIR_POINTS = (16, 32, 64, 128, 256)  # 2 to 4 bits a coordinate, in half bits
 PAIR_SEEDS = {"keys": 1, "values": 2}  # the study's seeds (benchmarks/README.md, "Needles and bits")
-_PAIR_ASSET = Path(__file__).resolve().parent / "assets" / "pair_codebooks.json"
+_PAIR_ASSET = Path(__file__).resolve().parents[1] / "assets" / "pair_codebooks.json"
 
 
 def check_pair_points(points) -> tuple[int, int]:

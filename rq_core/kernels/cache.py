@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rq_core import env
+from rq_core.kernels import config as env
 
 _DONE: set = set()
 _WARNED: list = []
@@ -56,7 +56,7 @@ def first_run_note() -> str | None:
     compiled module yet): MLX then compiles its own CUDA kernels once, which took 159 s for the bundled model
     on the H200; a silent wait that long reads as a hang."""
     try:
-        from rq_core.kernels import backend
+        from rq_core.kernels.launch import backend
 
         if backend() != "cuda":
             return None

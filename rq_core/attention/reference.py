@@ -15,7 +15,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from rq_core.packing import unpack
+from rq_core.codec.packing import unpack
 
 CHUNK = 1024
 # online_attention evaluates its running state after each chunk of keys when one chunk's scores exceed this: a long
@@ -88,7 +88,7 @@ def packed_attention(q_rot: mx.array, k_codes: mx.array, k_norms: mx.array, v_co
                      causal: bool, valid_len: int, mask: mx.array | None = None,
                      chunk: int = CHUNK, key_bits: int | None = None,
                      key_levels: mx.array | None = None) -> tuple[mx.array, mx.array]:
-    """Attention in the rotated space straight from packed codes (rq_core.dispatch's reference path).
+    """Attention in the rotated space straight from packed codes (rq_core.attention.dispatch's reference path).
 
     Contract:
       q_rot    [B, Hq, L, d]   queries already rotated (q̃ = R q with kv head h // (Hq/Hkv)'s R)

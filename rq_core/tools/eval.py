@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings
+from rq_core.cache.kv_cache import KVSettings
 from rq_core.textio import read_utf8
 
 try:
@@ -26,7 +26,7 @@ try:
 except ImportError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 HELDOUT_PATH = ASSETS / "heldout.txt"
 GATES_PATH = ASSETS / "gates.toml"
 
@@ -91,13 +91,13 @@ def load_eval_model(model: Optional[str] = None) -> EvalModel:
 
 def kv_settings(mode: str, rotation: Optional[str] = None, **kw: Any) -> KVSettings:
     """KVSettings for a mode; `rotation` applies to isoquant3 only (turbo3 is the dense rotation)."""
-    from rq_core.kv_cache import KV_MODES
+    from rq_core.cache.kv_cache import KV_MODES
 
     if mode not in KV_MODES:
         raise RQError(f"unknown KV mode {mode!r} (choose from: {', '.join(KV_MODES)})")
     s = KVSettings(mode=mode, **kw)
     if rotation is not None:
-        from rq_core.rotation import check_variant
+        from rq_core.codec.rotation import check_variant
 
         s.rotation = check_variant(rotation)
     return s

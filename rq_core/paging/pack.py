@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 import zlib
 from dataclasses import asdict, dataclass
@@ -356,14 +357,13 @@ def serve_moved_banks(model: Any, ckpt: str | os.PathLike, moved: dict[str, dict
 
 
 def _fill_from_pages(module: Any, path: str, ckpt: str | os.PathLike, fp: str) -> None:
-    from rq_core.pager import _open_pages, _target_dtype
 
     idx = load_index(ckpt, banks={path: module})
     meta = idx["layers"][path]
     if meta["source"] != fp:
         raise RQError(f"the expert pages in {idx['dir']} are not the ones layer {path}'s experts were moved to "
                       "(`rq pack --move`): they are the only copy of them; restore those pages")
-    fd = _open_pages(Path(idx["dir"]) / meta["file"], path, meta)
+    fd = open_page_file(Path(idx["dir"]) / meta["file"], path, meta)
     try:
         used, E = meta["used_bytes"], meta["num_experts"]
         rows = np.empty((E, used), np.uint8)
@@ -380,7 +380,7 @@ def _fill_from_pages(module: Any, path: str, ckpt: str | os.PathLike, fp: str) -
         a = np.ascontiguousarray(rows[:, t["offset"]:t["offset"] + t["nbytes"]]).view(_NP[t["dtype"]])
         x = mx.array(a.reshape(E, *t["shape"]))
         x = x.view(mx.bfloat16) if t["dtype"] == "bfloat16" else x
-        target = _target_dtype(module, t)
+        target = target_dtype(module, t)
         module[proj][part] = x if x.dtype == target else x.astype(target)
 
 
@@ -710,3 +710,29 @@ def decode_page(buf: memoryview | bytes, layout: list[dict]) -> dict[str, np.nda
                           offset=t["offset"])
         out[t["name"]] = a.reshape(t["shape"])
     return out
+
+
+def target_dtype(module: Any, t: dict) -> mx.Dtype:
+    """The dtype a page tensor loads as: a float tensor takes the bank's current dtype, others their stored one."""
+    proj, part = t["name"].split(".")
+    cur = module[proj].get(part) if proj in module else None
+    stored = getattr(mx, t["dtype"])
+    if cur is None or not mx.issubdtype(stored, mx.floating):
+        return stored
+    return cur.dtype
+
+
+def open_page_file(f: Path, path: str, meta: dict) -> int:
+    """A read-only fd of a layer's page file, checked to be a regular file of the size the index says."""
+    try:  # O_NONBLOCK: a FIFO planted in a pack must not hang the open
+        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise RQError(f"layer {path}: its page file is missing from {f.parent} (run `rq pack` again)")
+    st = os.fstat(fd)
+    want = meta["page_bytes"] * meta["num_experts"]
+    if not stat.S_ISREG(st.st_mode) or st.st_size != want:
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else \
+            f"{st.st_size} bytes, the index says {want}"
+        raise RQError(f"layer {path}: page file {f} is truncated or wrong ({what}): run `rq pack` again")
+    return fd

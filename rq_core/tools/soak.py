@@ -291,7 +291,7 @@ class PromptSource:
         self.text = ""
         if tokenizer is not None:
             try:
-                from rq_core.eval import load_heldout_text
+                from rq_core.tools.eval import load_heldout_text
 
                 self.text = load_heldout_text()
             except (ImportError, RQError):
@@ -348,7 +348,7 @@ def gate_thresholds() -> dict[str, float]:
     """Thresholds of the gates the soak checks, from `rq eval gates`' gates.toml (defaults if absent)."""
     th = {"kv_bytes_ratio": 0.25, "no_degenerate_repetition": 0.10}
     try:
-        from rq_core.eval import load_gates
+        from rq_core.tools.eval import load_gates
 
         th.update({k: float(v) for k, v in load_gates()["gates"].items() if k in th})
     except (ImportError, RQError, KeyError):
@@ -362,7 +362,7 @@ class Soak:
     def __init__(self, ckpt: Any, settings: SoakSettings, report_path: str | os.PathLike, *,
                  kv: Any = None, pager: Any = None, on_sample: Optional[Callable[[dict], None]] = None) -> None:
         from rq_core.checkpoint import context_length, text_config
-        from rq_core.kv_cache import KVSettings
+        from rq_core.cache.kv_cache import KVSettings
 
         if not (math.isfinite(settings.duration_s) and settings.duration_s > 0):
             raise RQError("the soak needs a positive, finite duration")
@@ -399,7 +399,7 @@ class Soak:
 
     def _reference(self, probe: list[int]) -> None:
         """fp16 references for the checks, computed once: the greedy probe continuation and its repetition."""
-        from rq_core.kv_cache import KVSettings
+        from rq_core.cache.kv_cache import KVSettings
 
         fp16 = KVSettings(mode="fp16")
         self._ref_cont = self._generate(probe, temp=0.0, max_tokens=self.s.probe_tokens, seed=0, kv=fp16).tokens

@@ -14,13 +14,12 @@ default) each expert's CRC32 the first time it is read in this process (corrupt 
 
 LRU is the only policy. A policy that maps the page files and copies every expert a step uses out of the
 mapping on every step reads at least what LRU reads (LRU reads only the misses) and holds as much (the
-copies of all layers of a step at once), so it is refused with one line (`GONE`).
+copies of all layers of a step at once), so it is refused with one line (`rq_core.quant.recipe.GONE_POLICIES`).
 """
 
 from __future__ import annotations
 
 import os
-import stat
 import time
 import weakref
 import zlib
@@ -34,11 +33,9 @@ import mlx.core as mx
 import numpy as np
 
 from rq_core.errors import RQError
-from rq_core.pack import _NP, expert_banks, load_index, source_fingerprints
+from rq_core.paging.pack import _NP, expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
+from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
-POLICIES = ("lru",)
-GONE = {"mmap": "pager policy 'mmap' is gone: it copied every expert a step uses on every step, so it never "
-                "read or held less than lru, which reads only the misses; use lru"}
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
 
 
@@ -72,15 +69,6 @@ class PagerStats:
         return asdict(self)
 
 
-def _target_dtype(module: Any, t: dict) -> mx.Dtype:
-    proj, part = t["name"].split(".")
-    cur = module[proj].get(part) if proj in module else None
-    stored = getattr(mx, t["dtype"])
-    if cur is None or not mx.issubdtype(stored, mx.floating):
-        return stored
-    return cur.dtype
-
-
 def _nbytes(t: dict, dtype: mx.Dtype) -> int:
     return t["nbytes"] // getattr(mx, t["dtype"]).size * dtype.size
 
@@ -102,7 +90,7 @@ class _Layer:
         self.lut_dev: Optional[mx.array] = None  # the same table on the device; None: upload again
         # Banks take the dtype the model holds (e.g. float32 after model.set_dtype on the CPU), pages
         # are cast on load, so paged and resident runs compute the same numbers.
-        self.dtypes = {t["name"]: _target_dtype(module, t) for t in meta["tensors"]}
+        self.dtypes = {t["name"]: target_dtype(module, t) for t in meta["tensors"]}
         self.expert_bytes = sum(_nbytes(t, self.dtypes[t["name"]]) for t in meta["tensors"])
         for t in meta["tensors"]:  # the banks: [slots, ...] per tensor, zero until first written
             proj, part = t["name"].split(".")
@@ -201,22 +189,6 @@ class _Layer:
         os.close(self.fd)
 
 
-def _open_pages(f: Path, path: str, meta: dict) -> int:
-    """A read-only fd of a layer's page file, checked to be a regular file of the size the index says."""
-    try:  # O_NONBLOCK: a FIFO planted in a pack must not hang the open
-        fd = os.open(f, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise RQError(f"layer {path}: its page file is missing from {f.parent} (run `rq pack` again)")
-    st = os.fstat(fd)
-    want = meta["page_bytes"] * meta["num_experts"]
-    if not stat.S_ISREG(st.st_mode) or st.st_size != want:
-        os.close(fd)
-        what = "not a regular file" if not stat.S_ISREG(st.st_mode) else \
-            f"{st.st_size} bytes, the index says {want}"
-        raise RQError(f"layer {path}: page file {f} is truncated or wrong ({what}): run `rq pack` again")
-    return fd
-
-
 class ExpertPager:
     """Attach to a loaded (lazy) model: the routed-expert banks become slot banks fed from page files.
 
@@ -244,7 +216,7 @@ class ExpertPager:
         fds: dict[str, int] = {}
         try:  # every page file checked before any bank is touched: a refused pack leaves the model as it was
             for path in banks:
-                fds[path] = _open_pages(self.dir / index["layers"][path]["file"], path, index["layers"][path])
+                fds[path] = open_page_file(self.dir / index["layers"][path]["file"], path, index["layers"][path])
         except BaseException:
             for fd in fds.values():
                 os.close(fd)
@@ -353,7 +325,7 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     prefills (planner.prefill_fp16_bytes; `prefill_fp16`: kv.prefill_fp16) and a prefill working reserve."""
     from mlx.utils import tree_flatten
 
-    from rq_core.planner import _moe_info, activation_bytes, cache_tokens, kv_bytes, prefill_fp16_bytes
+    from rq_core.paging.planner import _moe_info, activation_bytes, cache_tokens, kv_bytes, prefill_fp16_bytes
 
     banks = expert_banks(model)
     bank_ids = {id(v) for m in banks.values() for _, v in tree_flatten(m.parameters())}
@@ -368,7 +340,7 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     if attached is not None and index is None:  # the banks are slot banks now: what the pages hold
         index = {"layers": {p: l.meta for p, l in attached.layers.items()}}
     if index is not None:  # in the dtype the model holds (pages are cast on load)
-        per_expert = max(sum(_nbytes(t, _target_dtype(banks[p], t)) for t in meta["tensors"])
+        per_expert = max(sum(_nbytes(t, target_dtype(banks[p], t)) for t in meta["tensors"])
                          for p, meta in index["layers"].items() if p in banks)
     else:
         per_expert = max(sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)

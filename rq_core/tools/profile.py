@@ -192,7 +192,7 @@ def find_components(model: nn.Module, caches: list) -> list[tuple[str, Any, str]
 
 def _four_kernel_replay(calls: list) -> list:
     """The recorded attention calls again, through the four-kernel pipeline (RQ_ATTN=four) instead of attn_fused."""
-    from rq_core import env
+    from rq_core.kernels import config as env
 
     with env.override(attention="four"):
         return [c.replay() for c in calls]
@@ -275,12 +275,12 @@ def attention_stages(cache: Any, queries: mx.array, scale: float) -> Optional[di
 
     Returns {"stages": {name: fn}, "strategy": str, "path": "kernels" | "reference"}; each fn runs one
     stage on the (already evaluated) output of the stage before it. On a GPU these are the kernels of
-    `rq_core.kernels`; on CPU the reference math (`rq_core.attention`) done stage by stage.
+    `rq_core.kernels.launch`; on CPU the reference math (`rq_core.attention.reference`) done stage by stage.
     """
     if not hasattr(cache, "k_codes") or cache.k_codes is None:
         return None
     if backend() != "cpu":
-        from rq_core import kernels
+        from rq_core.kernels import launch as kernels
 
         if kernels.available():
             return _kernel_stages(cache, queries, scale)
@@ -288,9 +288,9 @@ def attention_stages(cache: Any, queries: mx.array, scale: float) -> Optional[di
 
 
 def _kernel_stages(cache: Any, q: mx.array, scale: float) -> dict[str, Any]:
-    """The GPU pipeline stage by stage: `rq_core.kernels` rotate_queries, qk_dot (A), softmax (B),
+    """The GPU pipeline stage by stage: `rq_core.kernels.launch` rotate_queries, qk_dot (A), softmax (B),
     value_accum (C, with the strategy it picks for this context) and rotate_inverse (D)."""
-    from rq_core import kernels as K
+    from rq_core.kernels import launch as K
 
     T, bits, Hkv = cache.packed_len, cache.bits, cache.k_codes.shape[1]
     levels = cache.levels
@@ -339,7 +339,7 @@ def _kernel_stages(cache: Any, q: mx.array, scale: float) -> dict[str, Any]:
 def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int] = None) -> dict[str, Any]:
     """The CPU reference path stage by stage: like `attention.packed_attention` but with the scores
     written out whole ([.., T] floats, what kernels A/B/C exchange) instead of an online softmax."""
-    from rq_core import attention
+    from rq_core.attention import reference as attention
 
     chunk = chunk or attention.CHUNK
     T, d, bits = cache.packed_len, q.shape[-1], cache.bits
@@ -543,7 +543,7 @@ def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill
                   threshold: float = DEFAULT_THRESHOLD, layer_scale: float = 1.0,
                   on_context: Optional[Callable[[dict], None]] = None) -> dict[str, Any]:
     """`profile_context` for each context length (fresh caches each), plus an overall verdict."""
-    from rq_core.kv_cache import KVSettings
+    from rq_core.cache.kv_cache import KVSettings
 
     kv = kv or KVSettings(mode="isoquant3")
     if not contexts:

@@ -1,7 +1,7 @@
 """How a compressed cache's attention is computed: one function, `attend`, and its rules (docs/KERNELS.md).
 
 The cache stores (packed codes of its older tokens, an fp16 segment of its newest); this module decides how to attend
-over both, from the shapes and the settings in force (rq_core.env.config()):
+over both, from the shapes and the settings in force (rq_core.kernels.config.config()):
 
   1. nothing packed yet (the prompt)                -> mx.fast SDPA over the fp16 segment
   2. a prompt chunk of more than PREFILL_DECODE_ROWS rows over packed tokens
@@ -11,7 +11,7 @@ over both, from the shapes and the settings in force (rq_core.env.config()):
   4. otherwise, or where the kernel declines the shapes
                                                     -> packed part + fp16 segment attended apart, merged by
                                                        logsumexp; the packed part by the MLX-op reference
-                                                       (rq_core.attention) or, with RQ_ATTN=four on a GPU, by the
+                                                       (rq_core.attention.reference) or, with RQ_ATTN=four on a GPU, by the
                                                        four-kernel pipeline `rq profile` times
 """
 
@@ -23,7 +23,8 @@ from typing import Protocol, Union
 
 import mlx.core as mx
 
-from rq_core import attention, env
+from rq_core.attention import reference as attention
+from rq_core.kernels import config as env
 
 Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask [.., L, T]
 
@@ -52,7 +53,7 @@ class InflightQueue:
 
 
 class PackedStore(Protocol):
-    """What `attend` reads of a compressed cache (rq_core.kv_cache.IsoQuantCache)."""
+    """What `attend` reads of a compressed cache (rq_core.cache.kv_cache.IsoQuantCache)."""
 
     offset: int
     packed_len: int
@@ -103,7 +104,7 @@ def attend(store: PackedStore, queries: mx.array, *, scale: float, mask: Mask = 
 def _fused(store: PackedStore, queries: mx.array, *, scale: float, offset: int, causal: bool) -> mx.array | None:
     """attn_fused over the packed codes with the rotation done in-kernel and the fp16 segment as one more split, or
     None where the kernels do not run here or decline the shapes."""
-    from rq_core import kernels
+    from rq_core.kernels import launch as kernels
 
     if not kernels.available():
         return None
@@ -154,7 +155,7 @@ def _four_kernels(store: PackedStore, q_rot: mx.array, *, scale: float, offset: 
                   causal: bool) -> tuple[mx.array, mx.array] | None:
     """(õ, lse) over the packed part by qk_dot, softmax and value_accum (queries already rotated), or None where the
     kernels do not run here or decline the shapes."""
-    from rq_core import kernels
+    from rq_core.kernels import launch as kernels
 
     T, L = store.packed_len, q_rot.shape[2]
     if not kernels.available():
@@ -180,7 +181,7 @@ def _attend_decoded(store: PackedStore, queries: mx.array, *, scale: float, caus
     """A prompt chunk over compressed older tokens (kv.prefill_fp16): the packed part decoded in the model's dtype
     (one layer's K/V, inside this call only), the fp16 segment rotated, one fused attention in the rotated space.
     The chunked float32 path would run (queries x packed tokens) through many small ops per chunk of keys."""
-    from rq_core import kernels
+    from rq_core.kernels import launch as kernels
 
     dt, n, d = queries.dtype, store.packed_len, store.head_dim
     R = store.dense_rotation()  # [H, d, d], y = R x: one matmul each (the op-by-op WHT holds ~20x its input)

@@ -3,7 +3,7 @@
 A cache owns its keys/values *and* answers attention over them, because a compressed cache must
 never hand back a full-precision K or V of the context. Models call `cache.attend(q, k, v, ...)`
 with the new tokens' keys/values; the cache appends them and returns attention over everything
-(a compressed cache stores, rq_core.dispatch decides how to attend). `state` lists the arrays a cache holds,
+(a compressed cache stores, rq_core.attention.dispatch decides how to attend). `state` lists the arrays a cache holds,
 what generation evaluates between steps.
 """
 
@@ -16,7 +16,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
-from rq_core.dispatch import InflightQueue, Mask
+from rq_core.attention.dispatch import InflightQueue, Mask
 from rq_core.errors import RQError
 
 
@@ -218,7 +218,7 @@ def quantize_kv(x: mx.array, rotation, levels: mx.array, bits: int, *, norm_corr
                 ) -> tuple[mx.array, mx.array]:
     """Quantize vectors x [B, H, T, d] → (codes uint32 [B, H, T, W], stored norms float16 [B, H, T]).
     levels [2^bits]: a scalar codebook; [n, 2]: a pair codebook (bits = log2 n, one field a pair of coordinates)."""
-    from rq_core.packing import pack
+    from rq_core.codec.packing import pack
 
     d = x.shape[-1]
     x = x.astype(mx.float32)
@@ -264,7 +264,7 @@ def nearest_pair(z: mx.array, points: mx.array) -> mx.array:
 
 def dequantize_kv(codes: mx.array, norms: mx.array, rotation, levels: mx.array, bits: int, d: int) -> mx.array:
     """x̂ = m · Rᵀ(levels[idx] / √d), float32 [B, H, T, d] (tests and tools; attention never does this)."""
-    from rq_core.attention import dequantize_rotated
+    from rq_core.attention.reference import dequantize_rotated
 
     return rotation.inverse(dequantize_rotated(codes, norms, levels, bits, d))
 
@@ -296,8 +296,8 @@ class IsoQuantCache:
                  norm_correction: bool = False, seed: int = 0, key_bits: int | None = None,
                  pair_points: tuple[int, int] | None = None, prefill_fp16: int | None = None,
                  value_gain: bool = False) -> None:
-        from rq_core.codebook import check_bits, check_pair_points, get_codebook, pair_codebook, reconstruction_gain
-        from rq_core.rotation import Rotation, check_dim
+        from rq_core.codec.codebook import check_bits, check_pair_points, get_codebook, pair_codebook, reconstruction_gain
+        from rq_core.codec.rotation import Rotation, check_dim
 
         self.head_dim = check_dim(head_dim)
         self.bits = check_bits(bits)
@@ -427,7 +427,7 @@ class IsoQuantCache:
     def compress_kv(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """(k_codes, k_norms, v_codes, v_norms) of new tokens: on a GPU one kv_append launch for K and V
         (RQ_APPEND=ops keeps quantize_kv's MLX ops there); on CPU quantize_kv, the reference."""
-        from rq_core import kernels
+        from rq_core.kernels import launch as kernels
 
         out = kernels.append_codes(keys, values, self.rotation, self.levels, self.bits,
                                    norm_correction=self.norm_correction, key_bits=self.key_bits,
@@ -474,7 +474,7 @@ class IsoQuantCache:
     # -- protocol --
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
                mask: Mask = None) -> mx.array:
-        from rq_core import dispatch
+        from rq_core.attention import dispatch
 
         L = queries.shape[2]
         self._append_fp16(keys, values)

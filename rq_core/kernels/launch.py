@@ -17,7 +17,7 @@ kernel; MLX caches the compiled module per template instantiation = shape class)
     softmax          fp32, stable, masked
     value_accum      "word" (word-parallel) or "dim" (dimension-parallel) strategy
     rotate_inverse   o = R^T o~
-Which one a cache's attention takes is decided in one place: rq_core.dispatch.
+Which one a cache's attention takes is decided in one place: rq_core.attention.dispatch.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from rq_core import env, kernel_cache
+from rq_core.kernels import config as env
+from rq_core.kernels import cache as kernel_cache
 
 # metal/ at the repo root; an installed wheel carries it as rq_core/_metal (pyproject.toml).
-_HERE = Path(__file__).resolve().parent
+_HERE = Path(__file__).resolve().parents[1]  # rq_core/
 SRC_DIR = _HERE / "_metal" if (_HERE / "_metal" / "common.h").is_file() else _HERE.parent / "metal"
 BACKENDS = ("metal", "cuda")
 BODY_MARK = "//--- body ---"
@@ -251,7 +252,7 @@ def _kernel(name: str, be: str):
 
 def _launch(k, **kw):
     """k(**kw). On CUDA the first launch of each kernel class also leaves its compiled form in MLX's PTX
-    cache for later processes (rq_core.kernel_cache; RQ_KERNEL_CACHE=0 turns it off)."""
+    cache for later processes (rq_core.kernels.cache; RQ_KERNEL_CACHE=0 turns it off)."""
     if not env.config().disk_cache or backend() != "cuda":
         return k(**kw)
     key = (id(k), tuple(kw.get("template") or ()), tuple((x.dtype, x.ndim) for x in kw["inputs"]),
@@ -808,7 +809,7 @@ _ROT_ARGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def rotation_args(rotation) -> tuple[int, mx.array | None]:
-    """(ROT bits, matrices) for the kernels' in-kernel rotation of an rq_core.rotation.Rotation, cached."""
+    """(ROT bits, matrices) for the kernels' in-kernel rotation of an rq_core.codec.rotation.Rotation, cached."""
     hit = _ROT_ARGS.get(rotation)
     if hit is None:
         v = rotation.variant
@@ -930,7 +931,7 @@ def decode_rows(codes: mx.array, norms: mx.array, levels: mx.array, *, bits: int
                 dtype: mx.Dtype, rows: int | None = None) -> mx.array | None:
     """Rows 0 .. n-1 of packed codes [B, H, Tcap, W] and norms [B, H, Tcap] as rotated-space vectors m · levels[c] / √d
     [B, H, rows, d] in `dtype` (rows ≥ n, default n; rows n .. are left for the caller to fill), one kv_decode launch
-    (`rq_core.attention.dequantize_rotated` is the reference). levels [2^bits] (a scalar codebook) or [2^bits, 2]
+    (`rq_core.attention.reference.dequantize_rotated` is the reference). levels [2^bits] (a scalar codebook) or [2^bits, 2]
     (pair codebook; `bits` a field of two coordinates). None on CPU or for shapes the kernel does not take: the
     caller decodes with MLX ops."""
     rows = n if rows is None else rows

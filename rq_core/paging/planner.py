@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 from rq_core.errors import RQError
 from rq_core.models import text_config
-from rq_core.recipe import Recipe, RoleSpec
-from rq_core.roles import NEVER, ROLES, ROUTED_EXPERT, family_of, role_of
+from rq_core.quant.recipe import Recipe, RoleSpec
+from rq_core.quant.roles import NEVER, ROLES, ROUTED_EXPERT, family_of, role_of
 
 DTYPE_BYTES = 2  # bf16/fp16 weights, scales and biases
 
@@ -163,7 +163,7 @@ def prefill_fp16_bytes(config: dict, kv_mode: str, context: int, prefill_fp16: O
     of the context at 2 bytes of the layers whose decoded attention may be alive at once: the one waited for and
     IsoQuantCache.prefill_inflight queued ahead of it (dispatch._attend_decoded). 0 for an fp16 cache (its K/V is the
     KV line)."""
-    from rq_core.kv_cache import IsoQuantCache
+    from rq_core.cache.kv_cache import IsoQuantCache
 
     if kv_mode == "fp16":
         return 0
@@ -177,7 +177,7 @@ def prefill_fp16_bytes(config: dict, kv_mode: str, context: int, prefill_fp16: O
 
 def cache_tokens(context: int) -> int:
     """Tokens the KV caches hold room for at `context`: they grow in steps of 256 (kv_cache.FP16Cache.step)."""
-    from rq_core.kv_cache import FP16Cache
+    from rq_core.cache.kv_cache import FP16Cache
 
     step = FP16Cache.step
     return -(-max(context, 0) // step) * step
@@ -198,7 +198,7 @@ def activation_bytes(config: dict, chunk: int) -> int:
 def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context: Optional[int] = None,
          prefill_chunk: int = 512, shapes: Optional[dict[str, tuple[int, ...]]] = None) -> Plan:
     """What the recipe makes of this model and what fits `budget` bytes (None: the recipe's budget)."""
-    from rq_core.recipe import parse_size
+    from rq_core.quant.recipe import parse_size
 
     fam = family_of(config)
     if recipe.family and recipe.family != fam:

@@ -22,8 +22,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KVSettings, check_edges, prefill_fp16_value
-from rq_core.roles import FAMILIES, ROLES
+from rq_core.cache.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KVSettings, check_edges, prefill_fp16_value
+from rq_core.quant.roles import FAMILIES, ROLES
 from rq_core.textio import read_utf8
 
 VERSION = 1
@@ -34,10 +34,13 @@ METHODS = ("rtn", "gptq")
 GPTQ_ROLES = ("attention", "dense_mlp", "mamba", "shared_expert", "lm_head")
 KV_MODES = ("fp16", "isoquant3", "turbo3")
 ROTATIONS = ("wht_so4", "wht", "so4", "so3", "dense", "rwht_so4")
-POLICIES = ("lru",)  # rq_core.pager: mmap is gone (pager.GONE)
+POLICIES = ("lru",)  # the pager's policies
+# Policies that existed once, with why they are gone (a recipe or --pager naming one gets this line).
+GONE_POLICIES = {"mmap": "pager policy 'mmap' is gone: it copied every expert a step uses on every step, so it "
+                          "never read or held less than lru, which reads only the misses; use lru"}
 KV_KEYS = tuple(f.name for f in dataclasses.fields(KVSettings))
 # recipes/ at the repo root; an installed wheel carries it as rq_core/_recipes (pyproject.toml).
-_HERE = Path(__file__).resolve().parent
+_HERE = Path(__file__).resolve().parents[1]  # rq_core/
 RECIPES_DIR = _HERE / "_recipes" if (_HERE / "_recipes").is_dir() else _HERE.parent / "recipes"
 
 
@@ -235,7 +238,7 @@ def _parse_kv(src: str, table: Any) -> KVSettings:
             raise RQError(f"{src}: kv.pair_points must be two integers, keys' and values' points, or [] for "
                           f"scalar codebooks (got {pp!r})")
         else:
-            from rq_core.codebook import PAIR_POINTS
+            from rq_core.codec.codebook import PAIR_POINTS
 
             if any(p not in PAIR_POINTS for p in pp):
                 raise RQError(f"{src}: kv.pair_points = {pp} must each be one of {', '.join(map(str, PAIR_POINTS))}")
@@ -335,9 +338,7 @@ def parse(data: dict, source: str = "<recipe>") -> Recipe:
     if pager.memory_budget is not None:
         parse_size(str(pager.memory_budget), f"{src}: pager.memory_budget")
     if pager.policy == "mmap":
-        from rq_core.pager import GONE
-
-        raise RQError(f"{src}: {GONE['mmap']}")
+        raise RQError(f"{src}: {GONE_POLICIES['mmap']}")
     if pager.policy not in POLICIES:
         raise RQError(f"{src}: pager.policy = {pager.policy!r} is not one of {', '.join(POLICIES)}")
 
@@ -404,7 +405,7 @@ def parse_size(text: str, what: str = "size") -> int:
 def check_against(recipe: Recipe, config: dict, dims: dict[str, list[tuple[str, tuple[int, ...]]]]) -> None:
     """Validate a recipe against a model: its family, and that each role's group size divides the
     input dimension of every tensor of that role. `dims`: role -> [(name, shape)]."""
-    from rq_core.roles import family_of
+    from rq_core.quant.roles import family_of
 
     fam = family_of(config)
     if recipe.family and recipe.family != fam:

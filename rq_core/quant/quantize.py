@@ -29,12 +29,12 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from rq_core.errors import RQError
-from rq_core.recipe import Recipe, RoleSpec, check_against
-from rq_core.roles import NEVER, ROLES, role_of
+from rq_core.quant.recipe import Recipe, RoleSpec, check_against
+from rq_core.quant.roles import NEVER, ROLES, role_of
 from rq_core.textio import dumps_strict, read_utf8
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
-CALIB_DEFAULT = Path(__file__).parent / "assets" / "calibration.txt"
+CALIB_DEFAULT = Path(__file__).resolve().parents[1] / "assets" / "calibration.txt"
 _LAYER_KEY = re.compile(r"^(.*?layers)\.(\d+)\.")
 # Our parameter names -> the names mlx-lm uses for the same tensor (so the output loads there too;
 # our models' sanitize maps them back).
@@ -255,7 +255,7 @@ class _Job:
         return self.model.sanitize(part)
 
     def validate(self) -> None:
-        from rq_core.planner import quantizable
+        from rq_core.paging.planner import quantizable
 
         dims: dict[str, list] = {}
         for k, v in tree_flatten(self.model.parameters()):
@@ -660,7 +660,7 @@ def _remove_if_ours(p: Path) -> bool:
 
 
 def _write_metadata(tmp: Path, src: Path, config: dict, job: _Job, weight_map: dict[str, str]) -> None:
-    from rq_core.recipe import Recipe as _R
+    from rq_core.quant.recipe import Recipe as _R
 
     cfg = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     first = next((s for s in job.specs.values() if s.bits is not None), RoleSpec(4, 64))

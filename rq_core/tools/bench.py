@@ -3,7 +3,7 @@
 Every measurement runs in this one process, the (context, KV mode) cells interleaved within each repetition (the
 order of KV modes rotating between repetitions) so that drift (thermals, other jobs) spreads over all cells alike.
 A cell: a fresh cache from the model's own `make_cache`, filled to the context with random K/V appended through each
-cache's own `attend` (rq_core.profile.fill_caches: compressed caches hold real codes, sliding windows their window),
+cache's own `attend` (rq_core.tools.profile.fill_caches: compressed caches hold real codes, sliding windows their window),
 then `tokens` greedy tokens through rq_core.generate.generate (rq's decode loop). Prefill speed is a real prefill of
 `prefill_tokens` random ids through the model (long prompts would take minutes; decode speed at a context does not
 depend on how the context was made).
@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from rq_core.errors import RQError
-from rq_core.kv_cache import KVSettings
+from rq_core.cache.kv_cache import KVSettings
 
 Progress = Callable[[str, int, int], None]
 
@@ -50,7 +50,7 @@ def decode_cell(model: nn.Module, kv: KVSettings, context: int, tokens: int, *, 
                 vocab_size: Optional[int] = None) -> dict[str, Any]:
     """One measurement: a fresh cache filled to `context` tokens (synthetic K/V), then `tokens` greedy tokens."""
     from rq_core.generate import cache_bytes, generate
-    from rq_core.profile import fill_caches
+    from rq_core.tools.profile import fill_caches
 
     cache = model.make_cache(kv)
     mx.reset_peak_memory()
@@ -151,7 +151,7 @@ def bench(model: nn.Module, config: dict, contexts: list[int], kvs: list[KVSetti
 
 def kv_settings(modes: list[str], *, fp16_window: int, edge_layers: int) -> list[KVSettings]:
     """The caches `rq run` makes for each mode (fp16: the plain cache)."""
-    from rq_core.kv_cache import KV_MODES
+    from rq_core.cache.kv_cache import KV_MODES
 
     out = []
     for m in modes:

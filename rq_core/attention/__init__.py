@@ -1,0 +1,1 @@
+"""Attention over a compressed cache: the dispatcher and the pure-MLX reference."""

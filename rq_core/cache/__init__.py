@@ -1,0 +1,1 @@
+"""The KV caches: fp16 and the compressed IsoQuant / TurboQuant caches."""

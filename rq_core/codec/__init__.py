@@ -1,0 +1,1 @@
+"""How K/V vectors become codes: rotations, Lloyd-Max codebooks, bit packing."""

@@ -1,0 +1,1 @@
+"""The GPU kernels: rendering of metal/ sources, launch, compiled-kernel cache, settings."""

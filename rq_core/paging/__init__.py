@@ -1,0 +1,1 @@
+"""Expert paging: the page format (rq pack), the pager, the memory planner."""

@@ -1,0 +1,1 @@
+"""Weight quantization: recipes, tensor roles, the streaming quantizer."""

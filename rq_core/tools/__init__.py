@@ -1,0 +1,1 @@
+"""Measurement tools behind rq eval, rq profile, rq soak and rq bench."""

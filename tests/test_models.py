@@ -172,6 +172,9 @@ def test_sanitize_fused_and_stacked_layouts(family: str) -> None:
     assert _rel(np.array(again(x)[0]), ref) < 1e-4
 
 
+QUANT_REL = {"qwen3_moe": 0.2983, "qwen2_moe": 0.4656}
+
+
 @pytest.mark.parametrize("family", QWEN)
 def test_quantized_checkpoint_loads(family: str, tmp_path: Path) -> None:
     """An mlx-lm style quantized checkpoint (per-path `quantization` entries) loads and computes the same."""
@@ -214,7 +217,9 @@ def test_quantized_checkpoint_loads(family: str, tmp_path: Path) -> None:
     want = np.array(model(x)[0])
     got = np.array(loaded(x)[0])
     assert _rel(got, want) < 1e-5
-    assert 0 < _rel(got, ref) < 0.5  # quantized: close to, but not equal to, the float model
+    # 4-bit weights (8-bit routers) of the tiny golden model against its float logits: deterministic, so pinned to
+    # what was measured (qwen3_moe 0.298, qwen2_moe 0.466; `pytest -s` on this test with a print of _rel)
+    assert _rel(got, ref) == pytest.approx(QUANT_REL[family], rel=0.02)
 
 
 # --------------------------------------------------------------------------------------- primitives

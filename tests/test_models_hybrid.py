@@ -397,7 +397,9 @@ def test_quantized_checkpoint_roundtrip(family: str, tmp_path: Path) -> None:
     x = mx.array([g["prompt_ids"]])
     want, got = np.array(model(x)[0]), np.array(loaded(x)[0])
     assert _rel(got, want) < 1e-5
-    assert 0 < _rel(got, ref) < 0.5  # tiny random models are sensitive even to 8-bit weights
+    # the quantized tiny model against its float logits: deterministic, so pinned to what was measured
+    # (nemotron_h 0.0163, gemma4 0.183)
+    assert _rel(got, ref) == pytest.approx({"nemotron_h": 0.01625, "gemma4": 0.1831}[family], rel=0.02)
 
 
 def test_gemma4_kv_sharing_layers() -> None:
@@ -415,7 +417,7 @@ def test_gemma4_kv_sharing_layers() -> None:
     out, cache = _chunked(model, g["prompt_ids"], [5, 11, 1, 15], KVSettings(mode="isoquant3"))
     kinds = [type(c).__name__ for c in cache]
     assert kinds == ["RotatingWindowCache", "IsoQuantCache", "RotatingWindowCache", "IsoQuantCache"]
-    assert (out.argmax(-1) == ref.argmax(-1)).mean() > 0.5
+    assert (out.argmax(-1) == ref.argmax(-1)).mean() == 1.0  # measured: every position's top token kept
 
 
 @pytest.mark.parametrize("family,layers", [("qwen3_moe", 5), ("qwen2_moe", 4), ("nemotron_h", None), ("gemma4", None)])

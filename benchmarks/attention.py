@@ -35,6 +35,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 import rq_core.kernels.launch as K  # noqa: E402
+from rq_core.codec.rotation import quat_left, quat_right  # noqa: E402
 
 HQ, HKV, D, BITS = 32, 4, 128, 3
 G = HQ // HKV
@@ -108,20 +109,6 @@ def copy_bandwidth(reps: int = 20) -> dict:
     return res
 
 
-def quat_L(q: np.ndarray) -> np.ndarray:
-    """Matrix of v -> q * v (Hamilton product), q = (w, x, y, z) along the last axis."""
-    w, x, y, z = np.moveaxis(q, -1, 0)
-    return np.stack([np.stack([w, -x, -y, -z], -1), np.stack([x, w, -z, y], -1),
-                     np.stack([y, z, w, -x], -1), np.stack([z, -y, x, w], -1)], -2)
-
-
-def quat_R(p: np.ndarray) -> np.ndarray:
-    """Matrix of v -> v * p."""
-    w, x, y, z = np.moveaxis(p, -1, 0)
-    return np.stack([np.stack([w, -x, -y, -z], -1), np.stack([x, w, z, -y], -1),
-                     np.stack([y, -z, w, x], -1), np.stack([z, y, -x, w], -1)], -2)
-
-
 def dense_rotations(rng: np.random.Generator) -> np.ndarray:
     out = []
     for _ in range(HKV):
@@ -152,7 +139,7 @@ def build(T: int, nl: int, rng: np.random.Generator, qmm: bool = True) -> dict:
         g = rng.standard_normal((HKV, D // 4, 2, 4))
         g /= np.linalg.norm(g, axis=-1, keepdims=True)
         conj = g[..., 1, :] * np.array([1.0, -1.0, -1.0, -1.0])
-        L["mats"].append(mx.array((quat_L(g[..., 0, :]) @ quat_R(conj)).astype(np.float32)))
+        L["mats"].append(mx.array((quat_left(g[..., 0, :]) @ quat_right(conj)).astype(np.float32)))
         L["dense"].append(mx.array(dense_rotations(rng)))
         mx.eval([x for vals in L.values() for x in vals[-1:]])
     L["levels"] = mx.array(np.sort(np.random.default_rng(1).standard_normal(1 << BITS)).astype(np.float32))

@@ -84,32 +84,11 @@ def write_synthetic(out: Path, layers: int | None = None, recipe_name: str = "qw
 def verify_cost(a: argparse.Namespace) -> None:
     """Decode tok/s with and without page checks, interleaved, at 50% of experts resident."""
     from rq_core.checkpoint import load, load_config
-    from rq_core.errors import RQError
     from rq_core.generate import generate
-    from rq_core.paging.pack import INDEX, find_pages, pack
     from rq_core.paging.pager import ExpertPager
 
-    t0 = time.perf_counter()
-    if a.synthetic:
-        ck = Path(a.synthetic)
-        if not (ck / "config.json").is_file():
-            write_synthetic(ck, a.layers)
-    else:
-        ck = Path(a.ckpt)
-    write_s = time.perf_counter() - t0
+    ck, write_s, pack_s = _checkpoint(a)
     cfg = load_config(ck)
-    if a.layers is not None and cfg["num_hidden_layers"] != a.layers:
-        raise SystemExit(f"{ck} has {cfg['num_hidden_layers']} layers, not --layers {a.layers} (use another DIR)")
-    t0 = time.perf_counter()
-    packed = (find_pages(ck) / INDEX).is_file()
-    if packed:
-        try:
-            ExpertPager(load(ck, tokenizer=False).model, ck, slots=1).close()
-        except RQError:  # stale or damaged: pack again
-            packed = False
-    if not packed:
-        pack(ck)
-    pack_s = time.perf_counter() - t0
     E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
     slots = max(k, E // 2)
     prompt = [int(x) for x in mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1))]
@@ -167,22 +146,26 @@ def verify_cost(a: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
-def _checkpoint(a: argparse.Namespace) -> Path:
-    """--synthetic DIR (written when missing) or --ckpt DIR, packed (again when its pages are stale)."""
+def _checkpoint(a: argparse.Namespace) -> tuple[Path, float, float]:
+    """--synthetic DIR (written when missing) or --ckpt DIR, packed (again when its pages are stale); with the
+    seconds spent writing and packing."""
     from rq_core.checkpoint import load, load_config
     from rq_core.errors import RQError
     from rq_core.paging.pack import INDEX, find_pages, pack
     from rq_core.paging.pager import ExpertPager
 
+    t0 = time.perf_counter()
     if a.synthetic:
         ck = Path(a.synthetic)
         if not (ck / "config.json").is_file():
             write_synthetic(ck, a.layers)
     else:
         ck = Path(a.ckpt)
+    write_s = time.perf_counter() - t0
     cfg = load_config(ck)
     if a.layers is not None and cfg["num_hidden_layers"] != a.layers:
         raise SystemExit(f"{ck} has {cfg['num_hidden_layers']} layers, not --layers {a.layers} (use another DIR)")
+    t0 = time.perf_counter()
     packed = (find_pages(ck) / INDEX).is_file()
     if packed:
         try:
@@ -191,7 +174,7 @@ def _checkpoint(a: argparse.Namespace) -> Path:
             packed = False
     if not packed:
         pack(ck)
-    return ck
+    return ck, write_s, time.perf_counter() - t0
 
 
 def pager_cost(a: argparse.Namespace) -> None:
@@ -205,9 +188,8 @@ def pager_cost(a: argparse.Namespace) -> None:
     from rq_core.paging.pack import expert_banks, load_index
     from rq_core.paging.pager import READ_THREADS, ExpertPager, slots_for_budget
 
-    t0 = time.perf_counter()
-    ck = _checkpoint(a)
-    setup_s = time.perf_counter() - t0
+    ck, write_s, pack_s = _checkpoint(a)
+    setup_s = write_s + pack_s
     cfg = load_config(ck)
     E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
     prompt = [int(x) for x in mx.random.randint(0, cfg["vocab_size"], (a.prompt,), key=mx.random.key(1))]

@@ -47,7 +47,8 @@ default CKPT/experts)."""
         raise RQError(f"--memory-budget {memory_budget} is too small: resident weights {fmt_bytes(p['resident_bytes'])}"
                       f" + KV {fmt_bytes(p['kv_bytes'])} + prompt K/V in fp16 while prefilling "
                       f"{fmt_bytes(p['prefill_fp16_bytes'])} + working memory {fmt_bytes(p['activation_bytes'])} leave "
-                      f"room for {p['slots_per_layer']} experts per layer, top-k needs {p['top_k']}")
+                      f"room for {p['slots_per_layer']} expert(s) a layer, top-k needs {p['top_k']}; the smallest budget "
+                      f"that runs is {p['min_budget_bytes']:,} bytes ({fmt_bytes(p['min_budget_bytes'])})")
     if index is None:
         raise RQError(f"{ckpt.path} has no expert pages: run `rq pack {ckpt.path}` first")
     return ExpertPager(ckpt.model, ckpt.path, slots=p["slots_per_layer"], policy=policy, pages=pages)

@@ -303,3 +303,19 @@ def test_a_refused_pack_leaves_the_model_as_it_was(bundled, tmp_path):
     with pytest.raises(RQError, match="truncated"):
         ExpertPager(m, ck, slots=2)
     assert generate(m, ids, max_tokens=4).tokens == ref
+
+
+def test_too_small_budget_names_the_smallest_that_runs(tmp_path):
+    """A budget that does not fit says the least one that does, in bytes; that budget runs with top-k slots, one
+    byte less does not."""
+    import re
+
+    out = tmp_path / "pages"
+    assert _invoke("pack", "--out", out).exit_code == 0
+    base = ["run", "-p", PROMPT, "-n", "4", "--temp", "0", "--json", "--pages", out]
+    msg = _one_line_error(_invoke(*base, "--memory-budget", "1MB"), "smallest budget that runs is")
+    least = int(re.search(r"smallest budget that runs is ([\d,]+) bytes", msg).group(1).replace(",", ""))
+    r = _invoke(*base, "--memory-budget", least)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["pager"]["slots"] == 2  # the bundled model's top-k
+    _one_line_error(_invoke(*base, "--memory-budget", least - 1), "too small")

@@ -360,7 +360,9 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
             "activation_bytes": act, "staging_bytes": stage, "staging_bytes_per_expert": used,
             "staged_experts": min(slots, cap), "bytes_per_expert": per_expert, "moe_layers": n_moe,
             "experts_per_layer": E, "top_k": k, "slots_per_layer": slots, "fits": slots >= k,
-            "planned_peak_bytes": resident + kvb + pre + act + stage + n_moe * slots * per_expert}
+            "planned_peak_bytes": resident + kvb + pre + act + stage + n_moe * slots * per_expert,
+            # the least budget that holds top-k slots a layer: the smallest that runs
+            "min_budget_bytes": resident + kvb + pre + act + k * per_slot + min(k, cap) * used}
 
 
 def activation_dtype(model: Any) -> mx.Dtype:

@@ -564,6 +564,13 @@ class SlidingWindowCache:
             self.offset -= n
         return n
 
+    def mark(self) -> Callable[[], None]:
+        saved = self.keys, self.values, self.offset  # a step replaces the arrays, never writes into them
+
+        def undo() -> None:
+            self.keys, self.values, self.offset = saved
+        return undo
+
     @property
     def state(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]
@@ -705,6 +712,15 @@ class RotatingWindowCache:
         self.offset -= n
         self.valid -= n
         return n
+
+    def mark(self) -> Callable[[], None]:
+        # a decode step writes the slot of the position it adds; run again, it writes that slot again, and the
+        # token it overwrote was outside every later query's window
+        saved = self.keys, self.values, self.offset, self.valid
+
+        def undo() -> None:
+            self.keys, self.values, self.offset, self.valid = saved
+        return undo
 
     @property
     def state(self) -> list[mx.array]:

@@ -210,11 +210,18 @@ def run_cache(mx, rng, *, mode: str, context: int, window: int, steps: int = 3, 
                   for r in (cache_reference(cache, q, scale), cache_reference(cache, q, scale, half=True)))
         out.append((bool(np.isfinite(got).all()) and err < TOL_CACHE and o.dtype == mx.float16,
                     f"decode step {i}: rel.err {err:.2e}"))
-    # a decode step takes the fused kernel on a GPU (rq_core.attention.dispatch records the path on the cache)
+    # a decode step takes the fused kernel on a GPU wherever the dispatcher's decision says it covers the shape
+    # (rq_core.attention.dispatch records the path on the cache; tests/test_attention_coverage.py lists the gaps)
+    from rq_core.attention import dispatch
     from rq_core.kernels import launch as K
 
+    be = K.backend() if K.available() else None
+    why = "no GPU" if be is None else dispatch.fused_declines(
+        be, head_dim=d, q_heads=hq, kv_heads=hkv, bits=cache.bits, key_bits=cache.key_bits,
+        pair_points=cache.pair_points)
     path = getattr(cache, "attention_path", None)
-    out.append((path is not None and path[0] == ("fused" if K.available() else "reference"), f"decode path {path}"))
+    out.append((path is not None and path[0] == ("fused" if why is None else "reference"),
+                f"decode path {path}" + (f" (declined: {why})" if why else "")))
     return out
 
 

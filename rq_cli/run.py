@@ -115,6 +115,8 @@ def run(
     res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                    seed=seed, kv=settings, eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
                    context_length=ctx, on_token=None if json_out else on_token, cache=caches)
+    from rq_core.attention.dispatch import attention_paths, format_paths  # (mlx: imported only to run)
+
     # the codebooks the compressed caches took (the settings' default depends on the head dim; edge layers are scalar)
     pairs = next((c.pair_points for c in caches if getattr(c, "pair_points", None)), None)
     text_out = tok.decode(res.tokens)
@@ -130,6 +132,7 @@ def run(
                     "kv_pair_points": list(pairs) if pairs else None,
                     "kv_edge_layers": settings.edge_layers if kv != "fp16" else None,
                     "kv_edge_bits": settings.edge_bits if kv != "fp16" and settings.edge_layers else None,
+                    "attention_paths": attention_paths(caches),
                     "settings_from": source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
         return
     tail = stream.flush()
@@ -141,7 +144,7 @@ def run(
         else [])
     kv_stat = f"KV {kv}{f' ({chr(44).join(notes)})' if notes else ''} {_fmt_bytes(res.kv_bytes)}"
     if kv != "fp16":
-        kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}"
+        kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}, attention {format_paths(attention_paths(caches))}"
     elif res.kv_bytes > res.kv_bytes_fp16:  # rq_core.checkpoint computes small models in float32 on the CPU
         kv_stat += " (float32 on the CPU)"
     slow_first = ""  # a first step 10x a steady one: a GPU's one-time kernel compile, shown apart

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from rq_core.attention.dispatch import attention_paths
 from rq_core.errors import RQError
 
 STAGES = ("rotation", "A_fused_qk_dot", "B_softmax", "C_fused_value_accum", "D_rotate_inverse")
@@ -512,6 +513,8 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         "kernels": None,
         "strategy": staged[0]["strategy"] if have_stages else None,
         "attention_path": staged[0]["path"] if have_stages else ("sdpa" if kv_calls else None),
+        # the path each compressed layer's decode attention took (rq_core.attention.dispatch), e.g. {"fused": 48}
+        "attention_paths": attention_paths(caches),
         "kv_attention_share": share,
         "threshold": threshold,
         "verdict": verdict(share, threshold),
@@ -573,6 +576,7 @@ def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill
         "fp16_window": getattr(kv, "fp16_window", 0) if kv.mode != "fp16" else None,
         "edge_layers": kv.edge_layers if kv.mode != "fp16" else None,
         "attention_path": paths[0] if len(paths) == 1 else (paths or None),
+        "attention_paths": results[-1]["attention_paths"],  # at the last context
         "threshold": threshold,
         "warmup": warmup,
         "repeats": repeats,

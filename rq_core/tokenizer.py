@@ -142,15 +142,17 @@ def load_tokenizer(path: str | Path) -> Optional[Tokenizer]:
 class StreamDecoder:
     """Incremental detokenizer: text pieces as tokens arrive, never a broken character.
 
-    Each piece is decoded in the context of the token before it (the last clean boundary), so a decoder that
-    treats a sequence's first token apart (SentencePiece drops its leading space) gives what decoding all the
-    tokens at once gives: the pieces concatenate to `decode(all ids)`. A trailing U+FFFD (a character whose UTF-8
-    bytes are split across tokens) is held back until a later token completes it (or `flush`). Only the window
-    since the last clean boundary is decoded, so streaming stays O(1) per token on long outputs."""
+    Each piece is decoded in the context of the piece before it (its tokens start at a character boundary, so
+    they decode alone as they do in the whole), so a decoder that treats a sequence's first token apart
+    (SentencePiece drops its leading space) or fuses byte tokens gives what decoding all the tokens at once gives:
+    the pieces concatenate to `decode(all ids)`. A trailing U+FFFD (a character whose UTF-8 bytes are split across
+    tokens) is held back until a later token completes it (or `flush`). Only the context and the pending tokens
+    are decoded, so streaming stays O(1) per token on long outputs."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._ids: list[int] = []  # the window: one context token, then the tokens not yet at a clean boundary
+        self._ids: list[int] = []  # the window: the context tokens, then the pending ones (from self._start)
+        self._start = 0
         self._sent = 0  # characters of the window's decode already handed out (the context's included)
 
     def add(self, token: int) -> str:
@@ -160,13 +162,16 @@ class StreamDecoder:
         done = text.rstrip("\ufffd")
         piece = done[self._sent:]
         self._sent = max(self._sent, len(done))
-        if len(done) == len(text):  # a clean boundary: the last token is the next piece's context
-            self._ids = self._ids[-1:]
-            self._sent = len(self.tokenizer.decode(self._ids))
+        if len(done) == len(text):  # a clean boundary: the pending tokens become the next piece's context
+            group = self._ids[self._start:]
+            alone = self.tokenizer.decode(group)
+            if alone:  # (tokens that decode to nothing, special ones, keep the context before them too)
+                self._ids, self._sent = group, len(alone)
+            self._start = len(self._ids)
         return piece
 
     def flush(self) -> str:
         """What is still held back (an incomplete character decodes to U+FFFD, as the full decode has it)."""
         piece = self.tokenizer.decode(self._ids)[self._sent:]
-        self._ids, self._sent = [], 0
+        self._ids, self._start, self._sent = [], 0, 0
         return piece

@@ -163,8 +163,7 @@ def _text(v: Any, param: str) -> str:
 
 def sampling_of(body: dict, base: Sampling) -> Sampling:
     """The request's sampling fields over the server's defaults, each checked (BadRequest names the field)."""
-    n = _field(body, "n", int, 1, lambda x: x == 1, "1 (one choice per request)")
-    del n
+    _field(body, "n", int, 1, lambda x: x == 1, "1 (one choice per request)")
     max_tokens = _field(body, "max_completion_tokens", int, None, lambda x: x >= 1, "an integer >= 1")
     max_tokens = _field(body, "max_tokens", int, max_tokens, lambda x: x >= 1, "an integer >= 1")
     stop = body.get("stop")
@@ -259,8 +258,7 @@ class Handler(BaseHTTPRequestHandler):
         except BadRequest as e:
             self._send_error(e)
         except RQError as e:
-            code = "context_length_exceeded" if "context" in str(e) else None
-            self._send_error(BadRequest(str(e), code=code))
+            self._send_error(BadRequest(str(e)))
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except Exception as e:  # a bug: one line on the server's stderr, a 500 to the client, the server lives
@@ -322,7 +320,10 @@ class Handler(BaseHTTPRequestHandler):
         usage_in_stream = bool(opts.get("include_usage"))
         s = sampling_of(body, self.server.defaults)
         ids = eng.chat_ids(messages_of(body)) if chat else prompt_ids_of(body, eng.tokenizer)
-        eng.check_prompt(ids)
+        try:
+            eng.check_prompt(ids)
+        except RQError as e:
+            raise BadRequest(str(e), param="messages" if chat else "prompt", code="context_length_exceeded") from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": eng.name}

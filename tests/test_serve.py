@@ -163,6 +163,11 @@ def test_bad_requests_get_json_errors(server, body: bytes, param) -> None:
     assert out["error"]["param"] == param
 
 
+def test_prompt_longer_than_the_context_is_400(server) -> None:
+    status, out = _post(server, "/v1/completions", json.dumps({"prompt": [1] * 5000, "max_tokens": 2}).encode())
+    assert status == 400 and out["error"]["code"] == "context_length_exceeded" and out["error"]["param"] == "prompt"
+
+
 def test_unknown_path_is_404_json(server) -> None:
     status, out = _post(server, "/v1/nothing", b"{}")
     assert status == 404 and out["error"]["message"]

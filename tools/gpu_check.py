@@ -129,8 +129,8 @@ def run_decode(K, mx, rng, *, pair_points, d: int, dtype, tokens: int = 300) -> 
     c._spill(0)
     n = c.packed_len
     errs = []
-    for codes, norms, lv, bits in ((c.k_codes, c.k_norms, c.k_levels, c.key_bits or c.bits),
-                                   (c.v_codes, c.v_norms, c.levels, c.bits)):
+    for codes, norms, book in ((c.k_codes, c.k_norms, c.k_book), (c.v_codes, c.v_norms, c.v_book)):
+        lv, bits = book.table, book.field_bits
         got = K.decode_rows(codes, norms, lv, bits=bits, d=d, n=n, dtype=dtype)
         if got is None:
             return False, "decode_rows declined the shape"
@@ -152,13 +152,14 @@ def cache_reference(cache, q: np.ndarray, scale: float, half: bool = False) -> n
     from rq_core.cache.kv_cache import dequantize_kv
 
     n, D = cache.packed_len, cache.head_dim
-    lv = cache.levels.astype(mx.float16).astype(mx.float32) if half else cache.levels
-    klv = cache.k_levels.astype(mx.float16).astype(mx.float32) if half else cache.k_levels
+    lv, klv = cache.v_book.table, cache.k_book.table
+    if half:
+        lv, klv = (t.astype(mx.float16).astype(mx.float32) for t in (lv, klv))
     with mx.stream(mx.cpu):  # float32 dequantization on the CPU, then float64 math
         k = np.array(dequantize_kv(cache.k_codes[:, :, :n], cache.k_norms[:, :, :n], cache.rotation, klv,
-                                   cache.key_bits or cache.bits, D), dtype=np.float64)
+                                   cache.k_book.field_bits, D), dtype=np.float64)
         v = np.array(dequantize_kv(cache.v_codes[:, :, :n], cache.v_norms[:, :, :n], cache.rotation, lv,
-                                   cache.bits, D), dtype=np.float64)
+                                   cache.v_book.field_bits, D), dtype=np.float64)
     if cache.fp16_len:  # the fp16 segment after the packed tokens, exact
         fk, fv = cache.fp16_segment()
         k = np.concatenate([k, np.array(fk.astype(mx.float32), dtype=np.float64)], 2)

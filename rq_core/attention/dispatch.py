@@ -30,6 +30,7 @@ from typing import Iterable, Protocol, Union
 import mlx.core as mx
 
 from rq_core.attention import reference as attention
+from rq_core.codec.codebook import KVCodebook
 from rq_core.kernels import config as env
 
 Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask [.., L, T]
@@ -75,7 +76,9 @@ class PackedStore(Protocol):
     n_kv_heads: int
     head_dim: int
     rotation: object
-    bits: int
+    v_book: KVCodebook  # the values' codebook; k_book the keys' (the same object unless they have their own)
+    k_book: KVCodebook
+    bits: int  # the kernels' arguments: v_book's field width and table, k_book's (key_bits None: v_book's)
     key_bits: int | None
     levels: mx.array
     k_levels: mx.array
@@ -192,7 +195,7 @@ def _fused(store: PackedStore, queries: mx.array, *, scale: float, offset: int,
     if not kernels.available():
         return None, "no GPU kernels here"
     levels, bits, key_bits = store.levels, store.bits, store.key_bits
-    pair = levels.ndim == 2  # pair codebooks (kv.pair_points): both tables [n, 2]
+    pair = store.v_book.kind == "pair"  # pair codebooks (kv.pair_points): both tables [n, 2]
     B, Hq, L, D = queries.shape
     Hkv = store.k_codes.shape[1]
     split = key_bits is not None and (key_bits != bits or pair)
@@ -247,7 +250,7 @@ def _four_kernels(store: PackedStore, q_rot: mx.array, *, scale: float, offset: 
         causal = False  # every query sees every packed key
     if causal and offset != T - L:
         return None  # a causal window the kernels do not express (they take offset = valid_len - L)
-    kb, kl = (store.key_bits, store.k_levels) if store.key_bits else (store.bits, store.levels)
+    kb, kl = store.k_book.field_bits, store.k_book.table
     try:
         s = kernels.qk_dot(q_rot, store.k_codes, store.k_norms, kl, bits=kb, scale=scale, valid_len=T, offset=offset,
                            causal=causal)
@@ -288,8 +291,8 @@ def _attend_decoded(store: PackedStore, queries: mx.array, *, scale: float, caus
         return mx.concatenate([attention.decode(codes[:, :, :n], levels.astype(dt), bits, d) * s[..., None], rot],
                               axis=2)
 
-    keys = full(kc, kn, store.k_levels, store.key_bits or store.bits, fk)
-    values = full(vc, vn, store.levels, store.bits, fv)
+    keys = full(kc, kn, store.k_book.table, store.k_book.field_bits, fk)
+    values = full(vc, vn, store.v_book.table, store.v_book.field_bits, fv)
     # mask "causal" aligns the L queries with the last L keys: the chunk's own tokens, as here
     out = mx.fast.scaled_dot_product_attention(q_rot.reshape(B, Hq, L, d), keys, values, scale=scale,
                                                mask="causal" if causal else None)

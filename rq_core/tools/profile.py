@@ -293,10 +293,9 @@ def _kernel_stages(cache: Any, q: mx.array, scale: float) -> dict[str, Any]:
     value_accum (C, with the strategy it picks for this context) and rotate_inverse (D)."""
     from rq_core.kernels import launch as K
 
-    T, bits, Hkv = cache.packed_len, cache.bits, cache.k_codes.shape[1]
-    levels = cache.levels
-    # keys at their own width and codebook (kv.key_bits; pair codebooks: both tables [n, 2])
-    kbits, klevels = (cache.key_bits, cache.k_levels) if getattr(cache, "key_bits", None) else (bits, levels)
+    T, bits, Hkv = cache.packed_len, cache.v_book.field_bits, cache.k_codes.shape[1]
+    levels = cache.v_book.table
+    kbits, klevels = cache.k_book.field_bits, cache.k_book.table  # keys at their own width and codebook, or the values'
     flags, mats = K.rotation_args(cache.rotation)  # the kernels' in-kernel rotation (WHT/SO(4)/dense)
     fwd = lambda: K.rotate_queries(q, mats, Hkv, rot=flags)  # noqa: E731
     inv = lambda o: K.rotate_inverse(o, mats, Hkv, rot=flags)  # noqa: E731
@@ -343,14 +342,13 @@ def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int
     from rq_core.attention import reference as attention
 
     chunk = chunk or attention.CHUNK
-    T, d, bits = cache.packed_len, q.shape[-1], cache.bits
+    T, d, bits = cache.packed_len, q.shape[-1], cache.v_book.field_bits
     B, Hq = q.shape[:2]
     Hkv = cache.k_codes.shape[1]
     G = Hq // Hkv
     inv = 1.0 / d ** 0.5
-    levels = cache.levels.astype(mx.float32)
-    kbits, klevels = ((cache.key_bits, cache.k_levels.astype(mx.float32)) if getattr(cache, "key_bits", None)
-                      else (bits, levels))
+    levels = cache.v_book.table.astype(mx.float32)
+    kbits, klevels = cache.k_book.field_bits, cache.k_book.table.astype(mx.float32)
     st: dict[str, Any] = {}
 
     def rotation() -> mx.array:

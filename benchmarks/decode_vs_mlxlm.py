@@ -4,7 +4,7 @@
     python3 benchmarks/decode_vs_mlxlm.py --family gemma4     --dir /tmp/rq-synth
     python3 benchmarks/decode_vs_mlxlm.py --family nemotron_h --dir /tmp/rq-synth
 
-For each family a synthetic checkpoint of its real config (benchmarks/synth_checkpoint.py: random codes at the
+For each family a synthetic checkpoint of its real config (rq_core/tools/synth.py: random codes at the
 shipped recipe's bits, rq quantize's layout, which mlx-lm loads as it is) is written under --dir (reused when there).
 It is loaded once: rq's loader and mlx-lm's `load_model` read the same lazily loaded arrays (mx.load is shared while
 both load), so the two models hold one copy of the weights (`shared_weights` says how many bytes the second model
@@ -39,7 +39,7 @@ for p in (str(ROOT), str(ROOT / "benchmarks")):
 
 import mlx.core as mx  # noqa: E402
 
-import synth_checkpoint as synth  # noqa: E402
+from rq_core.tools import synth  # noqa: E402
 
 FAMILIES = {"qwen3_moe": "qwen3-30b-a3b", "gemma4": "gemma4-26b-a4b", "nemotron_h": "nemotron3-nano-30b-a3b"}
 RESULTS = "decode_vs_mlxlm"

@@ -70,9 +70,9 @@ QWEN3_CONFIG = ROOT / "tests" / "data" / "configs" / "qwen3-30b-a3b.json"
 
 
 def write_synthetic(out: Path, layers: int | None = None, recipe_name: str = "qwen3-16gb", seed: int = 0) -> dict:
-    """A quantized Qwen3-30B-A3B-shaped checkpoint with random codes (benchmarks/synth_checkpoint.py), written
+    """A quantized Qwen3-30B-A3B-shaped checkpoint with random codes (rq_core/tools/synth.py), written
     shard by shard (one per decoder layer, one for embeddings, norm and head) so peak memory is one layer's tensors."""
-    import synth_checkpoint
+    from rq_core.tools import synth as synth_checkpoint
 
     cfg = synth_checkpoint.read_config(QWEN3_CONFIG)
     if layers is not None:

@@ -16,15 +16,18 @@ MiB = 1 << 20
 
 
 def _table(report: dict) -> None:
+    from rq_core.attention.dispatch import format_paths
+
     t = Table(title=f"rq bench · {report['model']} · {report['tokens']} tokens x {report['repeats']} repeats "
                     f"({report['backend']})")
-    for col in ("context", "KV", "decode tok/s", "min", "max", "peak MiB", "KV MiB", "KV / fp16-equiv."):
+    for col in ("context", "KV", "decode tok/s", "min", "max", "peak MiB", "KV MiB", "KV / fp16-equiv.", "attention"):
         t.add_column(col, justify="right")
     for r in report["decode"]:
         d = r["decode_tok_per_s"]
         ratio = r["kv_bytes"] / r["kv_bytes_fp16"] if r["kv_bytes_fp16"] else float("nan")
         t.add_row(str(r["context"]), r["kv"], f"{d['median']:.2f}", f"{d['min']:.2f}", f"{d['max']:.2f}",
-                  f"{r['peak_memory_bytes'] / MiB:.0f}", f"{r['kv_bytes'] / MiB:.1f}", f"{ratio:.3f}")
+                  f"{r['peak_memory_bytes'] / MiB:.0f}", f"{r['kv_bytes'] / MiB:.1f}", f"{ratio:.3f}",
+                  format_paths(r["attention_paths"]))
     console.print(t)
     for p in report["prefill"]:
         s = p["prefill_tok_per_s"]

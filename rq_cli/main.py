@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from rq_cli import bench, calibrate, eval as eval_cmd, pack, profile, quantize, run, soak
+from rq_cli import bench, calibrate, chat, eval as eval_cmd, pack, profile, quantize, run, serve, soak
 from rq_cli.common import OneLineErrors, RQCommand
 
 app = typer.Typer(
@@ -34,6 +34,8 @@ app.command("quantize", cls=RQCommand, help="Quantize a checkpoint by role with 
 app.command("calibrate-codebook", cls=RQCommand, help="Compute a Lloyd-Max codebook for the KV cache.")(calibrate.calibrate_codebook)
 app.command("pack", cls=RQCommand, help="Lay out experts as aligned page files for the pager.")(pack.pack)
 app.command("run", cls=RQCommand, help="Generate text with a (quantized) model.")(run.run)
+app.command("serve", cls=RQCommand, help="Serve a model over an OpenAI-compatible HTTP API.")(serve.serve)
+app.command("chat", cls=RQCommand, help="Chat with a model at an interactive prompt.")(chat.chat)
 app.command("profile", cls=RQCommand, help="Time attention kernels and say whether KV compression pays.")(profile.profile)
 app.command("soak", cls=RQCommand, help="Generate for minutes or hours, tracking memory, speed and quality.")(soak.soak)
 app.command("bench", cls=RQCommand, help="Decode/prefill speed, peak memory and KV bytes per context and KV mode.")(bench.bench)

@@ -12,6 +12,8 @@ from rq_core.errors import RQError
 
 
 def _table(report: dict) -> None:
+    from rq_core.attention.dispatch import format_paths
+
     t = Table(title=f"decode step, ms ({report['kv_mode']} KV, {report['backend']}"
                     f"{', reference path' if report['reference_path'] else ''})")
     parts = [k for k in ("kv_attention", "sliding_attention", "experts", "ssm", "rest")
@@ -26,6 +28,7 @@ def _table(report: dict) -> None:
                   *[f"{a[p]:.2f}" for p in parts], f"{r['kv_attention_share']:.1%}",
                   "[green]go[/]" if r["verdict"] == "go" else "[yellow]no-go[/]")
     console.print(t)
+    console.print(f"attention paths (compressed layers): {format_paths(report['attention_paths'])}", highlight=False)
     staged = [r for r in report["results"] if r["kernels"]]
     if staged:
         k = Table(title="attention stages, ms per decode step (all full-attention layers)")

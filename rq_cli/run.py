@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from typing import Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -32,6 +33,63 @@ def _settings(path, kv: Optional[str], kv_config: Optional[list[str]], memory_bu
             "recipe.toml" if rec is not None else "defaults")
 
 
+Pages = Annotated[Optional[str], typer.Option(
+    "--pages", metavar="DIR", show_default=False,
+    help="The expert pages' folder with --memory-budget (`rq pack --out DIR`; default: CKPT/experts).")]
+PLAN_CONTEXT = 4096  # what `rq serve` and `rq chat` plan memory for without a recipe (a prompt's length is unknown)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """A checkpoint loaded for generation (`rq run`, `rq serve`, `rq chat`) and the settings it runs with."""
+
+    ckpt: Any
+    settings: Any  # KVSettings
+    memory_budget: Optional[str]
+    pager: str  # the pager policy
+    pages: Optional[str]
+    source: str  # where the settings came from: "recipe.toml" or "defaults"
+    context: Optional[int]  # the model's context length
+
+
+def load_model(model: Optional[str], kv: Optional[str], kv_config: Optional[list[str]], memory_budget: Optional[str],
+               pager: Optional[str], pages: Optional[str], plan_only: bool = False) -> Loaded:
+    """The checkpoint (float32 on the CPU for small models; the pager casts pages to the model's dtype as it loads
+    them) with its tokenizer and settings; a bad flag fails before the model loads."""
+    check_kv_flags(kv, kv_config)
+    from rq_core.checkpoint import context_length, load
+
+    ckpt = load(model, cpu_float32=True)
+    settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_config, memory_budget, pager, pages)
+    if ckpt.tokenizer is None:
+        raise RQError(f"{ckpt.path} has no tokenizer.json; generating text needs one")
+    if pages is not None and memory_budget is None and not plan_only:
+        raise RQError("--pages needs --memory-budget (or a recipe's [pager] memory_budget)")
+    return Loaded(ckpt, settings, memory_budget, pager, pages, source, context_length(ckpt.config))
+
+
+def attach(m: Loaded, *, context: int, prefill_chunk: int, plan_only: bool = False, json_out: bool = False) -> Any:
+    """The expert pager for the memory budget (rq_core.paging.pager), attached to the model; None when everything
+    is resident. With `plan_only`, print the plan instead (rq_cli.run_pager)."""
+    if m.memory_budget is None and not plan_only:
+        return None
+    from rq_cli.run_pager import attach_pager
+
+    s = m.settings
+    return attach_pager(m.ckpt, m.memory_budget, m.pager, plan_only, json_out, context=context,
+                        prefill_chunk=prefill_chunk, kv_mode=s.mode, prefill_fp16=s.prefill_fp16,
+                        edge_layers=s.edge_layers, pages=m.pages)
+
+
+def plan_context(m: Loaded) -> int:
+    """The context a server or a chat plans its memory for: the recipe's pager.context, else the model's context
+    (at most PLAN_CONTEXT)."""
+    rec = recipe_of(m.ckpt.path)
+    if rec is not None:
+        return rec.pager.context
+    return min(m.context or PLAN_CONTEXT, PLAN_CONTEXT)
+
+
 @handle_errors(max_tokens=COUNT, temp=Range(min=0), top_p=Range(0, 1, min_open=True), top_k=COUNT, min_p=FRACTION,
                seed=SEED, prefill_chunk=POSITIVE)
 def run(
@@ -52,9 +110,7 @@ def run(
     kv_config: KvConfig = None,
     memory_budget: MemoryBudget = None,
     pager: Pager = None,
-    pages: Optional[str] = typer.Option(None, "--pages", metavar="DIR", show_default=False,
-                                        help="The expert pages' folder with --memory-budget (`rq pack --out DIR`; "
-                                             "default: CKPT/experts)."),
+    pages: Pages = None,
     plan_only: bool = typer.Option(False, "--plan", help="Print the memory plan for --memory-budget and exit."),
     prefill_chunk: PrefillChunk = 512,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -65,42 +121,23 @@ def run(
     `rq quantize`), so a model quantized for 16 GB runs the way its recipe planned; --kv-config sets any
     other [kv] key of the recipe for this run."""
     model = model_arg(model, model_opt)
-    check_kv_flags(kv, kv_config)  # a bad value fails before the model loads
-
-    from rq_core.checkpoint import context_length, load
-    from rq_core.generate import generate
-    from rq_core.tokenizer import StreamDecoder
-
-    # float32 on the CPU (small models); the pager casts pages to the model's dtype as it loads them.
-    ckpt = load(model, cpu_float32=True)
-    settings, memory_budget, pager, source = _settings(ckpt.path, kv, kv_config, memory_budget, pager, pages)
+    m = load_model(model, kv, kv_config, memory_budget, pager, pages, plan_only=plan_only)
+    ckpt, settings, tok, ctx = m.ckpt, m.settings, m.ckpt.tokenizer, m.context
     kv = settings.mode
-    tok = ckpt.tokenizer
-    if tok is None:
-        raise RQError(f"{ckpt.path} has no tokenizer.json; `rq run --prompt` needs one")
     if chat or system is not None:
-        messages = ([{"role": "system", "content": system}] if system is not None else []) + \
-            [{"role": "user", "content": prompt}]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = tok.encode_chat(([{"role": "system", "content": system}] if system is not None else []) +
+                              [{"role": "user", "content": prompt}])
     else:
         ids = tok.encode(prompt)
-    ctx = context_length(ckpt.config)
     if ctx is not None and len(ids) > ctx:
         raise RQError(f"the prompt is {len(ids)} tokens, longer than the model's context of {ctx}")
+    pager_obj = attach(m, context=len(ids) + max_tokens, prefill_chunk=prefill_chunk, plan_only=plan_only,
+                       json_out=json_out)
+    if plan_only:
+        return
 
-    if pages is not None and memory_budget is None and not plan_only:
-        raise RQError("--pages needs --memory-budget (or a recipe's [pager] memory_budget)")
-    pager_obj = None
-    if memory_budget is not None or plan_only:  # expert pager (rq_core.paging.pager); --plan: print and exit
-        from rq_cli.run_pager import attach_pager
-
-        pager_obj = attach_pager(ckpt, memory_budget, pager, plan_only, json_out,
-                                 context=len(ids) + max_tokens, prefill_chunk=prefill_chunk, kv_mode=kv,
-                                 prefill_fp16=settings.prefill_fp16, edge_layers=settings.edge_layers,
-                                 pages=pages)
-        if pager_obj is None:
-            return
+    from rq_core.generate import generate
+    from rq_core.tokenizer import StreamDecoder
 
     gpu_first_run_note()
     stream = StreamDecoder(tok)
@@ -115,6 +152,8 @@ def run(
     res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                    seed=seed, kv=settings, eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
                    context_length=ctx, on_token=None if json_out else on_token, cache=caches)
+    from rq_core.attention.dispatch import attention_paths, format_paths  # (mlx: imported only to run)
+
     # the codebooks the compressed caches took (the settings' default depends on the head dim; edge layers are scalar)
     pairs = next((c.pair_points for c in caches if getattr(c, "pair_points", None)), None)
     text_out = tok.decode(res.tokens)
@@ -130,7 +169,8 @@ def run(
                     "kv_pair_points": list(pairs) if pairs else None,
                     "kv_edge_layers": settings.edge_layers if kv != "fp16" else None,
                     "kv_edge_bits": settings.edge_bits if kv != "fp16" and settings.edge_layers else None,
-                    "settings_from": source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
+                    "attention_paths": attention_paths(caches),
+                    "settings_from": m.source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
         return
     tail = stream.flush()
     sys.stdout.write(tail + "\n")
@@ -141,7 +181,7 @@ def run(
         else [])
     kv_stat = f"KV {kv}{f' ({chr(44).join(notes)})' if notes else ''} {_fmt_bytes(res.kv_bytes)}"
     if kv != "fp16":
-        kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}"
+        kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}, attention {format_paths(attention_paths(caches))}"
     elif res.kv_bytes > res.kv_bytes_fp16:  # rq_core.checkpoint computes small models in float32 on the CPU
         kv_stat += " (float32 on the CPU)"
     slow_first = ""  # a first step 10x a steady one: a GPU's one-time kernel compile, shown apart

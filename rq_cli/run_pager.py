@@ -2,10 +2,46 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
-from rq_cli.common import console, print_json
+import typer
+
+from rq_cli.common import console, print_error, print_json, recipe_of
 from rq_core.errors import RQError
+
+
+def table_plan(ckpt: Any, p: dict, context: int, prefill_chunk: int, **kv: Any) -> Any:
+    """The planner's Plan (what `rq quantize --plan` renders) for the loaded checkpoint: parameters by role from the
+    config, bytes by role and the budget's numbers (`p`, pager.slots_for_budget) measured on the loaded model."""
+    from mlx.utils import tree_flatten
+
+    from rq_core.paging.pager import activation_dtype
+    from rq_core.paging.planner import fmt_bytes, kv_bytes, plan
+    from rq_core.quant.recipe import Recipe
+    from rq_core.quant.roles import role_of
+
+    rec = recipe_of(ckpt.path) or Recipe(name="(none: as stored)", family=None, roles={})
+    rec = dataclasses.replace(rec, kv=dataclasses.replace(rec.kv, **kv))
+    base = plan(ckpt.config, rec, budget=p["budget_bytes"], context=context, prefill_chunk=prefill_chunk)
+    per_tok = kv_bytes(ckpt.config, rec.kv.mode, rec.kv.bits, rec.kv.edge_layers, rec.kv.edge_bits,
+                       act_bytes=activation_dtype(ckpt.model).size)[0]  # in the dtype the loaded model computes in
+    role_bytes = dict.fromkeys(base.role_bytes, 0)
+    for name, v in tree_flatten(ckpt.model.parameters()):  # quantized: codes, scales and biases of one weight
+        stem, _, leaf = name.rpartition(".")
+        role = role_of(f"{stem}.weight" if leaf in ("scales", "biases") else name, ckpt.config)
+        role_bytes[role] = role_bytes.get(role, 0) + v.nbytes
+    E = p["experts_per_layer"]
+    return dataclasses.replace(
+        base, role_bytes=role_bytes, total_bytes=sum(role_bytes.values()), resident_bytes=p["resident_bytes"],
+        bytes_per_expert=p["bytes_per_expert"], kv_bytes_per_token=per_tok, kv_bytes=p["kv_bytes"],
+        prefill_fp16_bytes=p["prefill_fp16_bytes"], activation_bytes=p["activation_bytes"],
+        budget_bytes=p["budget_bytes"], slots_per_layer=p["slots_per_layer"],
+        expert_fraction=p["slots_per_layer"] / E if E else 1.0, fits=p["fits"],
+        planned_peak_bytes=p["planned_peak_bytes"],
+        notes=([f"planned peak includes {fmt_bytes(p['staging_bytes'])} of staging for page reads"]
+               if p["staging_bytes"] else []) +
+              ([] if p["fits"] else [f"the smallest budget that runs: {fmt_bytes(p['min_budget_bytes'])}"]))
 
 
 def attach_pager(ckpt: Any, memory_budget: Optional[str], policy: str, plan_only: bool, json_out: bool, *,
@@ -37,9 +73,14 @@ default CKPT/experts)."""
         if json_out:
             print_json({"plan": p})
         else:
-            for k, v in p.items():
-                shown = fmt_bytes(v) if k.endswith("bytes") and isinstance(v, int) else v
-                console.print(f"{k:<20} {shown}", highlight=False)
+            from rq_core.paging.planner import render
+
+            console.print(render(table_plan(ckpt, p, context, prefill_chunk, mode=kv_mode, prefill_fp16=prefill_fp16,
+                                              edge_layers=edge_layers)))
+        if not p["fits"]:
+            print_error(f"--memory-budget {memory_budget} is too small for this plan; the smallest budget that runs "
+                        f"is {p['min_budget_bytes']:,} bytes ({fmt_bytes(p['min_budget_bytes'])})")
+            raise typer.Exit(1)
         return None
     if not p["experts_per_layer"]:
         raise RQError("--memory-budget: this model has no routed experts to page")

@@ -16,6 +16,8 @@ import mlx.nn as nn
 
 from rq_core.errors import RQError
 from rq_core.models import get_model_module, text_config
+from rq_core.paging.pages import moved_placeholders, serve_moved_banks
+from rq_core.shards import read_json, short, weight_files  # noqa: F401  (weight_files: also the loaders' API)
 
 # The bundled small model (made by the default-model issue); used when MODEL is omitted.
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
@@ -70,33 +72,13 @@ def _first_line(e: BaseException) -> str:
     return s.splitlines()[0] if s else type(e).__name__
 
 
-# JSON files of a checkpoint are small (a 1T-parameter model's shard index is a few MB); a bigger one is not
-# read (it could be a link to anything).
-_MAX_JSON_BYTES = 64 << 20
-
-
-def _read_json(path: Path) -> dict:
-    if path.stat().st_size > _MAX_JSON_BYTES:
-        raise RQError(f"{path} is too large for a checkpoint JSON file (over {_MAX_JSON_BYTES >> 20} MB)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except json.JSONDecodeError as e:
-        raise RQError(f"{path} is not valid JSON: {e}")
-    except (UnicodeDecodeError, ValueError, RecursionError):  # binary data, a huge number, deep nesting
-        raise RQError(f"{path} is not valid JSON (not UTF-8 text, or nested or sized beyond reason)")
-    if not isinstance(obj, dict):
-        raise RQError(f"{path} should hold a JSON object")
-    return obj
-
-
 def load_config(path: Path) -> dict:
     """config.json as a dict (PATH is a checkpoint directory or a config .json file); RQError when it is
     missing, not a JSON object, or of an unsupported model_type."""
     cfg = Path(path) if Path(path).is_file() and Path(path).suffix == ".json" else Path(path) / "config.json"
     if not cfg.is_file():
         raise RQError(f"{path} has no config.json (not a Hugging Face checkpoint directory)")
-    config = _read_json(cfg)
+    config = read_json(cfg)
     get_model_module(config.get("model_type"))  # unknown model_type → one line naming the supported ones
     return config
 
@@ -107,17 +89,12 @@ def context_length(config: dict) -> Optional[int]:
     if n is None:
         return None
     if not _is_int(n) or n < 1:
-        raise RQError(f"config.json: max_position_embeddings must be a positive integer (got {_short(n)})")
+        raise RQError(f"config.json: max_position_embeddings must be a positive integer (got {short(n)})")
     return n
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _short(v: Any) -> str:
-    r = repr(v)
-    return r if len(r) <= 40 else r[:37] + "..."
 
 
 # safetensors dtype names mx.load reads, and their element sizes
@@ -159,12 +136,12 @@ def _check_safetensors(path: Path) -> None:
             if v is not None and not isinstance(v, dict):  # some writers store null
                 raise RQError(f"{bad} (__metadata__ is not an object)")
             continue
-        what = f"{bad}: tensor {_short(name)}"
+        what = f"{bad}: tensor {short(name)}"
         if not isinstance(v, dict) or set(v) - {"dtype", "shape", "data_offsets"}:
             raise RQError(f"{what} is not an object of dtype, shape and data_offsets")
         dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
-            raise RQError(f"{what} has dtype {_short(dtype)} (readable: {', '.join(_ST_DTYPES)})")
+            raise RQError(f"{what} has dtype {short(dtype)} (readable: {', '.join(_ST_DTYPES)})")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise RQError(f"{what} has no valid shape (a list of sizes)")
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
@@ -183,36 +160,7 @@ def _check_safetensors(path: Path) -> None:
     spans.sort()
     for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
         if begin < end:
-            raise RQError(f"{bad}: tensors {_short(a)} and {_short(b)} overlap")
-
-
-def _shard_name(name: Any, index: Path) -> str:
-    """A shard named by the index: a plain file name in the checkpoint folder (the file itself may be a link,
-    as in a hub snapshot; the name may not lead elsewhere)."""
-    if (not isinstance(name, str) or not name.endswith(".safetensors") or Path(name).name != name
-            or any(c in name for c in "/\\\0")):
-        raise RQError(f"{index}: weight_map names {_short(name)}, not a .safetensors file name in the "
-                      "checkpoint folder (no paths)")
-    return name
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint (from the shard index when there is one)."""
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        wm = _read_json(index).get("weight_map")
-        if not isinstance(wm, dict):
-            raise RQError(f"{index}: weight_map should be an object of tensor name -> shard file name")
-        files = [path / f for f in sorted({_shard_name(v, index) for v in wm.values()})]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise RQError(f"{path}: shard(s) named in model.safetensors.index.json are missing: {', '.join(missing[:3])}")
-    else:
-        files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
-    if not files:
-        raise RQError(f"{path} has no *.safetensors weights")
-    return files
+            raise RQError(f"{bad}: tensors {short(a)} and {short(b)} overlap")
 
 
 def load_weights(path: Path) -> dict[str, mx.array]:
@@ -224,8 +172,7 @@ def load_weights(path: Path) -> dict[str, mx.array]:
             weights.update(mx.load(str(f)))
         except Exception as e:  # mx.load raises plain exceptions for malformed files
             raise RQError(f"cannot read {f}: {_first_line(e)}")
-    from rq_core.paging.pack import moved_placeholders  # banks `rq pack --move` left only in the pages
-
+    # banks `rq pack --move` left only in the pages: placeholders, filled by serve_moved_banks (build_model)
     weights.moved, weights.path = moved_placeholders(path, weights), Path(path)
     return weights
 
@@ -299,9 +246,9 @@ def _check_quantization(qcfg: Any) -> None:
         for key in ("group_size", "bits"):
             if key in spec and (not _is_int(spec[key]) or spec[key] < 1):
                 raise RQError(f"config.json: quantization {key}{where} must be a positive integer "
-                              f"(got {_short(spec[key])})")
+                              f"(got {short(spec[key])})")
         if "mode" in spec and not isinstance(spec["mode"], str):
-            raise RQError(f"config.json: quantization mode{where} must be a string (got {_short(spec['mode'])})")
+            raise RQError(f"config.json: quantization mode{where} must be a string (got {short(spec['mode'])})")
 
 
 def build_model(config: dict, weights: Optional[dict[str, mx.array]] = None) -> nn.Module:
@@ -341,8 +288,6 @@ def build_model(config: dict, weights: Optional[dict[str, mx.array]] = None) -> 
     except ValueError as e:
         raise RQError(f"checkpoint does not match its config ({model_type}): {_first_line(e)[:300]}")
     if moved:
-        from rq_core.paging.pack import serve_moved_banks
-
         serve_moved_banks(model, src, moved)
     return model
 
@@ -379,7 +324,7 @@ def config_eos_token_ids(config: dict, generation_config: dict) -> set[int]:
         e = src.get("eos_token_id")
         es = [] if e is None else e if isinstance(e, list) else [e]
         if not all(_is_int(t) and t >= 0 for t in es):
-            raise RQError(f"{name}: eos_token_id must be a token id or a list of token ids (got {_short(e)})")
+            raise RQError(f"{name}: eos_token_id must be a token id or a list of token ids (got {short(e)})")
         ids.update(es)
     return ids
 
@@ -402,7 +347,7 @@ def load(path_or_id: Optional[str | os.PathLike] = None, *, tokenizer: bool = Tr
         if sum(v.nbytes for _, v in tree_flatten(model.parameters())) <= CPU_FLOAT32_MAX_BYTES:
             model.set_dtype(mx.float32)
     gen = path / "generation_config.json"
-    generation_config = _read_json(gen) if gen.is_file() else {}
+    generation_config = read_json(gen) if gen.is_file() else {}
     config_eos_token_ids(config, generation_config)  # a malformed eos_token_id fails here, in one line
     tok = None
     if tokenizer:

@@ -32,7 +32,7 @@ class GenerationResult:
     peak_rss_bytes: int = 0  # the process' peak resident set
     kv_bytes: int = 0  # bytes held by all caches at the end
     kv_bytes_fp16: int = 0  # what fp16 caches would hold for the same tokens
-    stop_reason: str = "length"  # "eos" | "length" | "context"
+    stop_reason: str = "length"  # "eos" | "length" | "context" | "stop" (on_token returned true)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -191,8 +191,9 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
             res.stop_reason = "eos"
             break
         res.tokens.append(tok)
-        if on_token is not None:
-            on_token(tok)
+        if on_token is not None and on_token(tok):  # a true return stops here (a stop string, a closed client)
+            res.stop_reason = "stop"
+            break
     else:
         if res.tokens:
             res.stop_reason = "context" if context_length and len(prompt) + len(res.tokens) >= context_length \

@@ -49,6 +49,20 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs))
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation: the chat template's rendering (which writes its own special tokens), or,
+        for a checkpoint without one, a plain transcript (`plain_transcript`)."""
+        if self.chat_template:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(plain_transcript(messages, add_generation_prompt))
+
+
+def plain_transcript(messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """A conversation as a script, for a model without a chat template: "ROLE:\ncontent\n\n" a message, then
+    "ASSISTANT:\n" for the reply (the layout of a play, which a base model continues as dialogue)."""
+    text = "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in messages)
+    return text + ("ASSISTANT:\n" if add_generation_prompt else "")
+
 
 TEMPLATE_SECONDS = 10.0  # a real chat template renders in milliseconds; the child's start-up is most of this
 TEMPLATE_MEMORY = 1 << 30
@@ -126,29 +140,38 @@ def load_tokenizer(path: str | Path) -> Optional[Tokenizer]:
 
 
 class StreamDecoder:
-    """Turn a growing list of token ids into text pieces, holding back incomplete UTF-8 sequences.
+    """Incremental detokenizer: text pieces as tokens arrive, never a broken character.
 
-    Only the ids since the last completed line are re-decoded, so streaming stays O(1) per token
-    on long outputs (decoding a whole segment keeps BPE merges and spaces right)."""
+    Each piece is decoded in the context of the piece before it (its tokens start at a character boundary, so
+    they decode alone as they do in the whole), so a decoder that treats a sequence's first token apart
+    (SentencePiece drops its leading space) or fuses byte tokens gives what decoding all the tokens at once gives:
+    the pieces concatenate to `decode(all ids)`. A trailing U+FFFD (a character whose UTF-8 bytes are split across
+    tokens) is held back until a later token completes it (or `flush`). Only the context and the pending tokens
+    are decoded, so streaming stays O(1) per token on long outputs."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []  # the current segment
-        self.emitted = 0  # characters of the segment's decode already handed out
+        self._ids: list[int] = []  # the window: the context tokens, then the pending ones (from self._start)
+        self._start = 0
+        self._sent = 0  # characters of the window's decode already handed out (the context's included)
 
     def add(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece = text[self.emitted:]
-        self.emitted = len(text)
-        if text.endswith("\n") and len(self.ids) > 1:  # a line is complete: start a new segment
-            self.ids, self.emitted = [], 0
+        """The new text that `token` completes ("" while a character is still incomplete)."""
+        self._ids.append(int(token))
+        text = self.tokenizer.decode(self._ids)
+        done = text.rstrip("\ufffd")
+        piece = done[self._sent:]
+        self._sent = max(self._sent, len(done))
+        if len(done) == len(text):  # a clean boundary: the pending tokens become the next piece's context
+            group = self._ids[self._start:]
+            alone = self.tokenizer.decode(group)
+            if alone:  # (tokens that decode to nothing, special ones, keep the context before them too)
+                self._ids, self._sent = group, len(alone)
+            self._start = len(self._ids)
         return piece
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        piece = text[self.emitted:]
-        self.ids, self.emitted = [], 0
+        """What is still held back (an incomplete character decodes to U+FFFD, as the full decode has it)."""
+        piece = self.tokenizer.decode(self._ids)[self._sent:]
+        self._ids, self._start, self._sent = [], 0, 0
         return piece

@@ -172,7 +172,7 @@ MUTATIONS: list[Mutation] = [
       "if self.pager.verify and self.checked[e]:",
       "pager: CRC never checked (test inverted)",
       ("tests/test_untrusted_pages.py",)),
-    M("rq_core/paging/pack.py",
+    M("rq_core/paging/pages.py",
       's not in (".", "..")',
       's != "."',
       "page index: a '..' file name accepted",
@@ -203,7 +203,7 @@ MUTATIONS: list[Mutation] = [
       "if lo is not None and v < lo:",
       "recipe: upper range check dropped",
       ("tests/test_recipe.py",)),
-    M("rq_core/checkpoint.py",
+    M("rq_core/shards.py",
       'if (not isinstance(name, str) or not name.endswith(".safetensors") or Path(name).name != name\n'
       '            or any(c in name for c in "/\\\\\\0")):',
       'if not isinstance(name, str) or not name.endswith(".safetensors") or name.startswith("/"):',

@@ -122,7 +122,7 @@ def _outlier_keys(rng, H, T, d):
 
 
 def test_wht_so4_ranks_best_on_outlier_keys():
-    """Output error vs fp32 attention (benchmarks/rotation_error.py is the full version): wht_so4 beats
+    """Output error vs fp32 attention (tools/rotation_error.py is the full version): wht_so4 beats
     wht, so4 and so3 and is on par with the dense (TurboQuant) rotation at 11.6× fewer FMAs."""
     d, T, H, G, L = 128, 256, 4, 2, 8
     levels = mx.array(sphere_codebook(3, d).levels.astype(np.float32))

@@ -1,30 +1,36 @@
-"""benchmarks/_readme.py: a results file carries its date, machine, MLX version and command, and README.md's result
-tables are what the committed results files say."""
+"""benchmarks/_readme.py, run as the benchmarks run it: a results file carries its date, machine, MLX version and
+command, and README.md's result tables are what the committed results files say."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+README_PY = ROOT / "benchmarks" / "_readme.py"
 
-import _readme  # noqa: E402
+
+def _run(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=60, **kw)
 
 
 def test_save_records_where_and_how(tmp_path):
-    path = _readme.save("x", {"rows": [1, 2], "machine": "kept"}, "| a |\n", tmp_path / "x.json")
-    d = json.loads(path.read_text())
+    out = tmp_path / "x.json"
+    code = (f"import runpy; runpy.run_path({str(README_PY)!r})['save']"
+            f"('x', {{'rows': [1, 2], 'machine': 'kept'}}, '| a |\\n', {str(out)!r})")
+    r = _run("-c", code)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(out.read_text())
     assert d["rows"] == [1, 2] and d["table"] == "| a |"
     assert d["machine"] == "kept"  # a run's own fields win over this process's
     assert d["date"].endswith("UTC") and d["command"].startswith("python3 ") and "mlx" in d
 
 
 def test_readme_tables_match_the_results_files():
-    blocks = _readme.BLOCK.findall((ROOT / "README.md").read_text())
-    assert blocks, "README.md has no results tables"
-    for _, name, _, _ in blocks:
-        assert (_readme.RESULTS / f"{name}.json").is_file(), name
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "_readme.py"), "--check"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    names = re.findall(r"<!-- results:([\w-]+) -->", (ROOT / "README.md").read_text())
+    assert names, "README.md has no results tables"
+    for name in names:
+        assert (ROOT / "benchmarks" / "results" / f"{name}.json").is_file(), name
+    r = _run(str(README_PY), "--check")
     assert r.returncode == 0, "README.md's tables are stale: run python3 benchmarks/_readme.py"

@@ -96,6 +96,36 @@ def test_declined_shapes_masks_and_reference_setting_take_the_reference_path(gpu
     _step(c, 40)
 
 
+def test_each_cache_records_its_path_and_a_gpu_fallback_is_named_once(gpu, monkeypatch, capsys):
+    from rq_core.attention import dispatch
+
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    fused, declined, masked = _cache(), _cache(), _cache()
+    _step(fused, 10)
+    assert fused.attention_path == ("fused", None) and capsys.readouterr().err == ""
+    monkeypatch.setattr(K, "fused_attention", lambda *a, **k: (_ for _ in ()).throw(K.KernelUnsupported("no R=4")))
+    for seed in (20, 30):  # a second step of the same shape prints nothing more
+        _step(declined, seed)
+    err = capsys.readouterr().err.splitlines()
+    assert declined.attention_path == ("reference", "no R=4") and len(err) == 1
+    assert "head_dim 128, 8 query / 2 kv heads" in err[0] and "pair codebooks 128/32" in err[0] and "no R=4" in err[0]
+    _step(masked, 40, mask=mx.ones((1, masked.offset + 1), mx.bool_))
+    assert masked.attention_path == ("reference", "an array mask") and "an array mask" in capsys.readouterr().err
+    paths = dispatch.attention_paths([fused, declined, masked, object()])
+    assert paths == {"fused": 1, "reference": 2} and dispatch.format_paths(paths) == "fused 1, reference 2"
+    # chosen fallbacks (RQ_ATTN) are recorded but not reported; nor is anything off the GPU
+    configure(monkeypatch, attention="reference")
+    _step(fused, 50)
+    monkeypatch.setattr(K, "available", lambda: False)
+    configure(monkeypatch, attention="fused")
+    _step(masked, 60)
+    assert fused.attention_path == ("reference", "RQ_ATTN=reference") and capsys.readouterr().err == ""
+    assert masked.attention_path == ("reference", "no GPU kernels here")
+    c = IsoQuantCache(head_dim=D, n_kv_heads=HKV, layer=1, fp16_window=4)
+    _step(c, 70)  # nothing packed yet: SDPA over the fp16 segment
+    assert dispatch.attention_paths([c]) == {"sdpa": 1}
+
+
 def test_prompt_chunks_never_take_the_fused_kernel(gpu):
     c = IsoQuantCache(head_dim=D, n_kv_heads=HKV, layer=1, fp16_window=4, prefill_fp16=16)
     for i in range(3):  # chunks of 4 rows (<= PREFILL_DECODE_ROWS) over compressed older tokens: the segments path

@@ -29,11 +29,12 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
     wv[:, :, NW:] = 1000.0
     for n in ("wk", "wv"):
         views[n] = ((B, Hkv, NW, d), (Hkv * wcap * d, wcap * d, d, 1))
-    R, groups = G * L, B * Hkv
+    nrg = K.row_blocks(G, L)
+    R, groups = G // nrg * L, B * Hkv * nrg
     ns = min(K.fused_splits(T, groups, blocks), K.MAX_SPLITS - 1) + 1  # the window's split first
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     template = [("TQ", "f32"), ("D", d), ("BITS", bits), ("KBITS", key_bits or bits), ("PK", 0), ("PV", 0),
-                ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", 0), ("ROT", rot), ("THREADS", nth), ("SACC", 2),
+                ("R", R), ("LQ", L), ("HKV", Hkv), ("NRG", nrg), ("CAUSAL", 0), ("ROT", rot), ("THREADS", nth), ("SACC", 2),
                 ("PF", 1 if stage else 2), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge),
                 ("WCAUSAL", int(causal and L > 1))]
     views.pop("k_norms")  # T comes from tlen: the buffers go in whole, as the cache's do
@@ -82,10 +83,11 @@ WINDOW_CASES = [
     dict(G=8, d=128, T=300, NW=32, nth=256, stage=0, vdec=2, key_bits=4),  # keys at 4 bits, values at 3 (K4V3)
     dict(G=4, d=256, T=200, NW=5, nth=128, vdec=2),  # pair decode, rows through registers (no ring)
     dict(G=8, d=128, T=900, NW=32, nth=384, stage=1, vdec=2, merge=1),  # long contexts' 384 threads, shared slabs
+    dict(G=16, d=128, T=300, NW=32, nth=256, stage=1, vdec=2, merge=1),  # 16 query heads a kv head: 2 row blocks
 ]
 # the Metal rendering on the classes that differ most (causal window, copy ring, head dim 256, the pair decode with the
-# one-barrier merge)
-METAL_WINDOW = {1, 2, 4, 8}
+# one-barrier merge, row blocks)
+METAL_WINDOW = {1, 2, 4, 8, 12}
 
 
 @pytest.mark.parametrize("backend,case", [pytest.param(be, c, id=f"{be}-case{i}") for be in ("cuda", "metal")

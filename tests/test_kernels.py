@@ -36,10 +36,10 @@ CASES = {
     "value_reduce": [("D", 128), ("R", 8)],
     "value_word": [("D", 128), ("BITS", 2), ("R", 8), ("NSL", 32), ("PAIR", 0)],
     "attn_fused": [("TQ", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 3), ("PK", 0), ("PV", 0), ("R", 8), ("LQ", 1),
-                   ("HKV", 4), ("CAUSAL", 0), ("ROT", 3), ("THREADS", 384), ("SACC", 2), ("PF", 2), ("VDEC", 1),
+                   ("HKV", 4), ("NRG", 1), ("CAUSAL", 0), ("ROT", 3), ("THREADS", 384), ("SACC", 2), ("PF", 2), ("VDEC", 1),
                    ("STAGE", 0), ("MERGE", 0)],
     "attn_fused_window": [("TQ", "bf16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("PK", 0), ("PV", 0), ("R", 8),
-                          ("LQ", 2), ("HKV", 4), ("CAUSAL", 0), ("ROT", 4), ("THREADS", 256), ("SACC", 2), ("PF", 1),
+                          ("LQ", 2), ("HKV", 4), ("NRG", 1), ("CAUSAL", 0), ("ROT", 4), ("THREADS", 256), ("SACC", 2), ("PF", 1),
                           ("VDEC", 2), ("STAGE", 2), ("MERGE", 1), ("WCAUSAL", 1)],
     "kv_append": [("TK", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 4), ("ROT", 3), ("NC", 0), ("PK", 0), ("PV", 0)],  # more in test_kv_append_kernel
     "kv_decode": [("D", 128), ("FB", 3), ("PAIR", 0), ("THREADS", 128)],
@@ -56,20 +56,20 @@ EXTRA_CASES = {
     "rotate_query/rwht_so4": ("rotate_query", [("D", 128), ("R", 8), ("ROT", 11), ("INV", 0)]),
     "rotate_inverse/dense": ("rotate_inverse", [("D", 128), ("R", 8), ("ROT", 4), ("INV", 1)]),
     "attn_fused/dense_bf16": ("attn_fused", [("TQ", "bf16"), ("D", 256), ("BITS", 3), ("KBITS", 3), ("PK", 0),
-                                             ("PV", 0), ("R", 4), ("LQ", 1), ("HKV", 2), ("CAUSAL", 0), ("ROT", 4),
+                                             ("PV", 0), ("R", 4), ("LQ", 1), ("HKV", 2), ("NRG", 1), ("CAUSAL", 0), ("ROT", 4),
                                              ("THREADS", 256), ("SACC", 2), ("PF", 1), ("VDEC", 0), ("STAGE", 2),
                                              ("MERGE", 1)]),
     "attn_fused/causal_f32": ("attn_fused", [("TQ", "f32"), ("D", 64), ("BITS", 4), ("KBITS", 4), ("PK", 0),
-                                             ("PV", 0), ("R", 8), ("LQ", 2), ("HKV", 2), ("CAUSAL", 1), ("ROT", 0),
+                                             ("PV", 0), ("R", 8), ("LQ", 2), ("HKV", 2), ("NRG", 1), ("CAUSAL", 1), ("ROT", 0),
                                              ("THREADS", 128), ("SACC", 2), ("PF", 2), ("VDEC", 1), ("STAGE", 0),
                                              ("MERGE", 0)]),
     "attn_fused/rwht_so4": ("attn_fused", [("TQ", "f16"), ("D", 128), ("BITS", 3), ("KBITS", 3), ("PK", 0),
-                                           ("PV", 0), ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0), ("ROT", 11),
+                                           ("PV", 0), ("R", 8), ("LQ", 1), ("HKV", 4), ("NRG", 1), ("CAUSAL", 0), ("ROT", 11),
                                            ("THREADS", 256), ("SACC", 1), ("PF", 1), ("VDEC", 2), ("STAGE", 1),
                                            ("MERGE", 1)]),
     # pair codebooks (kv.pair_points (128, 32)): 7- and 5-bit fields, the values' lane-replicated table
     "attn_fused/pair": ("attn_fused", [("TQ", "f16"), ("D", 128), ("BITS", 5), ("KBITS", 7), ("PK", 128), ("PV", 32),
-                                       ("R", 8), ("LQ", 1), ("HKV", 4), ("CAUSAL", 0), ("ROT", 3), ("THREADS", 256),
+                                       ("R", 8), ("LQ", 1), ("HKV", 4), ("NRG", 1), ("CAUSAL", 0), ("ROT", 3), ("THREADS", 256),
                                        ("SACC", 1), ("PF", 1), ("VDEC", 2), ("STAGE", 0), ("MERGE", 1)]),
 }
 # identifiers (and two phrases) that belong to one backend: the shared sources must not name them
@@ -324,8 +324,17 @@ FUSED_CASES = [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128
                     bits=5, key_bits=7, pair_points=(128, 32)),
                # head dim 64: rows of 7 and 5 words
                dict(G=8, d=64, T=2000, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
-                    bits=5, key_bits=7, pair_points=(128, 32))]
-METAL_FUSED = {1, 2, 3, 5, 8, 9, 11, 13}
+                    bits=5, key_bits=7, pair_points=(128, 32)),
+               # more query heads a kv head than a fragment's 8 rows: blocks of 8 rows (NRG of them a kv head).
+               # Nemotron 3's 16 (pair codebooks, the default configuration), 32 with 4-bit scalar codes (edge layers),
+               # and 16 heads of 2 causal rows in 4 blocks of 4 heads (keys at 4 bits, values at 3)
+               dict(G=16, d=128, T=300, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=12,
+                    qdtype="f16", bits=5, key_bits=7, pair_points=(128, 32)),
+               dict(G=32, d=128, T=300, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=24, Hkv=1,
+                    qdtype="f16", bits=4),
+               dict(G=16, d=128, T=300, L=2, causal=True, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1,
+                    blocks=24, key_bits=4)]
+METAL_FUSED = {1, 2, 3, 5, 8, 9, 11, 13, 14, 15, 16}
 
 
 @pytest.mark.parametrize("backend,case", [pytest.param(be, c, id=f"{be}-case{i}") for be in ("cuda", "metal")

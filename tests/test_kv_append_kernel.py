@@ -120,15 +120,17 @@ def test_a_broken_kernel_is_caught(old, new, tmp_path, monkeypatch):
 
 
 @needs_emu
-@pytest.mark.parametrize("nc,backend", [(False, "cuda"), (True, "cuda"), (True, "metal")])
-def test_pair_codebooks_match_quantize_kv(nc, backend):
+@pytest.mark.parametrize("nc,backend,D", [(False, "cuda", 128), (True, "cuda", 128), (True, "metal", 128),
+                                          (False, "cuda", 512), (False, "metal", 512)])
+def test_pair_codebooks_match_quantize_kv(nc, backend, D):
     """Pair codebooks (kv.pair_points (128, 32)): the kernel's 7- and 5-bit fields equal quantize_kv's nearest points
-    (a near-tie may differ: counted, none on random rows), norms equal, with norm correction too; f16 rows, wht_so4."""
+    (a near-tie may differ: counted, none on random rows), norms equal, with norm correction too; f16 rows, wht_so4;
+    head dim 128 and Gemma 4's global 512."""
     from kernel_emu import emulate as EK
 
-    c = IsoQuantCache(head_dim=128, n_kv_heads=2, layer=1, pair_points=(128, 32), norm_correction=nc)
+    c = IsoQuantCache(head_dim=D, n_kv_heads=2, layer=1, pair_points=(128, 32), norm_correction=nc)
     rng = np.random.default_rng(5)
-    B, H, T, D = 1, 2, 5, 128
+    B, H, T = 1, 2, 5
     k = rng.standard_normal((B, H, T, D)).astype(np.float16)
     v = (3 * rng.standard_normal((B, H, T, D))).astype(np.float16)
     rot, mats = K.rotation_args(c.rotation)

@@ -48,7 +48,8 @@ def _filled(pair_points, d: int, T: int, seed: int) -> IsoQuantCache:
 @needs_emu
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 @pytest.mark.parametrize("pair_points,d,dtype", [(None, 64, mx.float32), ((128, 32), 128, mx.bfloat16),
-                                                 ((128, 32), 64, mx.float16)])
+                                                 ((128, 32), 64, mx.float16), ((128, 32), 512, mx.float16),
+                                                 (None, 512, mx.float32)])
 def test_decode_rows_matches_the_reference(monkeypatch, pair_points, d, dtype, backend):
     """Keys and values (their own field widths with pair codebooks), rows 0 .. n-1 of a buffer with spare capacity,
     every output element written, equal to dequantize_rotated up to the output dtype's rounding."""

@@ -321,4 +321,4 @@ def test_sliding_window_cache_matches_direct_attention() -> None:
     parts = [c.attend(q[:, :, i:i + 3], k[:, :, i:i + 3], v[:, :, i:i + 3], scale=0.25, mask=base.attention_mask(3))
              for i in range(0, L, 3)]
     assert np.allclose(np.concatenate([np.array(p) for p in parts], axis=2), want, atol=1e-5)
-    assert c.offset == L and c.keys.shape[2] == W - 1
+    assert c.offset == L and c.valid == W and c.keys.shape[2] == W  # a ring of `window` slots

@@ -228,12 +228,12 @@ def test_sigmoid_group_routing_with_negative_bias(k, n_group, topk_group, norm) 
 
 # ------------------------------------------------------------------------------------------ Gemma 4
 @pytest.mark.parametrize("sizes", [[3] * 7 + [2], [1] * 23, [7, 1, 1, 1, 9, 1, 1, 2], [2, 1, 1, 19], [23]])
-def test_rotating_window_cache_matches_direct_attention(sizes: list[int]) -> None:
+def test_sliding_window_cache_any_chunking_matches_direct_attention(sizes: list[int]) -> None:
     mx.random.seed(1)
     B, H, L, D, W = 1, 2, 23, 16, 5
     q, k, v = (mx.random.normal((B, H, L, D)) for _ in range(3))
     want = np.array(base.attend(None, q, k, v, scale=0.25, window=W))
-    c, parts, i = base.RotatingWindowCache(W), [], 0
+    c, parts, i = base.SlidingWindowCache(W), [], 0
     for n in sizes:
         s = slice(i, i + n)
         parts.append(np.array(c.attend(q[:, :, s], k[:, :, s], v[:, :, s], scale=0.25, mask=base.attention_mask(n))))
@@ -244,13 +244,13 @@ def test_rotating_window_cache_matches_direct_attention(sizes: list[int]) -> Non
     assert c.fp16_nbytes == 2 * B * H * W * 2 * D
 
 
-def test_rotating_window_cache_trim() -> None:
+def test_sliding_window_cache_trim() -> None:
     mx.random.seed(2)
     B, H, L, D, W = 1, 1, 20, 8, 5
     q, k, v = (mx.random.normal((B, H, L, D)) for _ in range(3))
     want = np.array(base.attend(None, q, k, v, scale=0.3, window=W))
     for n0, ask, got in ((15, 3, 1), (4, 3, 3)):  # after eviction only 1 token can go; before, any
-        c = base.RotatingWindowCache(W)
+        c = base.SlidingWindowCache(W)
         c.attend(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=0.3, mask="causal")
         assert c.trim(ask) == got and c.offset == n0 - got
         o = c.offset
@@ -270,7 +270,7 @@ def test_gemma4_sliding_cache_wraps() -> None:
         assert _rel(out, ref) < 1e-4, sizes
     for i, c in enumerate(cache):
         if model.layers[i].self_attn.is_sliding:
-            assert isinstance(c, base.RotatingWindowCache) and c.valid == window and c.keys.shape[2] == window
+            assert isinstance(c, base.SlidingWindowCache) and c.valid == window and c.keys.shape[2] == window
         else:
             assert isinstance(c, FP16Cache) and c.offset == len(ids)
     # Decoding on past the window keeps matching a full recompute.
@@ -358,7 +358,7 @@ def test_gemma4_isoquant_caches_only_full_layers() -> None:
     cache = model.make_cache(KVSettings(mode="isoquant3"))
     for layer, c in zip(model.layers, cache):
         if layer.self_attn.is_sliding:
-            assert isinstance(c, base.RotatingWindowCache)
+            assert isinstance(c, base.SlidingWindowCache)
         else:
             assert type(c).__name__ == "IsoQuantCache" and layer.self_attn.head_dim == 128
 
@@ -416,7 +416,7 @@ def test_gemma4_kv_sharing_layers() -> None:
     assert _rel(build_model(config, extra)(mx.array([g["prompt_ids"]]))[0], ref) < 1e-4
     out, cache = _chunked(model, g["prompt_ids"], [5, 11, 1, 15], KVSettings(mode="isoquant3"))
     kinds = [type(c).__name__ for c in cache]
-    assert kinds == ["RotatingWindowCache", "IsoQuantCache", "RotatingWindowCache", "IsoQuantCache"]
+    assert kinds == ["SlidingWindowCache", "IsoQuantCache", "SlidingWindowCache", "IsoQuantCache"]
     assert (out.argmax(-1) == ref.argmax(-1)).mean() == 1.0  # measured: every position's top token kept
 
 

@@ -369,3 +369,25 @@ def test_kv_config_is_repeatable_and_checked_before_loading(tmp_path: Path) -> N
                                   "--fp16-window", "--key-bits"])
 def test_research_flags_live_in_the_recipe(flag: str) -> None:
     assert "No such option" in _error_line(_rq("--prompt", "hi", flag, "1"))
+
+
+def test_plan_prints_the_quantize_table_and_fails_below_the_smallest_budget() -> None:
+    """--plan renders the planner's table (rq quantize --plan's), exits 1 when the budget does not fit and names
+    the smallest budget that does; --json keeps the plan's field names and the exit status."""
+    from rq_core.checkpoint import DEFAULT_MODEL
+
+    args = ["--prompt", "hi", "--plan", "--memory-budget"]
+    d = json.loads(_rq(*args, "1GB", "--json").stdout)["plan"]
+    assert {"resident_bytes", "kv_bytes", "slots_per_layer", "fits", "min_budget_bytes", "planned_peak_bytes"} <= set(d)
+    need = d["min_budget_bytes"]
+    table = _rq(*args, str(need))
+    assert table.exit_code == 0, table.output
+    quantize = CliRunner().invoke(app, ["quantize", str(DEFAULT_MODEL), "-r", str(DEFAULT_MODEL / "recipe.toml"),
+                                        "--plan"])
+    rows = [ln.split("│")[1].strip() for ln in quantize.output.splitlines() if ln.count("│") == 4]
+    assert len(rows) > 8 and all(r in table.output for r in rows if not r.startswith("KV at"))
+    short = _rq(*args, str(need - 1))
+    assert short.exit_code == 1 and "Traceback" not in short.output
+    assert f"smallest budget that runs is {need:,} bytes" in short.output and "fits" in short.output
+    short_json = _rq(*args, str(need - 1), "--json")
+    assert short_json.exit_code == 1 and json.loads(short_json.stdout.splitlines()[0])["plan"]["fits"] is False

@@ -22,10 +22,10 @@ needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.s
                                reason="needs g++ and ucontext (Linux)")
 
 
-def _run(n_prompt: int, steps: int, seed: int, **kw) -> tuple[IsoQuantCache, list[np.ndarray]]:
+def _run(n_prompt: int, steps: int, seed: int, G: int = 4, **kw) -> tuple[IsoQuantCache, list[np.ndarray]]:
     """A 4-bit-key / 3-bit-value cache (or `kw`'s): a prompt, then decode steps; the attention outputs of the steps."""
     rng = np.random.default_rng(seed)
-    Hkv, G, d = 2, 4, 128
+    Hkv, d = 2, 128
     c = IsoQuantCache(head_dim=d, n_kv_heads=Hkv, layer=1, bits=3, fp16_window=8, **(kw or {"key_bits": 4}))
     k = mx.array(rng.standard_normal((1, Hkv, n_prompt, d)).astype(np.float16))
     v = mx.array(rng.standard_normal((1, Hkv, n_prompt, d)).astype(np.float16))
@@ -126,6 +126,23 @@ def test_pair_codebooks_through_the_kernels(monkeypatch):
     assert n == ref_cache.packed_len > 0
     for a, b in ((gpu_cache.k_codes, ref_cache.k_codes), (gpu_cache.v_codes, ref_cache.v_codes)):
         assert mx.array_equal(a[:, :, :n], b[:, :, :n])
+    for g, r in zip(got, ref):
+        assert np.isfinite(g).all()
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's points are fp16
+
+
+@needs_emu
+def test_row_blocks_through_the_kernels(monkeypatch):
+    """Nemotron 3's 16 query heads a kv head (pair codebooks) through fused_attention's wrapper: two row blocks of 8
+    a kv head (NRG 2: groups, splits, scratch and output rows as the body lays them out), against the CPU's reference
+    attention, and the cache records the fused path."""
+    ref_cache, ref = _run(300, 2, seed=8, G=16, pair_points=(128, 32))
+    stand = _kernels_on_executor(monkeypatch)
+    gpu_cache, got = _run(300, 2, seed=8, G=16, pair_points=(128, 32))
+    call = stand["attn_fused_window"].calls[-1]
+    tmpl = dict(call["template"])
+    assert (tmpl["R"], tmpl["NRG"], tmpl["HKV"]) == (8, 2, 2) and call["grid"][0] // call["threadgroup"][0] == 4
+    assert gpu_cache.attention_path == ("fused", None) and gpu_cache.packed_len == ref_cache.packed_len > 256
     for g, r in zip(got, ref):
         assert np.isfinite(g).all()
         assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's points are fp16

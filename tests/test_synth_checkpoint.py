@@ -1,22 +1,20 @@
-"""benchmarks/synth_checkpoint.py: the layout rq quantize writes (names, shapes, dtypes, quantization config, recipe)
+"""rq_core/tools/synth.py: the layout rq quantize writes (names, shapes, dtypes, quantization config, recipe)
 on tiny configs of every family, and a 2-layer checkpoint of each real config that loads and gives finite, spread
 logits."""
 
 import json
-import sys
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from _tiny_models import TINY, make_tiny
+from rq_core.checkpoint import load, weight_files
+from rq_core.quant import recipe
+from rq_core.quant.quantize import quantize
+from rq_core.tools import synth
 
-import synth_checkpoint as synth  # noqa: E402
-from _tiny_models import TINY, make_tiny  # noqa: E402
-from rq_core.quant import recipe  # noqa: E402
-from rq_core.checkpoint import load, weight_files  # noqa: E402
-from rq_core.quant.quantize import quantize  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RECIPE = ROOT / "tests" / "data" / "tiny-rtn.toml"
 REAL = ["qwen3-30b-a3b", "gemma4-26b-a4b", "nemotron3-nano-30b-a3b", "nemotron3-super-120b-a12b"]

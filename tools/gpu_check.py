@@ -6,13 +6,15 @@ Each case draws fresh random inputs and runs with every kernel output poisoned f
 0xB2D05E00), so an element a kernel forgot to write fails the case:
   attn_fused         against float64 attention over the same codes (tests/kernel_emu/attn_reference.py): every
                      context from 1 to 128K tokens, GQA groups, head dims, query dtypes, causal rows, each rotation,
-                     4-bit and 2-bit codes, keys at their own width, pair codebooks, its launch configurations, and
-                     repeated launches (the split counters must come back zeroed)
+                     4-bit and 2-bit codes, keys at their own width, pair codebooks, more query heads a kv head
+                     than a block's 8 rows (row blocks), its launch configurations, and repeated launches (the split
+                     counters must come back zeroed)
   four-kernel pipeline  rotate_queries, qk_dot, softmax, value_accum (both strategies), rotate_inverse
   kv_append          against quantize_kv and float64 (tests/kernel_emu/append_reference.py)
   kv_decode          against the MLX-op decode (rq_core.attention.reference.dequantize_rotated)
   the cache          IsoQuant and TurboQuant caches with and without an fp16 window, a prompt compressed while it is
-                     prefilled, then decode steps through cache.attend, against float64 on the cache's own contents
+                     prefilled, then decode steps through cache.attend, against float64 on the cache's own contents,
+                     at the model families' shapes; each decode must take the fused kernel
 
 --record writes the sources' hash with this run's result to tools/gpu_check.json when every case passed; the CPU test
 tests/test_gpu_check.py fails when metal/ no longer matches the recorded hash. Exit status 1 if any case fails.
@@ -67,6 +69,11 @@ def attention_cases(quick: bool) -> list[dict]:
     cases += [dict(pp, T=T) for T in ((1, 513, 32768) if quick else (1, 7, 513, 4096, 32768, 131072))]
     cases += [dict(pp, T=4099, qdtype="f16"), dict(pp, G=4, T=700, L=2, causal=True), dict(pp, d=64, T=2000),
               dict(pp, T=3000, rot=11)]
+    # more query heads a kv head than a block's 8 rows (row blocks): Nemotron 3's 16 (pair codebooks, the edge
+    # layers' 4-bit codes, causal rows), 32, and 28 (Qwen2-57B: blocks of 7)
+    cases += [dict(pp, G=16, T=T) for T in ((513, 32768) if quick else (1, 513, 4096, 32768, 131072))]
+    cases += [dict(base, G=16, T=T, bits=4) for T in (513, 32768)] + [dict(base, G=16, T=4099, qdtype="f16")]
+    cases += [dict(pp, G=16, T=700, L=2, causal=True), dict(base, G=32, T=4096), dict(pp, G=28, T=4096)]
     # launch configurations other than the default a shape can take: (threads, load-ahead, decode, ring slots)
     for nth, pf, vdec, stage in ((384, 1, 2, 1), (256, 2, 1, 0), (512, 1, 2, 1)):
         cases += [dict(base, T=T, cfg=dict(nth=nth, pf=pf, vdec=vdec, stage=stage)) for T in (513, 32768)]
@@ -122,8 +129,8 @@ def run_decode(K, mx, rng, *, pair_points, d: int, dtype, tokens: int = 300) -> 
     c._spill(0)
     n = c.packed_len
     errs = []
-    for codes, norms, lv, bits in ((c.k_codes, c.k_norms, c.k_levels, c.key_bits or c.bits),
-                                   (c.v_codes, c.v_norms, c.levels, c.bits)):
+    for codes, norms, book in ((c.k_codes, c.k_norms, c.k_book), (c.v_codes, c.v_norms, c.v_book)):
+        lv, bits = book.table, book.field_bits
         got = K.decode_rows(codes, norms, lv, bits=bits, d=d, n=n, dtype=dtype)
         if got is None:
             return False, "decode_rows declined the shape"
@@ -145,13 +152,14 @@ def cache_reference(cache, q: np.ndarray, scale: float, half: bool = False) -> n
     from rq_core.cache.kv_cache import dequantize_kv
 
     n, D = cache.packed_len, cache.head_dim
-    lv = cache.levels.astype(mx.float16).astype(mx.float32) if half else cache.levels
-    klv = cache.k_levels.astype(mx.float16).astype(mx.float32) if half else cache.k_levels
+    lv, klv = cache.v_book.table, cache.k_book.table
+    if half:
+        lv, klv = (t.astype(mx.float16).astype(mx.float32) for t in (lv, klv))
     with mx.stream(mx.cpu):  # float32 dequantization on the CPU, then float64 math
         k = np.array(dequantize_kv(cache.k_codes[:, :, :n], cache.k_norms[:, :, :n], cache.rotation, klv,
-                                   cache.key_bits or cache.bits, D), dtype=np.float64)
+                                   cache.k_book.field_bits, D), dtype=np.float64)
         v = np.array(dequantize_kv(cache.v_codes[:, :, :n], cache.v_norms[:, :, :n], cache.rotation, lv,
-                                   cache.bits, D), dtype=np.float64)
+                                   cache.v_book.field_bits, D), dtype=np.float64)
     if cache.fp16_len:  # the fp16 segment after the packed tokens, exact
         fk, fv = cache.fp16_segment()
         k = np.concatenate([k, np.array(fk.astype(mx.float32), dtype=np.float64)], 2)
@@ -203,6 +211,18 @@ def run_cache(mx, rng, *, mode: str, context: int, window: int, steps: int = 3, 
                   for r in (cache_reference(cache, q, scale), cache_reference(cache, q, scale, half=True)))
         out.append((bool(np.isfinite(got).all()) and err < TOL_CACHE and o.dtype == mx.float16,
                     f"decode step {i}: rel.err {err:.2e}"))
+    # a decode step takes the fused kernel on a GPU wherever the dispatcher's decision says it covers the shape
+    # (rq_core.attention.dispatch records the path on the cache; tests/test_attention_coverage.py lists the gaps)
+    from rq_core.attention import dispatch
+    from rq_core.kernels import launch as K
+
+    be = K.backend() if K.available() else None
+    why = "no GPU" if be is None else dispatch.fused_declines(
+        be, head_dim=d, q_heads=hq, kv_heads=hkv, bits=cache.bits, key_bits=cache.key_bits,
+        pair_points=cache.pair_points)
+    path = getattr(cache, "attention_path", None)
+    out.append((path is not None and path[0] == ("fused" if why is None else "reference"),
+                f"decode path {path}" + (f" (declined: {why})" if why else "")))
     return out
 
 
@@ -211,7 +231,14 @@ def cache_cases(quick: bool) -> list[dict]:
              dict(mode="turbo3", context=5000, window=32), dict(mode="isoquant3", context=5000, window=32, bits=4,
                                                                  pair_points=()),
              dict(mode="isoquant3", context=5000, window=32, key_bits=4, pair_points=()),
-             dict(mode="isoquant3", context=9000, window=32, prefill_chunk=2048)]
+             dict(mode="isoquant3", context=9000, window=32, prefill_chunk=2048),
+             # the families' shapes: Nemotron 3 (32 / 2 heads), Gemma 4's global layers (head_dim 512, 16 / 2), pair
+             # codebooks and the edge layers' 4-bit codes
+             dict(mode="isoquant3", context=5000, window=32, hq=32, hkv=2),
+             dict(mode="isoquant3", context=5000, window=32, hq=32, hkv=2, bits=4, pair_points=()),
+             dict(mode="isoquant3", context=9000, window=32, hq=32, hkv=2, prefill_chunk=2048),
+             dict(mode="isoquant3", context=5000, window=32, hq=16, hkv=2, d=512),
+             dict(mode="isoquant3", context=5000, window=32, hq=16, hkv=2, d=512, bits=4, pair_points=())]
     if not quick:
         cases += [dict(mode="isoquant3", context=40000, window=32), dict(mode="isoquant3", context=5000, window=32,
                                                                           rotation="rwht_so4")]
@@ -259,7 +286,7 @@ def main() -> int:
                              f"norm ulp {s['norm_ulp_max']:.2f}")
         report(f"kv_append {AC.label(c)}", append_case)
     for pp in (None, (128, 32)):
-        for d in (64, 128, 256):
+        for d in (64, 128, 256, 512):
             for dt in (mx.float16, mx.bfloat16, mx.float32):
                 report(f"kv_decode d={d} pairs={pp} {dt}", lambda pp=pp, d=d, dt=dt: run_decode(K, mx, rng,
                                                                                               pair_points=pp, d=d,

@@ -13,20 +13,32 @@ over both, from the shapes and the settings in force (rq_core.kernels.config.con
                                                        logsumexp; the packed part by the MLX-op reference
                                                        (rq_core.attention.reference) or, with RQ_ATTN=four on a GPU, by the
                                                        four-kernel pipeline `rq profile` times
+
+Each call leaves on its cache which path it took (`attention_path`: (path, why)), so a run reports how many layers
+took each (attention_paths: `rq run --json`, `rq bench`, `rq profile`); on a GPU, a shape the fused kernel declines
+is named on stderr once (the reference path is 10-25x slower at long contexts). `fused_declines` asks the same
+question of shapes alone, without a GPU (tests/test_attention_coverage.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from typing import Protocol, Union
+import sys
+from collections import Counter, deque
+from typing import Iterable, Protocol, Union
 
 import mlx.core as mx
 
 from rq_core.attention import reference as attention
+from rq_core.codec.codebook import KVCodebook
 from rq_core.kernels import config as env
 
 Mask = Union[None, str, mx.array]  # None, "causal", or an additive/boolean mask [.., L, T]
+
+# the paths `attend` records: the fused kernel, the four-kernel pipeline, the MLX-op reference (packed part and fp16
+# segment apart), SDPA over the fp16 segment (nothing packed yet), a prompt chunk over decoded packed tokens
+PATHS = ("fused", "four", "reference", "sdpa", "decoded")
+_WARNED: set[str] = set()  # fallback lines already printed (one each per process)
 
 # A prompt chunk of more rows than this attends to compressed tokens (kv.prefill_fp16) by decoding them for one fused
 # attention call; up to it, the decode kernel (attn_fused takes <= 8 query rows) or the chunked reference path.
@@ -64,7 +76,9 @@ class PackedStore(Protocol):
     n_kv_heads: int
     head_dim: int
     rotation: object
-    bits: int
+    v_book: KVCodebook  # the values' codebook; k_book the keys' (the same object unless they have their own)
+    k_book: KVCodebook
+    bits: int  # the kernels' arguments: v_book's field width and table, k_book's (key_bits None: v_book's)
     key_bits: int | None
     levels: mx.array
     k_levels: mx.array
@@ -87,54 +101,126 @@ def attend(store: PackedStore, queries: mx.array, *, scale: float, mask: Mask = 
     arr_mask = mask if isinstance(mask, mx.array) else None
 
     if store.packed_len == 0:  # all fp16 (the prompt): the fused SDPA kernel does it
+        _record(store, "sdpa")
         fk, fv = store.fp16_segment()
         m = None if (isinstance(mask, str) and L == 1) else mask
         return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=m)
     if store.prefilling and L > PREFILL_DECODE_ROWS and arr_mask is None:
+        _record(store, "decoded")
         return _attend_decoded(store, queries, scale=scale, causal=causal, kernels_on=cfg.attention != "reference")
-    if cfg.attention == "fused" and arr_mask is None and (
-            store.fp16_len == 0 or (not store.prefilling and store.fp16_len >= L)):
-        out = _fused(store, queries, scale=scale, offset=q_pos0, causal=causal)
-        if out is not None:
-            return out
+    why = f"RQ_ATTN={cfg.attention}"
+    if cfg.attention == "fused":
+        if arr_mask is not None:
+            why = "an array mask"
+        elif store.fp16_len and (store.prefilling or store.fp16_len < L):
+            why = f"an fp16 segment of {store.fp16_len} tokens beside {L} queries"
+        else:
+            out, why = _fused(store, queries, scale=scale, offset=q_pos0, causal=causal)
+            if out is not None:
+                _record(store, "fused")
+                return out
     return _segments(store, queries, scale=scale, offset=q_pos0, causal=causal, mask=arr_mask,
-                     four=cfg.attention == "four")
+                     four=cfg.attention == "four", why=why)
 
 
-def _fused(store: PackedStore, queries: mx.array, *, scale: float, offset: int, causal: bool) -> mx.array | None:
-    """attn_fused over the packed codes with the rotation done in-kernel and the fp16 segment as one more split, or
-    None where the kernels do not run here or decline the shapes."""
+def _record(store: PackedStore, path: str, why: str | None = None, queries: mx.array | None = None) -> None:
+    """Leave on the cache which path its attention took; on a GPU with the default path, name a declined shape on
+    stderr once (a fallback that is chosen, RQ_ATTN or RQ_KERNELS, is not reported)."""
+    try:
+        store.attention_path = (path, why)
+    except AttributeError:  # a store that takes no attributes (a test's stand-in)
+        pass
+    if path in ("fused", "sdpa", "decoded") or why is None or queries is None or env.config().attention != "fused":
+        return
     from rq_core.kernels import launch as kernels
 
     if not kernels.available():
-        return None
+        return
+    line = f"rq: attention over compressed KV takes the {path} path, not the fused kernel, for {shape_name(store, queries)}: {why}"
+    if line not in _WARNED:
+        _WARNED.add(line)
+        print(line, file=sys.stderr)
+
+
+def shape_name(store: PackedStore, queries: mx.array) -> str:
+    """A cache's attention shape in words: head dim, heads, rows, codebooks."""
+    B, Hq, L, D = queries.shape
+    Hkv = store.k_codes.shape[1] if store.k_codes is not None else store.n_kv_heads
+    pair = store.levels.ndim == 2
+    codes = (f"pair codebooks {store.k_levels.shape[0]}/{store.levels.shape[0]}" if pair
+             else f"{store.bits}-bit codes" + (f", {store.key_bits}-bit keys" if store.key_bits else ""))
+    return f"head_dim {D}, {Hq} query / {Hkv} kv heads, {L} row(s) each, {codes}"
+
+
+def attention_paths(caches: Iterable) -> dict[str, int]:
+    """{path: caches whose last attention took it} over a model's caches (each compressed layer's own; caches that
+    never attended or do not compress are not counted)."""
+    got = Counter(c.attention_path[0] for c in caches if getattr(c, "attention_path", None))
+    return {p: got[p] for p in PATHS if got[p]}
+
+
+def format_paths(paths: dict[str, int]) -> str:
+    """attention_paths in words: 'fused 46, reference 2' ('none' where nothing was recorded)."""
+    return ", ".join(f"{p} {n}" for p, n in paths.items()) or "none"
+
+
+def fused_declines(backend: str, *, head_dim: int, q_heads: int, kv_heads: int, bits: int, key_bits: int | None = None,
+                   pair_points: tuple[int, int] | None = None, L: int = 1, window: bool = True,
+                   capacity: int = 256) -> str | None:
+    """Why attn_fused would decline a decode step of this shape on `backend` ('cuda' or 'metal'), or None where it
+    takes it: the launch plan `attend` uses, asked of shapes alone (no GPU, no arrays). bits / key_bits: the scalar
+    codes' widths (key_bits None: the values'); pair_points (keys' points, values' points): pair codebooks, bits
+    ignored. capacity: the cache's packed rows (a multiple of its 256-token growth step)."""
+    from rq_core.kernels import launch as kernels
+
+    if pair_points:
+        pk, pv = pair_points
+        bits, key_bits = pv.bit_length() - 1, pk.bit_length() - 1
+        nf, lv, klv = head_dim // 2, (pv, 2), (pk, 2)
+    else:
+        nf, lv, klv = head_dim, (1 << bits,), None if key_bits in (None, bits) else (1 << key_bits,)
+        key_bits = None if klv is None else key_bits
+    kshape = (1, kv_heads, capacity, nf * (key_bits or bits) // 32)
+    vshape = (1, kv_heads, capacity, nf * bits // 32)
+    return kernels.fused_plan_declines(backend, (1, q_heads, L, head_dim), mx.float16, kshape, vshape, lv, klv, bits,
+                                       key_bits, causal=L > 1, window=window)
+
+
+def _fused(store: PackedStore, queries: mx.array, *, scale: float, offset: int,
+           causal: bool) -> tuple[mx.array | None, str]:
+    """(attn_fused over the packed codes with the rotation done in-kernel and the fp16 segment as one more split, None)
+    or (None, why) where the kernels do not run here or decline the shapes."""
+    from rq_core.kernels import launch as kernels
+
+    if not kernels.available():
+        return None, "no GPU kernels here"
     levels, bits, key_bits = store.levels, store.bits, store.key_bits
-    pair = levels.ndim == 2  # pair codebooks (kv.pair_points): both tables [n, 2]
+    pair = store.v_book.kind == "pair"  # pair codebooks (kv.pair_points): both tables [n, 2]
     B, Hq, L, D = queries.shape
     Hkv = store.k_codes.shape[1]
     split = key_bits is not None and (key_bits != bits or pair)
     nf = D // 2 if pair else D
     if Hq % Hkv or store.k_codes.shape[3] * 32 != nf * (key_bits if split else bits) \
-            or store.v_codes.shape[3] * 32 != nf * bits:
-        return None
-    if pair and (not split or store.k_levels.ndim != 2):
-        return None
+            or store.v_codes.shape[3] * 32 != nf * bits or (pair and (not split or store.k_levels.ndim != 2)):
+        return None, f"code rows of {store.k_codes.shape[3]} / {store.v_codes.shape[3]} words"
     window = store.fp16_segment() if store.fp16_len else None
     try:
         rot, mats = kernels.rotation_args(store.rotation)
         return kernels.fused_attention(
             queries, mats, store.k_codes, store.k_norms, store.v_codes, store.v_norms, levels, bits=bits, scale=scale,
             valid_len=store.packed_len, offset=offset, causal=causal, rot=rot, window=window,
-            key_bits=key_bits if split else None, key_levels=store.k_levels if split else None, want_lse=False)[0]
-    except kernels.KernelUnsupported:
-        return None
+            key_bits=key_bits if split else None, key_levels=store.k_levels if split else None,
+            want_lse=False)[0], ""
+    except kernels.KernelUnsupported as e:
+        return None, str(e)
 
 
 def _segments(store: PackedStore, queries: mx.array, *, scale: float, offset: int, causal: bool,
-              mask: mx.array | None, four: bool) -> mx.array:
+              mask: mx.array | None, four: bool, why: str = "") -> mx.array:
     """The packed part in the rotated space and the fp16 segment in the model's, merged by logsumexp."""
     q_rot = store.rotation.forward_queries(queries)
     packed = _four_kernels(store, q_rot, scale=scale, offset=offset, causal=causal) if four and mask is None else None
+    _record(store, "four" if packed is not None else "reference", why, queries)
     if packed is None:
         packed = attention.packed_attention(
             q_rot, store.k_codes, store.k_norms, store.v_codes, store.v_norms, store.levels, bits=store.bits,
@@ -164,7 +250,7 @@ def _four_kernels(store: PackedStore, q_rot: mx.array, *, scale: float, offset: 
         causal = False  # every query sees every packed key
     if causal and offset != T - L:
         return None  # a causal window the kernels do not express (they take offset = valid_len - L)
-    kb, kl = (store.key_bits, store.k_levels) if store.key_bits else (store.bits, store.levels)
+    kb, kl = store.k_book.field_bits, store.k_book.table
     try:
         s = kernels.qk_dot(q_rot, store.k_codes, store.k_norms, kl, bits=kb, scale=scale, valid_len=T, offset=offset,
                            causal=causal)
@@ -205,8 +291,8 @@ def _attend_decoded(store: PackedStore, queries: mx.array, *, scale: float, caus
         return mx.concatenate([attention.decode(codes[:, :, :n], levels.astype(dt), bits, d) * s[..., None], rot],
                               axis=2)
 
-    keys = full(kc, kn, store.k_levels, store.key_bits or store.bits, fk)
-    values = full(vc, vn, store.levels, store.bits, fv)
+    keys = full(kc, kn, store.k_book.table, store.k_book.field_bits, fk)
+    values = full(vc, vn, store.v_book.table, store.v_book.field_bits, fv)
     # mask "causal" aligns the L queries with the last L keys: the chunk's own tokens, as here
     out = mx.fast.scaled_dot_product_attention(q_rot.reshape(B, Hq, L, d), keys, values, scale=scale,
                                                mask="causal" if causal else None)

@@ -305,11 +305,11 @@ class IsoQuantCache:
                  norm_correction: bool = False, seed: int = 0, key_bits: int | None = None,
                  pair_points: tuple[int, int] | None = None, prefill_fp16: int | None = None,
                  value_gain: bool = False) -> None:
-        from rq_core.codec.codebook import check_bits, check_pair_points, get_codebook, pair_codebook, reconstruction_gain
+        from rq_core.codec.codebook import KVCodebook, check_bits, check_pair_points, reconstruction_gain
         from rq_core.codec.rotation import Rotation, check_dim
 
         self.head_dim = check_dim(head_dim)
-        self.bits = check_bits(bits)
+        bits = check_bits(bits)
         if fp16_window < 0:
             raise RQError(f"fp16_window must be >= 0 (got {fp16_window})")
         if prefill_fp16 is not None and prefill_fp16 < 0:
@@ -318,32 +318,28 @@ class IsoQuantCache:
         self.n_kv_heads = n_kv_heads
         self.layer = layer
         self.rotation = Rotation(head_dim, n_kv_heads, variant=rotation, seed=seed, layer=layer)
-        self.codebook = get_codebook(codebook, self.bits, head_dim)
-        self.levels = mx.array(self.codebook.levels.astype("float32"))
         self.fp16_window = int(fp16_window)
         self.norm_correction = norm_correction
-        self.words = (head_dim * self.bits + 31) // 32
-        # keys at their own width (`key_bits`): own codebook and row words; None when they match the values'
-        self.key_bits = check_bits(key_bits) if key_bits is not None and key_bits != self.bits else None
-        kb = self.key_bits or self.bits
-        self.k_levels = (mx.array(get_codebook(codebook, kb, head_dim).levels.astype("float32")) if self.key_bits
-                         else self.levels)
-        self.k_words = (head_dim * kb + 31) // 32
-        # pair codebooks: levels become [n, 2] point tables and bits / key_bits the fields' widths (log2 n, one field
-        # a pair of coordinates); the kernels take 2-D levels
+        # the values' and the keys' codebooks: the same object unless the keys have their own (kv.key_bits other than
+        # bits, or pair codebooks, whose keys and values have their own points and seeds)
         self.pair_points = None
         if pair_points is not None:
             if key_bits is not None:
                 raise RQError("kv.key_bits and kv.pair_points cannot both be set")
             if codebook != "sphere":
                 raise RQError(f"pair codebooks are fitted to the sphere's marginal (kv.codebook = {codebook!r})")
-            self.pair_points = check_pair_points(pair_points)
-            pk, pv = self.pair_points
-            self.levels = mx.array(pair_codebook(pv, head_dim, "values"))
-            self.k_levels = mx.array(pair_codebook(pk, head_dim, "keys"))
-            self.bits, self.key_bits = pv.bit_length() - 1, pk.bit_length() - 1
-            self.words = (head_dim // 2 * self.bits + 31) // 32
-            self.k_words = (head_dim // 2 * self.key_bits + 31) // 32
+            self.pair_points = pk, pv = check_pair_points(pair_points)
+            self.v_book = KVCodebook.pair(pv, head_dim, "values")
+            self.k_book = KVCodebook.pair(pk, head_dim, "keys")
+        else:
+            self.v_book = KVCodebook.scalar(codebook, bits, head_dim)
+            own = key_bits is not None and key_bits != bits
+            self.k_book = KVCodebook.scalar(codebook, key_bits, head_dim) if own else self.v_book
+        # the kernels' arguments (rq_core.kernels.launch), from the codebooks: each field's table and width in bits
+        # (a pair codebook's field holds two coordinates) and a row's words; key_bits None: the keys' are the values'
+        self.levels, self.bits, self.words = self.v_book.table, self.v_book.field_bits, self.v_book.row_words(head_dim)
+        self.k_levels, self.k_words = self.k_book.table, self.k_book.row_words(head_dim)
+        self.key_bits = None if self.k_book is self.v_book else self.k_book.field_bits
         # values' stored norms times this (KVSettings.value_gain), applied as they are compressed (a norm is fp16)
         self.v_gain = reconstruction_gain(np.array(self.levels), head_dim) if value_gain else 1.0
         self.k_codes: mx.array | None = None
@@ -442,7 +438,7 @@ class IsoQuantCache:
                                    norm_correction=self.norm_correction, key_bits=self.key_bits,
                                    key_levels=self.k_levels if self.key_bits else None)
         if out is None:
-            if self.key_bits or self.pair_points:  # keys at their own width and codebook
+            if self.k_book is not self.v_book:  # keys at their own width and codebook
                 k = quantize_kv(keys, self.rotation, self.k_levels, self.key_bits, norm_correction=self.norm_correction)
                 out = (*k, *self.compress(values))
             else:

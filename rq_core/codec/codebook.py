@@ -14,7 +14,9 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
+import mlx.core as mx
 import numpy as np
 
 from rq_core.errors import RQError
@@ -293,3 +295,42 @@ def reconstruction_gain(levels: np.ndarray, d: int) -> float:
     sum of many reconstructed values unbiased (attention's output), at a little more error per single vector."""
     lv = np.ascontiguousarray(np.asarray(levels, np.float64))
     return _gain(lv.tobytes(), lv.shape, int(d))
+
+
+# ---------------------------------------------------------------------------------------------
+# What a cache's packed rows decode with
+
+
+@dataclass(frozen=True, eq=False)
+class KVCodebook:
+    """The codebook of one packed field of a K or V row, as the kernels take it (their `levels` and `bits`).
+
+    kind "scalar": a field is one rotated coordinate, `table` the levels [2^field_bits] (a `Codebook`'s);
+    kind "pair": a field is a pair of coordinates (z_2i, z_2i+1), `table` the points [n, 2], field_bits = log2 n.
+    """
+
+    kind: Literal["scalar", "pair"]
+    table: mx.array  # float32, unit-variance units
+    field_bits: int
+
+    @classmethod
+    def scalar(cls, spec: str, bits: int, d: int) -> "KVCodebook":
+        """The scalar codebook `spec` (get_codebook) at `bits` bits a coordinate."""
+        return cls("scalar", mx.array(get_codebook(spec, bits, d).levels.astype(np.float32)), check_bits(bits))
+
+    @classmethod
+    def pair(cls, points: int, d: int, role: str) -> "KVCodebook":
+        """The `points`-point pair codebook of `role` ("keys" or "values") at head dim d (pair_codebook)."""
+        return cls("pair", mx.array(pair_codebook(points, d, role)), points.bit_length() - 1)
+
+    @property
+    def coords_per_field(self) -> int:
+        return 2 if self.kind == "pair" else 1
+
+    @property
+    def bits_per_coord(self) -> float:
+        return self.field_bits / self.coords_per_field
+
+    def row_words(self, d: int) -> int:
+        """uint32 words of one packed row of d coordinates."""
+        return (d // self.coords_per_field * self.field_bits + 31) // 32

@@ -309,6 +309,15 @@ def split_plan(T: int, n_groups: int, tile: int, target: int | None = None) -> t
     return -(-T // ch), ch
 
 
+def row_blocks(heads: int, L: int) -> int:
+    """attn_fused's row blocks a kv head (NRG): the fewest that split its `heads` query heads of L rows each into
+    blocks of whole heads, at most MMA_ROWS rows a block (one matrix-unit fragment); 0 where none does (L > MMA_ROWS)."""
+    for n in range(1, heads + 1):
+        if heads % n == 0 and heads // n * L <= MMA_ROWS:
+            return n
+    return 0
+
+
 def mma_ok(D: int, bits: int, R: int) -> bool:
     """Shapes the matrix-unit steps cover: R ≤ 8 rows, and each thread's D/4 key codes whole words."""
     return R <= MMA_ROWS and (D // 4) * bits % 32 == 0 and D in (64, 128, 256)
@@ -718,9 +727,24 @@ def fused_attention(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
         template=template, grid=grid, threadgroup=(nth, 1, 1), output_shapes=out_shapes, output_dtypes=out_dtypes,
         init_value=float("nan") if cfg.poison else None)
     B, Hq = q.shape[0], q.shape[1]
-    R = (Hq // k_codes.shape[1]) * L
-    lse = res[1][-groups * R:].reshape(B, Hq, L) if want_lse else None
+    lse = res[1][-B * Hq * L:].reshape(B, Hq, L) if want_lse else None
     return res[0], lse
+
+
+def fused_plan_declines(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tuple, lvshape: tuple,
+                        klvshape: tuple | None, bits: int, key_bits: int | None, *, causal: bool = False,
+                        window: bool = True, rot: int = ROT_WHT | ROT_SO4) -> str | None:
+    """Why fused_attention would decline these shapes on backend `be` (its launch plan's KernelUnsupported, for every
+    thread count fused_threads picks there), or None where it takes them: shapes alone, no GPU needed."""
+    D, L = qshape[3], qshape[2]
+    for nth in (256, 384) if be == "cuda" else (256,):
+        try:
+            _fused_launch_plan(be, qshape, qdtype, kshape, vshape, lvshape, klvshape, bits, key_bits,
+                               1.0 / math.sqrt(D), MAX_SPLITS, 0 if window else -L, causal, rot, None, nth, None,
+                               None, None, window, (SMEM_LIMIT[be], None))
+        except KernelUnsupported as e:
+            return str(e)
+    return None
 
 
 def _device_facts(be: str) -> tuple:
@@ -740,7 +764,11 @@ def _fused_launch_plan(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tu
     offset = valid_len + off_rel
     B, Hq, L, D = qshape
     Hkv = kshape[1]
-    R = (Hq // Hkv) * L
+    nrg = row_blocks(Hq // Hkv, L) if Hq % Hkv == 0 else 0
+    if nrg == 0:
+        raise KernelUnsupported(f"attn_fused: {Hq} query heads over {Hkv} kv heads, {L} rows each (blocks of whole "
+                                f"heads, at most {MMA_ROWS} rows)")
+    R = (Hq // Hkv) // nrg * L  # a block's rows
     pair = None  # pair codebooks: (keys' points, values' points); bits / key_bits are their fields' widths
     if len(lvshape) == 2:
         if klvshape is None or len(klvshape) != 2 or lvshape[0] != 1 << bits \
@@ -773,6 +801,9 @@ def _fused_launch_plan(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tu
         wt = [("WCAUSAL", int(causal and L > 1))]
         causal, offset = False, valid_len  # every packed token precedes every query
     T, causal, _, groups = _one_launch_args("attn_fused", _Shaped(qshape, qdtype), Hkv, rot, valid_len, offset, causal)
+    groups *= nrg
+    if groups > 1024:
+        raise KernelUnsupported(f"attn_fused: {groups} (batch, kv head, row block) groups in one launch")
     target = fused_blocks() if blocks is None else blocks
     if not window:
         ns = fused_splits(T, groups, target)
@@ -780,7 +811,7 @@ def _fused_launch_plan(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tu
         # of one per SM on the H200, 4 more made a third, +35 us at 128K)
         ns = min(fused_splits(T, groups, max(groups, target - groups)), MAX_SPLITS - 1) + 1
     template = [("TQ", qdtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("PK", pair[0] if pair else 0),
-                ("PV", pair[1] if pair else 0), ("R", R), ("LQ", L), ("HKV", Hkv),
+                ("PV", pair[1] if pair else 0), ("R", R), ("LQ", L), ("HKV", Hkv), ("NRG", nrg),
                 ("CAUSAL", int(causal)), ("ROT", rot), ("THREADS", nth), ("SACC", FUSED_SACC), ("PF", pf),
                 ("VDEC", vdec), ("STAGE", stage), ("MERGE", FUSED_MERGE)] + wt
     out_shapes = [(B, Hq, L, D), (fused_scratch_size(groups, ns, R, D),)]

@@ -523,134 +523,13 @@ def combine_experts(y: mx.array, weights: mx.array) -> mx.array:
 
 # ------------------------------------------------------------------------------------------ caches
 class SlidingWindowCache:
-    """fp16 cache for sliding-window layers: keeps only the newest `window` tokens.
+    """fp16 cache for sliding-window layers: a ring of `window` slots, the token at position p in slot p % window.
 
-    Follows the KVCache protocol (`attend`, `end_prefill`, `trim`, byte counts). A query at
-    position i sees keys j with i - window < j <= i (transformers' sliding-window semantics).
-    """
-
-    def __init__(self, window: int) -> None:
-        self.window = int(window)
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.offset = 0
-
-    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
-               mask: Mask = None) -> mx.array:
-        L = keys.shape[2]
-        if self.keys is None:
-            k, v = keys, values
-        else:
-            k = mx.concatenate([self.keys, keys], axis=2)
-            v = mx.concatenate([self.values, values], axis=2)
-        T = k.shape[2]
-        start = self.offset + L - T  # absolute position of k[..., 0, :]
-        q_pos = mx.arange(self.offset, self.offset + L)[:, None]
-        k_pos = mx.arange(start, start + T)[None]
-        allowed = (k_pos <= q_pos) & (k_pos > q_pos - self.window)
-        out = mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=allowed)
-        keep = min(T, self.window - 1) if self.window > 1 else 0
-        self.keys, self.values = k[..., T - keep:, :], v[..., T - keep:, :]
-        self.offset += L
-        return out
-
-    def end_prefill(self) -> None:
-        pass
-
-    def trim(self, n: int) -> int:
-        n = min(n, self.offset, 0 if self.keys is None else self.keys.shape[2])
-        if n:
-            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
-            self.offset -= n
-        return n
-
-    def mark(self) -> Callable[[], None]:
-        saved = self.keys, self.values, self.offset  # a step replaces the arrays, never writes into them
-
-        def undo() -> None:
-            self.keys, self.values, self.offset = saved
-        return undo
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [a for a in (self.keys, self.values) if a is not None]
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
-
-    @property
-    def fp16_nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        B, H, T, D = self.keys.shape
-        return 2 * B * H * T * (D + self.values.shape[3])
-
-
-def attention_mask(L: int) -> Mask:
-    """The mask argument models pass to `cache.attend` for L new tokens."""
-    return "causal" if L > 1 else None
-
-
-def attention_cache(attn: Any, kv: KVSettings, layer: int, window_cache: type = SlidingWindowCache) -> Any:
-    """The cache of attention layer `layer` (`attn` has window, n_kv_heads, head_dim): an fp16 window cache
-    for a sliding layer, else one of the KV mode `kv` chooses."""
-    if attn.window is not None:
-        return window_cache(attn.window)
-    return make_kv_cache(kv, layer=layer, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim)
-
-
-def attend(cache: Any, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
-           window: Optional[int] = None) -> mx.array:
-    """Attention of the new tokens: through the layer's cache, or (cache None, e.g. training) directly."""
-    L = queries.shape[2]
-    if cache is not None:
-        return cache.attend(queries, keys, values, scale=scale, mask=attention_mask(L))
-    mask: Mask = attention_mask(L)
-    if window is not None and L > 1:
-        pos = mx.arange(L)
-        mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - window)
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-
-
-def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int,
-                  names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj"),
-                  dst: str = "switch_mlp") -> None:
-    """Rewrite one MoE block's expert weights in place into `<prefix>.<dst>.<name>.weight` [E, out, in].
-
-    Handles the hub layout (`<prefix>.experts.<e>.<name>.weight`) and transformers 5's fused layout
-    (`<prefix>.experts.gate_up_proj` [E, 2I, D] — gate rows first — and `<prefix>.experts.down_proj`
-    [E, D, I], with or without a `.weight` suffix). Already-stacked names pass through.
-    """
-    for n in names:
-        k0 = f"{prefix}.experts.0.{n}.weight"
-        if k0 in weights:
-            parts = [weights.pop(f"{prefix}.experts.{e}.{n}.weight") for e in range(num_experts)]
-            weights[f"{prefix}.{dst}.{n}.weight"] = mx.stack(parts)
-            for suffix in ("bias",):
-                kb = f"{prefix}.experts.0.{n}.{suffix}"
-                if kb in weights:
-                    bs = [weights.pop(f"{prefix}.experts.{e}.{n}.{suffix}") for e in range(num_experts)]
-                    weights[f"{prefix}.{dst}.{n}.{suffix}"] = mx.stack(bs)
-    for suf in ("", ".weight"):
-        fused = weights.pop(f"{prefix}.experts.gate_up_proj{suf}", None)
-        if fused is not None:
-            half = fused.shape[1] // 2
-            weights[f"{prefix}.{dst}.gate_proj.weight"] = fused[:, :half]
-            weights[f"{prefix}.{dst}.up_proj.weight"] = fused[:, half:]
-        for n in names:
-            w = weights.pop(f"{prefix}.experts.{n}{suf}", None)
-            if w is not None:
-                weights[f"{prefix}.{dst}.{n}.weight"] = w
-
-
-class RotatingWindowCache:
-    """Ring-buffer fp16 cache for sliding-window layers (H3): `window` slots, token at position p in slot p % window.
-
-    Same semantics as `SlidingWindowCache` (a query at i sees keys j with i - window < j <= i) but decode
-    writes one slot in place and attends over the buffer as is (order does not matter to softmax), so a
-    token costs no copy of the window. Prefill chunks are laid out in time order, masked, then the newest
-    `window` tokens are rolled into place.
+    Follows the KVCache protocol (`attend`, `end_prefill`, `trim`, byte counts). A query at position i sees
+    keys j with i - window < j <= i (transformers' sliding-window semantics). Decode writes one slot in place
+    and attends over the ring as is (key order does not matter to softmax), so a token costs no copy of the
+    window. A prefill chunk is attended in time order behind the ring's tokens, masked, then its newest
+    `window` tokens are rolled into their slots.
     """
 
     def __init__(self, window: int) -> None:
@@ -738,3 +617,60 @@ class RotatingWindowCache:
             return 0
         B, H, _, D = self.keys.shape
         return 2 * B * H * self.valid * (D + self.values.shape[3])
+
+
+def attention_mask(L: int) -> Mask:
+    """The mask argument models pass to `cache.attend` for L new tokens."""
+    return "causal" if L > 1 else None
+
+
+def attention_cache(attn: Any, kv: KVSettings, layer: int) -> Any:
+    """The cache of attention layer `layer` (`attn` has window, n_kv_heads, head_dim): an fp16 window cache
+    for a sliding layer, else one of the KV mode `kv` chooses."""
+    if attn.window is not None:
+        return SlidingWindowCache(attn.window)
+    return make_kv_cache(kv, layer=layer, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim)
+
+
+def attend(cache: Any, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+           window: Optional[int] = None) -> mx.array:
+    """Attention of the new tokens: through the layer's cache, or (cache None, e.g. training) directly."""
+    L = queries.shape[2]
+    if cache is not None:
+        return cache.attend(queries, keys, values, scale=scale, mask=attention_mask(L))
+    mask: Mask = attention_mask(L)
+    if window is not None and L > 1:
+        pos = mx.arange(L)
+        mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - window)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def stack_experts(weights: dict[str, mx.array], prefix: str, num_experts: int,
+                  names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj"),
+                  dst: str = "switch_mlp") -> None:
+    """Rewrite one MoE block's expert weights in place into `<prefix>.<dst>.<name>.weight` [E, out, in].
+
+    Handles the hub layout (`<prefix>.experts.<e>.<name>.weight`) and transformers 5's fused layout
+    (`<prefix>.experts.gate_up_proj` [E, 2I, D] — gate rows first — and `<prefix>.experts.down_proj`
+    [E, D, I], with or without a `.weight` suffix). Already-stacked names pass through.
+    """
+    for n in names:
+        k0 = f"{prefix}.experts.0.{n}.weight"
+        if k0 in weights:
+            parts = [weights.pop(f"{prefix}.experts.{e}.{n}.weight") for e in range(num_experts)]
+            weights[f"{prefix}.{dst}.{n}.weight"] = mx.stack(parts)
+            for suffix in ("bias",):
+                kb = f"{prefix}.experts.0.{n}.{suffix}"
+                if kb in weights:
+                    bs = [weights.pop(f"{prefix}.experts.{e}.{n}.{suffix}") for e in range(num_experts)]
+                    weights[f"{prefix}.{dst}.{n}.{suffix}"] = mx.stack(bs)
+    for suf in ("", ".weight"):
+        fused = weights.pop(f"{prefix}.experts.gate_up_proj{suf}", None)
+        if fused is not None:
+            half = fused.shape[1] // 2
+            weights[f"{prefix}.{dst}.gate_proj.weight"] = fused[:, :half]
+            weights[f"{prefix}.{dst}.up_proj.weight"] = fused[:, half:]
+        for n in names:
+            w = weights.pop(f"{prefix}.experts.{n}{suf}", None)
+            if w is not None:
+                weights[f"{prefix}.{dst}.{n}.weight"] = w

@@ -25,7 +25,6 @@ from rq_core.models import text_config
 from rq_core.models.base import (
     MLP,
     BaseModelArgs,
-    RotatingWindowCache,
     SwitchGLU,
     attend,
     attention_cache,
@@ -329,7 +328,7 @@ class Model(nn.Module):
     def make_cache(self, kv: Optional[KVSettings] = None) -> list:
         """Sliding layers: a ring-buffer fp16 window cache; full layers: the chosen KV mode."""
         kv = kv or KVSettings()
-        return with_edge_layers([attention_cache(layer.self_attn, kv, i, RotatingWindowCache)
+        return with_edge_layers([attention_cache(layer.self_attn, kv, i)
                                  for i, layer in enumerate(self.layers)], kv)
 
     def sanitize(self, weights: dict) -> dict:

@@ -49,6 +49,7 @@ def _free() -> None:
 def decode_cell(model: nn.Module, kv: KVSettings, context: int, tokens: int, *, seed: int = 0,
                 vocab_size: Optional[int] = None) -> dict[str, Any]:
     """One measurement: a fresh cache filled to `context` tokens (synthetic K/V), then `tokens` greedy tokens."""
+    from rq_core.attention.dispatch import attention_paths
     from rq_core.generate import cache_bytes, generate
     from rq_core.tools.profile import fill_caches
 
@@ -64,7 +65,7 @@ def decode_cell(model: nn.Module, kv: KVSettings, context: int, tokens: int, *, 
     out = {"decode_tok_per_s": res.decode_tok_per_s, "steady_decode_tok_per_s": res.steady_decode_tok_per_s,
            "generated_tokens": res.generated_tokens, "peak_memory_bytes": max(fill_peak, res.peak_memory_bytes),
            "kv_bytes": kv_bytes, "kv_bytes_fp16": kv_fp16, "kv_bytes_end": res.kv_bytes, "fill_s": fill_s,
-           "tokens": res.tokens}
+           "tokens": res.tokens, "attention_paths": attention_paths(cache)}
     del cache, res
     _free()
     return out
@@ -135,6 +136,8 @@ def bench(model: nn.Module, config: dict, contexts: list[int], kvs: list[KVSetti
                 "kv_bytes_end": rs[-1]["kv_bytes_end"],
                 "fill_s": spread([x["fill_s"] for x in rs]),
                 "generated_tokens": rs[-1]["generated_tokens"],
+                # {path: compressed layers} of the last run's decode (rq_core.attention.dispatch)
+                "attention_paths": rs[-1]["attention_paths"],
                 # the same fill every repetition: greedy decoding gives the same tokens unless something is off
                 "tokens_same_every_run": all(x["tokens"] == rs[0]["tokens"] for x in rs[1:]),
             })

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from rq_core.attention.dispatch import attention_paths
 from rq_core.errors import RQError
 
 STAGES = ("rotation", "A_fused_qk_dot", "B_softmax", "C_fused_value_accum", "D_rotate_inverse")
@@ -292,10 +293,9 @@ def _kernel_stages(cache: Any, q: mx.array, scale: float) -> dict[str, Any]:
     value_accum (C, with the strategy it picks for this context) and rotate_inverse (D)."""
     from rq_core.kernels import launch as K
 
-    T, bits, Hkv = cache.packed_len, cache.bits, cache.k_codes.shape[1]
-    levels = cache.levels
-    # keys at their own width and codebook (kv.key_bits; pair codebooks: both tables [n, 2])
-    kbits, klevels = (cache.key_bits, cache.k_levels) if getattr(cache, "key_bits", None) else (bits, levels)
+    T, bits, Hkv = cache.packed_len, cache.v_book.field_bits, cache.k_codes.shape[1]
+    levels = cache.v_book.table
+    kbits, klevels = cache.k_book.field_bits, cache.k_book.table  # keys at their own width and codebook, or the values'
     flags, mats = K.rotation_args(cache.rotation)  # the kernels' in-kernel rotation (WHT/SO(4)/dense)
     fwd = lambda: K.rotate_queries(q, mats, Hkv, rot=flags)  # noqa: E731
     inv = lambda o: K.rotate_inverse(o, mats, Hkv, rot=flags)  # noqa: E731
@@ -342,14 +342,13 @@ def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int
     from rq_core.attention import reference as attention
 
     chunk = chunk or attention.CHUNK
-    T, d, bits = cache.packed_len, q.shape[-1], cache.bits
+    T, d, bits = cache.packed_len, q.shape[-1], cache.v_book.field_bits
     B, Hq = q.shape[:2]
     Hkv = cache.k_codes.shape[1]
     G = Hq // Hkv
     inv = 1.0 / d ** 0.5
-    levels = cache.levels.astype(mx.float32)
-    kbits, klevels = ((cache.key_bits, cache.k_levels.astype(mx.float32)) if getattr(cache, "key_bits", None)
-                      else (bits, levels))
+    levels = cache.v_book.table.astype(mx.float32)
+    kbits, klevels = cache.k_book.field_bits, cache.k_book.table.astype(mx.float32)
     st: dict[str, Any] = {}
 
     def rotation() -> mx.array:
@@ -512,6 +511,8 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         "kernels": None,
         "strategy": staged[0]["strategy"] if have_stages else None,
         "attention_path": staged[0]["path"] if have_stages else ("sdpa" if kv_calls else None),
+        # the path each compressed layer's decode attention took (rq_core.attention.dispatch), e.g. {"fused": 48}
+        "attention_paths": attention_paths(caches),
         "kv_attention_share": share,
         "threshold": threshold,
         "verdict": verdict(share, threshold),
@@ -573,6 +574,7 @@ def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill
         "fp16_window": getattr(kv, "fp16_window", 0) if kv.mode != "fp16" else None,
         "edge_layers": kv.edge_layers if kv.mode != "fp16" else None,
         "attention_path": paths[0] if len(paths) == 1 else (paths or None),
+        "attention_paths": results[-1]["attention_paths"],  # at the last context
         "threshold": threshold,
         "warmup": warmup,
         "repeats": repeats,

@@ -78,6 +78,7 @@ def case_list(full: bool, gpu: bool) -> list[dict]:
         dict(d=64, bits=1, variant="wht_so4", t=5),
         dict(d=32, bits=3, variant="wht_so4", t=4),
         dict(d=512, bits=3, variant="wht_so4", t=2, H=1),
+        dict(d=512, bits=4, variant="wht_so4", t=2, H=1),  # Gemma 4's global layers at the edge layers' 4 bits
         # a quarter of the keys' coordinates on a threshold (float32 input): boundary mismatches are expected
         dict(d=128, bits=3, variant="wht_so4", t=5, dtype="f32", boundary=True),
         dict(d=128, bits=3, variant="dense", t=5, dtype="f32", boundary=True),

@@ -413,8 +413,9 @@ def run_fused(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B
                      key_bits=key_bits, pair_points=pair_points)
     scale = 1.0 / math.sqrt(d)
     qin, q64, kc, vc, consts, views = _case_inputs(c, T, bits, scale, qdtype, key_bits)
-    R = G * L
-    groups = B * Hkv
+    nrg = K.row_blocks(G, L)  # a kv head's rows in blocks of whole heads, <= MMA_ROWS rows each
+    R = G // nrg * L
+    groups = B * Hkv * nrg
     merge = K.FUSED_MERGE if merge is None else merge
     ns = K.fused_splits(T, groups, blocks)
     nth = nth or K.fused_threads(T)
@@ -424,7 +425,7 @@ def run_fused(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B
     tq = qdtype
     pk, pv = pair_points or (0, 0)
     template = [("TQ", tq), ("D", d), ("BITS", bits), ("KBITS", key_bits or bits), ("PK", pk), ("PV", pv),
-                ("R", R), ("LQ", L), ("HKV", Hkv), ("CAUSAL", int(causal)), ("ROT", rot), ("THREADS", nth),
+                ("R", R), ("LQ", L), ("HKV", Hkv), ("NRG", nrg), ("CAUSAL", int(causal)), ("ROT", rot), ("THREADS", nth),
                 ("SACC", sacc), ("PF", pf), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)]
     outs = emulate("attn_fused", template,
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,

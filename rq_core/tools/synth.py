@@ -1,8 +1,9 @@
 """A quantized checkpoint of a real model config with random weights, written without the bf16 model.
 
-    python3 benchmarks/synth_checkpoint.py tests/data/configs/qwen3-30b-a3b.json --recipe qwen3-16gb -o /tmp/q3
-    python3 benchmarks/synth_checkpoint.py tests/data/configs/nemotron3-nano-30b-a3b.json --recipe nemotron-32gb \
-        -o /tmp/nano --layers 4
+    python3 tools/synth_checkpoint.py qwen3-30b-a3b --recipe qwen3-16gb -o /tmp/q3
+    python3 tools/synth_checkpoint.py nemotron3-nano-30b-a3b --recipe nemotron-32gb -o /tmp/nano --layers 4
+
+What the benchmarks measure rq on (benchmarks/decode_vs_mlxlm.py, benchmarks/pager.py) without a 60 GB download.
 
 Each tensor gets the bits and group size `rq quantize` would give it (rq_core.quant.roles / rq_core.quant.recipe, through
 rq_core.quant.quantize's own per-tensor decision and output names); packed codes (uint32), scales and biases are drawn at
@@ -22,24 +23,25 @@ matmul over 152K-262K rows is part of what is measured). Ids the tokenizer lacks
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import mlx.core as mx
+from mlx.utils import tree_flatten
 
-import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
+from rq_core.checkpoint import DEFAULT_MODEL
+from rq_core.errors import RQError
+from rq_core.quant import recipe as recipe_mod
+from rq_core.quant.quantize import (QuantizeResult, _Job, _ShardWriter, _write_metadata, model_skeleton,
+                                   quantizable_modules)
+from rq_core.quant.roles import EMBEDDINGS
 
-CONFIGS = ROOT / "tests" / "data" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "data" / "configs"  # the real configs, in a checkout
 MARK = ".rq-synth.json"  # what made this folder (reuse it only for the same arguments)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # Tied embeddings: the head is the embedding table, so a token's own row would dominate its logits (greedy decode would
@@ -49,7 +51,7 @@ TIED_GAIN = 32.0
 
 
 def read_config(path: str | Path) -> dict:
-    """A config JSON (path, or the stem of a file in tests/data/configs) without its `_` notes."""
+    """A config JSON (path, or the stem of a file in a checkout's tests/data/configs) without its `_` notes."""
     p = Path(path)
     if not p.is_file():
         p = CONFIGS / f"{path}.json"
@@ -78,7 +80,7 @@ def truncate(cfg: dict, layers: int) -> dict:
     mt = cfg.get("model_type")
     tc = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     if layers < 1:
-        raise SystemExit(f"--layers must be >= 1 (got {layers})")
+        raise RQError(f"--layers must be >= 1 (got {layers})")
     if layers >= tc["num_hidden_layers"]:
         return cfg
     tc["num_hidden_layers"] = layers
@@ -101,8 +103,6 @@ class _Spec:
     alone: a _Job without a source checkpoint."""
 
     def __init__(self, config: dict, rec) -> None:
-        from rq_core.quant.quantize import QuantizeResult, _Job, model_skeleton, quantizable_modules
-
         job = object.__new__(_Job)
         job.config, job.recipe, job.progress = config, rec, (lambda *a: None)
         job.model = model_skeleton(config)  # lazy: shapes only, nothing is computed
@@ -169,11 +169,6 @@ def write(config: dict, recipe_name: str, out: str | Path, *, seed: int = 0, tok
           progress: Optional[Callable[[str, int, int], None]] = None) -> dict:
     """Write the checkpoint into `out` (a temp folder renamed onto it; an existing `out` is replaced). Returns a
     summary: bytes, tensors, shards, seconds."""
-    from rq_core.quant import recipe as recipe_mod
-    from rq_core.checkpoint import DEFAULT_MODEL
-    from rq_core.quant.quantize import _ShardWriter, _write_metadata
-    from rq_core.quant.roles import EMBEDDINGS
-
     t0 = time.perf_counter()
     rec = recipe_mod.load(recipe_name)
     spec = _Spec(config, rec)
@@ -267,44 +262,3 @@ def default_recipe(config: dict) -> str:
     mt = config.get("model_type")
     return {"qwen3_moe": "qwen3-16gb", "gemma4": "gemma4-16gb", "gemma4_text": "gemma4-16gb",
             "nemotron_h": "nemotron-32gb"}.get(mt, "qwen3-16gb")
-
-
-def _stderr_progress(stage: str, done: int, total: int) -> None:
-    print(f"\r{stage} {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config", help="a config JSON, or a name in tests/data/configs (qwen3-30b-a3b, ...)")
-    ap.add_argument("--recipe", help="recipe name or TOML (default: the family's shipped recipe)")
-    ap.add_argument("-o", "--out", required=True, help="output directory (replaced)")
-    ap.add_argument("--layers", type=int, help="decoder layers (default: the config's)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    a = ap.parse_args()
-    cfg = read_config(a.config)
-    if a.layers is not None:
-        cfg = truncate(cfg, a.layers)
-    try:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                       TimeElapsedColumn(), transient=True)
-    except ImportError:  # pragma: no cover
-        bar = None
-    recipe_name = a.recipe or default_recipe(cfg)
-    if bar is None:
-        s = write(cfg, recipe_name, a.out, seed=a.seed, progress=_stderr_progress)
-    else:
-        with bar:
-            task = bar.add_task("writing shards", total=None)
-            s = write(cfg, recipe_name, a.out, seed=a.seed,
-                      progress=lambda st, d, t: bar.update(task, completed=d, total=t))
-    if a.json:
-        print(json.dumps({"out": a.out, **s}))
-    else:
-        print(f"wrote {a.out}: {s['tensors']} tensors ({s['quantized']} quantized), {s['shards']} shards, "
-              f"{s['bytes'] / 1e9:.2f} GB in {s['seconds']:.1f} s")
-
-
-if __name__ == "__main__":
-    main()

@@ -6,10 +6,10 @@ queries are Gaussian. For each variant we quantize K and V exactly as the IsoQua
 attention, and compare with fp32 attention on the original K/V. Errors are relative L2 norms,
 averaged over layers × kv heads (each (layer, head) has its own rotation parameters).
 
-    python3 benchmarks/rotation_error.py [--dim 128] [--tokens 512] [--layers 16] [--queries 16]
+    python3 tools/rotation_error.py [--dim 128] [--tokens 512] [--layers 16] [--queries 16]
 
 Synthetic keys on the CPU: the table ranks rotations, it does not predict perplexity (benchmarks/quality.py does).
-Writes benchmarks/results/rotation_error.json.
+Writes tools/rotation_error.json.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+sys.path.insert(0, str(ROOT / "benchmarks"))  # _readme: the results file's format
 
 from rq_core.attention.reference import packed_attention, reference_attention
 from rq_core.codec.codebook import sphere_codebook
@@ -131,11 +133,11 @@ def main():
             for v in VARIANTS))
     lines += ["", "Lowest mean output error (plain norm): " + ", ".join(f"{s}: {v}" for s, v in best.items())]
     print("\n".join(lines))
-    from benchmarks._readme import save
+    from _readme import save
 
     data = [{"scenario": sc, "rotation": v, "norm_correction": nc, **{k: float(x.mean()) for k, x in r.items()}}
             for (sc, v, nc), r in rows.items()]
-    save("rotation_error", {"cpu": _cpu(), "rows": data}, "\n".join(lines))
+    save("rotation_error", {"cpu": _cpu(), "rows": data}, "\n".join(lines), ROOT / "tools" / "rotation_error.json")
 
 
 def _cpu() -> str:

@@ -5,9 +5,9 @@ Qwen3-30B-A3B attention shape (32 query heads, 4 kv heads, head dim 128), NL lay
 layers and queued with mx.async_eval while the previous step runs (as `rq run` decodes); µs a layer = wall time /
 (steps x layers), best of rounds taken in turns.
 
-    python3 benchmarks/cache_step.py [--contexts 2048,32768,131072] [--layers 48] [--steps 32] [--rounds 3]
+    python3 tools/cache_step.py [--contexts 2048,32768,131072] [--layers 48] [--steps 32] [--rounds 3]
 
-Writes benchmarks/results/cache_step.json.
+Writes tools/cache_step.json.
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # _readme: the results file's format
 
 import mlx.core as mx  # noqa: E402
 
@@ -103,7 +104,8 @@ def main() -> int:
     print(body)
     from _readme import save
 
-    save("cache_step", {"layers": a.layers, "steps": a.steps, "rounds": a.rounds, "rows": rows}, body)
+    save("cache_step", {"layers": a.layers, "steps": a.steps, "rounds": a.rounds, "rows": rows}, body,
+         ROOT / "tools" / "cache_step.json")
     return 0
 
 

@@ -15,8 +15,8 @@ about 8 GB, reused when DIR has it) and packs it. Writes one JSON file (--out), 
     python benchmarks/pager.py --verify-cost --ckpt DIR   # an existing quantized checkpoint
 
 What paging costs (`--pager-cost`, same --synthetic / --ckpt): greedy decode all-resident, then LRU at
---fractions of the experts resident (a budget planned for those slots), without and with `speculate`: tok/s, hit rate, bytes read per token,
-host syncs per forward pass, ms per MoE layer call waiting for the routing read and in the pager's host work,
+--fractions of the experts resident (a budget planned for those slots), with speculation off and "auto" (the default): tok/s, hit rate,
+bytes read per token, host syncs per forward pass, decode steps speculated and missed, ms per MoE layer call waiting for the routing read and in the pager's host work,
 measured peak (MLX's peak + the staging buffer) against the budget, tokens equal to all-resident.
 
     python benchmarks/pager.py --pager-cost --synthetic /tmp/rq-q3-30b [--tokens 48] [--fractions 0.5,0.25]
@@ -178,8 +178,8 @@ def _checkpoint(a: argparse.Namespace) -> tuple[Path, float, float]:
 
 
 def pager_cost(a: argparse.Namespace) -> None:
-    """Greedy decode with all experts resident, then paged (LRU) at each --fractions, without and with
-    speculation (ExpertPager(speculate=True)): tok/s, hit rate, bytes read
+    """Greedy decode with all experts resident, then paged (LRU) at each --fractions, with speculation off and
+    "auto" (ExpertPager(speculate=...)): tok/s, hit rate, bytes read
     per token, host syncs per forward pass, time waiting for routing reads and in the pager's own host work per
     MoE layer call, peak memory against a budget planned for those slots, and whether the tokens equal the
     all-resident ones."""
@@ -196,7 +196,7 @@ def pager_cost(a: argparse.Namespace) -> None:
     ctx = a.prompt + a.tokens
     rows = []
     ref = None
-    runs = [(None, False)] + [(float(f), spec) for f in a.fractions.split(",") for spec in (False, True)]
+    runs = [(None, "off")] + [(float(f), spec) for f in a.fractions.split(",") for spec in ("off", "auto")]
     for frac, speculate in runs:
         gc.collect()
         mx.clear_cache()
@@ -246,18 +246,24 @@ def pager_cost(a: argparse.Namespace) -> None:
     save("pager-cost", {"meta": meta, "rows": rows}, cost_table(rows), path=Path(a.out))
 
 
+def _spec_name(v: object) -> str:
+    return {True: "on", False: "off"}.get(v, str(v)) if isinstance(v, bool) else str(v)
+
+
 def cost_table(rows: list[dict]) -> str:
     """Markdown: one row a run of pager_cost, tok/s also as a share of the all-resident run's."""
     full = next(r["decode_tok_per_s"] for r in rows if r["policy"] == "none")
     out = ["| experts resident | speculation | decode tok/s | of all resident | read MB/token | host syncs/pass "
-           "| measured peak GB | budget GB | same tokens |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| steps speculated / missed | measured peak GB | budget GB | same tokens |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         paged = r["policy"] != "none"
         out.append("| " + " | ".join([
-            f"{r['resident_fraction']:.0%}", ("on" if r["speculate"] else "off") if paged else "—",
+            f"{r['resident_fraction']:.0%}", _spec_name(r["speculate"]) if paged else "—",
             f"{r['decode_tok_per_s']:.1f}", f"{r['decode_tok_per_s'] / full:.0%}",
             f"{r['bytes_read_per_token'] / 1e6:.1f}" if paged else "—",
             f"{r['host_syncs_per_pass']:.1f}" if paged else "—",
+            f"{r['pager'].get('speculated', 0)} / {r['pager'].get('respun', 0)}" if paged else "—",
             f"{(r['measured_peak_bytes'] if paged else r['peak_memory_bytes']) / 1e9:.3f}",
             f"{r['budget_bytes'] / 1e9:.3f}" if paged else "—", "yes" if r["tokens_equal_all_resident"] else "NO"]) + " |")
     return "\n".join(out)

@@ -6,7 +6,7 @@ import resource
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,12 +63,13 @@ def filter_logits(logits: mx.array, temp: float, top_p: float = 1.0, top_k: int 
     return logits
 
 
-def sample(logits: mx.array, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> mx.array:
+def sample(logits: mx.array, temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+           key: Optional[mx.array] = None) -> mx.array:
     """Next token ids [B] from logits [B, V]: greedy when temp == 0, else from the distribution filter_logits
-    leaves (temperature, then top-k, top-p, min-p)."""
+    leaves (temperature, then top-k, top-p, min-p), drawn with `key` (default: the next of MLX's global keys)."""
     if temp <= 0:
         return mx.argmax(logits, axis=-1)
-    return mx.random.categorical(filter_logits(logits, temp, top_p, top_k, min_p), axis=-1)
+    return mx.random.categorical(filter_logits(logits, temp, top_p, top_k, min_p), axis=-1, key=key)
 
 
 def cache_bytes(cache: Iterable) -> tuple[int, int]:
@@ -96,21 +97,25 @@ def _read_array(y: mx.array, logits: mx.array) -> mx.array:
 
 
 def _queue_step(model: nn.Module, cache: list, y: mx.array, temp: float, top_p: float, top_k: int = 0,
-                min_p: float = 0.0) -> tuple[mx.array, mx.array]:
+                min_p: float = 0.0, key: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
     """Build the step after token `y` and queue it (mx.async_eval): (its sampled id [1], its read array)."""
     logits = model(y.reshape(1, 1).astype(mx.int32), cache=cache)[:, -1, :]
-    nxt = sample(logits, temp, top_p, top_k, min_p)
+    nxt = sample(logits, temp, top_p, top_k, min_p, key)
     read = _read_array(nxt, logits)
     mx.async_eval(read)
     return nxt, read
 
 
 def decode_steps(model: nn.Module, cache: list, y: mx.array, read: mx.array, max_tokens: int, *, temp: float,
-                 top_p: float, top_k: int = 0, min_p: float = 0.0, pipeline: bool = True) -> Iterator[int]:
+                 top_p: float, top_k: int = 0, min_p: float = 0.0, pipeline: bool = True,
+                 pager: Any = None) -> Iterator[int]:
     """The id of `y` (its read array `read`, queued or evaluated), then the ids of the decode steps after it,
     `max_tokens` in all. With `pipeline`, step t+1 is built and queued before token t is read, so the device
-    does not wait while the host builds a graph; without it (an expert pager), step t+1 is built after token
-    t is read. RQError when a step's logits are not finite."""
+    does not wait while the host builds a graph; without it, step t+1 is built after token t is read. With an
+    expert `pager` (never pipelined) each step runs through `pager.decode_step`. RQError when a step's logits
+    are not finite."""
+    if pager is not None:
+        pipeline = False
     for n in range(max_tokens):
         more = n + 1 < max_tokens
         queued = _queue_step(model, cache, y, temp, top_p, top_k, min_p) if pipeline and more else None
@@ -119,8 +124,13 @@ def decode_steps(model: nn.Module, cache: list, y: mx.array, read: mx.array, max
             raise RQError(f"the model's logits are not finite (NaN or Inf) at generated token {n + 1}: its "
                           "weights are broken, or overflow in this dtype")
         yield tok
-        if more:
-            y, read = queued or _queue_step(model, cache, y, temp, top_p, top_k, min_p)
+        if more and queued is not None:
+            y, read = queued
+        elif more and pager is not None:
+            y, read = pager.decode_step(
+                lambda key, y=y: _queue_step(model, cache, y, temp, top_p, top_k, min_p, key), cache, draws=temp > 0)
+        elif more:
+            y, read = _queue_step(model, cache, y, temp, top_p, top_k, min_p)
 
 
 def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp: float = 0.0,
@@ -170,11 +180,11 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
 
     # With an expert pager, a step in flight would still hold the slot banks that the next step's
     # misses overwrite, turning each in-place slot write into a copy of the bank (10x the peak).
-    pipeline = getattr(model, "expert_pager", None) is None
+    pager = getattr(model, "expert_pager", None)
     t1 = time.perf_counter()
     steps = 0  # decode steps whose token was read
     for steps, tok in enumerate(decode_steps(model, cache, y, read, max_tokens, temp=temp, top_p=top_p,
-                                             top_k=top_k, min_p=min_p, pipeline=pipeline)):
+                                             top_k=top_k, min_p=min_p, pager=pager)):
         if steps == 1:
             res.first_step_s = time.perf_counter() - t1
         if tok in eos:

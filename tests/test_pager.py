@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from _tiny_models import TINY, available, make_tiny
 from rq_core.quant import recipe
+from rq_core.cache.kv_cache import KVSettings
 from rq_core.checkpoint import load
 from rq_core.errors import RQError
 from rq_core.generate import generate
@@ -52,20 +53,63 @@ def test_quarter_of_experts_gives_identical_tokens(packed, family):
     pager.close()
 
 
+SPEC_SLOTS = {"nemotron_h": 6}  # slots a layer at which some speculated steps hit and some miss
+
+
 @pytest.mark.parametrize("family", list(TINY))
 def test_speculation_gives_identical_tokens(packed, family):
+    """Speculated steps, hit or missed (undone through every cache's mark(), then run layer by layer), give
+    the all-resident tokens, greedy and sampled (the sampling key as the global sequence would give it)."""
     if family not in packed:
         pytest.skip(f"model family {family} not in this build yet")
     ck = packed[family]
-    ref = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
+    for temp in (0.0, 1.0):
+        ref = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16, temp=temp)
+        after_ref = mx.random.uniform(shape=(2,)).tolist()  # where the global sequence stands after the run
+        model = load(ck, tokenizer=False).model
+        pager = ExpertPager(model, ck, slots=SPEC_SLOTS.get(family, 3), speculate="always")
+        got = generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16, temp=temp)
+        after = mx.random.uniform(shape=(2,)).tolist()
+        st = pager.report()
+        pager.close()
+        assert got.tokens == ref.tokens, temp
+        assert after == after_ref, temp
+        # both ways were taken: steps served by the speculation, and steps that missed and ran again
+        assert st.speculated > st.respun > 0
+        assert st.speculated == len(got.tokens) - 1  # the first token comes from the prefill
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_speculation_undoes_a_compressed_cache(packed, window):
+    """A missed speculated step is undone in an IsoQuant cache too (its token leaves the fp16 window or the packed
+    part again, the window's spill stays): the tokens of the same cache all resident."""
+    ck = packed["qwen3_moe"]
+    kv = KVSettings(mode="isoquant3", fp16_window=window, edge_layers=1)
+    ref = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16, kv=kv)
     model = load(ck, tokenizer=False).model
-    pager = ExpertPager(model, ck, slots=3, speculate=True)
-    got = generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
+    pager = ExpertPager(model, ck, slots=3, speculate="always")
+    got = generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16, kv=kv)
     st = pager.report()
     pager.close()
     assert got.tokens == ref.tokens
-    # both ways were taken: layers served by the queued work, and layers that missed and ran again
     assert st.speculated > st.respun > 0
+
+
+def test_speculation_stops_while_it_does_not_pay(packed):
+    """"auto" measures: with 2 of 8 experts a layer most steps miss, so after its first try it runs layer by
+    layer (one routing read per MoE layer); "off" never speculates."""
+    ck = packed["qwen3_moe"]
+    counts = {}
+    for mode in ("auto", "off"):
+        model = load(ck, tokenizer=False).model
+        pager = ExpertPager(model, ck, slots=2, speculate=mode)
+        generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
+        counts[mode] = pager.report()
+        pager.close()
+    assert counts["off"].speculated == 0
+    assert 1 <= counts["auto"].speculated < 6 and counts["auto"].respun == counts["auto"].speculated
+    with pytest.raises(RQError, match="unknown speculation"):
+        ExpertPager(load(ck, tokenizer=False).model, ck, slots=2, speculate="yes")
 
 
 def test_a_small_staging_buffer_reads_in_several_batches(packed):

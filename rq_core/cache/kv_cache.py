@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Callable, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -133,6 +133,11 @@ class KVCache(Protocol):
         """Drop the newest n tokens; returns how many were dropped."""
         ...
 
+    def mark(self) -> Callable[[], None]:
+        """A function that puts the cache back as it is now, valid until a second step has run: how a decode
+        step that must run again (an expert pager's speculation missed) is undone."""
+        ...
+
     @property
     def state(self) -> list[mx.array]:
         """The arrays the cache holds (what an evaluation between steps must materialize)."""
@@ -190,6 +195,10 @@ class FP16Cache:
         n = min(self.offset, n)
         self.offset -= n
         return n
+
+    def mark(self) -> Callable[[], None]:
+        offset = self.offset  # a step writes after it (a grown buffer keeps what came before)
+        return lambda: self.trim(self.offset - offset)
 
     @property
     def state(self) -> list[mx.array]:
@@ -496,6 +505,12 @@ class IsoQuantCache:
         self.packed_len -= n - from_fp16
         self._coded = min(self._coded, self.offset)
         return n
+
+    def mark(self) -> Callable[[], None]:
+        # Exact for one decode step: its token leaves the fp16 segment again, and the oldest token it pushed
+        # into the packed part stays there, where the step run again puts it.
+        offset = self.offset
+        return lambda: self.trim(self.offset - offset)
 
     @property
     def nbytes(self) -> int:

@@ -592,6 +592,15 @@ class SlidingWindowCache:
         self.valid -= n
         return n
 
+    def mark(self) -> Callable[[], None]:
+        # a decode step writes the slot of the position it adds; run again, it writes that slot again, and the
+        # token it overwrote was outside every later query's window
+        saved = self.keys, self.values, self.offset, self.valid
+
+        def undo() -> None:
+            self.keys, self.values, self.offset, self.valid = saved
+        return undo
+
     @property
     def state(self) -> list[mx.array]:
         return [a for a in (self.keys, self.values) if a is not None]

@@ -8,7 +8,7 @@ recurrent update per token. Parameter names follow mlx-lm (`in_proj`, `conv1d`, 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +31,13 @@ class MambaCache:
 
     def trim(self, n: int) -> int:
         return 0  # a recurrent state cannot be rolled back
+
+    def mark(self) -> Callable[[], None]:
+        saved = self.conv_state, self.ssm_state, self.offset  # a step replaces them, never writes into them
+
+        def undo() -> None:
+            self.conv_state, self.ssm_state, self.offset = saved
+        return undo
 
     @property
     def state(self) -> list[mx.array]:

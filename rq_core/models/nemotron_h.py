@@ -9,7 +9,7 @@ projections (`moe_latent_size`), `-` dense ReLU² MLP. Each block is `x + mixer(
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -131,6 +131,10 @@ class NoCache:
         n = min(n, self.offset)
         self.offset -= n
         return n
+
+    def mark(self) -> Callable[[], None]:
+        offset = self.offset
+        return lambda: self.trim(self.offset - offset)
 
     nbytes = 0
     fp16_nbytes = 0

@@ -2,11 +2,14 @@
 expert slots (stacked arrays, so one gather_qmm per projection still serves the layer); an LRU over
 (layer, expert) decides which slot a missing expert is read into.
 
-Per MoE layer a step costs one host sync: reading the routing indices (a pager must know which experts
-to fetch). Everything else stays on the device or is batched: the expert -> slot table is an mx.array
-that remaps the routing on the device (uploaded again only after a miss changed it), a layer's misses
-are read together, in parallel (os.preadv into one preallocated staging buffer, a thread each), and
-written into the slots with one scatter per tensor, evaluated with the rest of the step.
+A decode step first runs speculatively on the experts already resident: the expert -> slot table is an
+mx.array that remaps the routing on the device, and every layer's routing comes back with the sampled token in
+the step's one host sync. If every expert was resident (the common case) that is the step. If one was not,
+the caches and the random key are put back (`mark()` of each cache) and the step runs again layer by layer:
+one host sync per MoE layer to read its routing, its misses read together, in parallel (os.preadv into one
+preallocated staging buffer, a thread each), and written into the slots with one scatter per tensor. Either
+way the step computes what an all-resident model computes. Speculation stops while the measured times say
+it costs more than it saves (mostly missing steps), and starts again when the steps stop missing.
 
 Pages are checked before use: the index field by field and against the model's banks, the page files'
 sizes, the fingerprint of the weights they were packed from (stale pages), and (`verify=True`, the
@@ -27,7 +30,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -37,6 +40,8 @@ from rq_core.paging.pack import _NP, expert_banks, load_index, open_page_file, s
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
+SPECULATE = ("auto", "always", "off")
+SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
 
 
 def check_policy(policy: str, what: str = "pager policy") -> None:
@@ -57,12 +62,12 @@ class PagerStats:
     resident_bytes: int = 0
     slots: int = 0
     policy: str = "lru"
-    host_syncs: int = 0  # routing reads (one per MoE layer call) and evaluations between prefill passes
+    host_syncs: int = 0  # routing reads: one per speculated step, one per MoE layer call otherwise
     sync_s: float = 0.0  # seconds waiting for the routing reads
     host_s: float = 0.0  # seconds of the pager's own host work (LRU, reads, building the slot writes)
     read_batches: int = 0  # layer calls that read pages (all of their misses at once)
-    speculated: int = 0  # layer calls whose experts were queued before the routing was read (speculate=True)
-    respun: int = 0  # of those, calls that missed: the queued work was dropped and the layer run again
+    speculated: int = 0  # decode steps run first on the resident experts (speculate="auto" | "always")
+    respun: int = 0  # of those, steps that missed an expert: undone and run again layer by layer
     staging_bytes: int = 0  # host memory of the staging buffer the pages are read into
 
     def as_dict(self) -> dict:
@@ -194,14 +199,16 @@ class ExpertPager:
 
     `pages`: the pack folder (default CKPT/experts). `verify`: check each expert's CRC32 on its first
     read (off only to measure what it costs). `threads`: parallel reads of one layer's misses, and the pages
-    the staging buffer holds. `speculate`:
-    queue each layer's experts from the slots it has before its routing is read (a hit, the common case,
-    then costs no wait; a miss waits for that work, drops it and runs the layer again: exact either way)."""
+    the staging buffer holds. `speculate`: "auto" runs a decode step first on the resident experts, with one host
+    sync for the whole step, while the measured times say that pays (see the module's text); "always" on every
+    step; "off" never (one host sync per MoE layer in every step)."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
-                 threads: int = READ_THREADS, speculate: bool = False) -> None:
+                 threads: int = READ_THREADS, speculate: str = "auto") -> None:
         check_policy(policy)
+        if speculate not in SPECULATE:
+            raise RQError(f"unknown speculation {speculate!r} (choose from: {', '.join(SPECULATE)})")
         banks = expert_banks(model)
         index = load_index(ckpt, pages=pages, banks=banks)
         self.dir = Path(index["dir"])
@@ -233,7 +240,75 @@ class ExpertPager:
         self.stage_experts = 0
         self._buf: Optional[bytearray] = None
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
-        model.expert_pager = self  # generate() decodes synchronously with a pager (see there)
+        self._routing: Optional[list] = None  # while a step speculates: (layer, routing indices) per MoE call
+        # running means of a speculated step's seconds, a layer-by-layer step's, and how often a step missed
+        self._t_spec: Optional[float] = None
+        self._t_sync: Optional[float] = None
+        self._miss_rate = 0.0
+        model.expert_pager = self  # generate() decodes through decode_step with a pager (see there)
+
+    def _speculation_pays(self) -> bool:
+        if self.speculate != "auto":
+            return self.speculate == "always"
+        if self._t_spec is None or self._t_sync is None:
+            return True
+        # a speculated step costs t_spec, plus a layer-by-layer run when it misses
+        return self._t_spec + self._miss_rate * self._t_sync < self._t_sync
+
+    def _mean(self, attr: str, seconds: float) -> None:
+        old = getattr(self, attr)
+        setattr(self, attr, seconds if old is None else old + SMOOTHING * (seconds - old))
+
+    def decode_step(self, build: Callable[[Optional[mx.array]], tuple[mx.array, mx.array]], cache: list, *,
+                    draws: bool = False) -> tuple[mx.array, mx.array]:
+        """Run one decode step, `build(key)` -> (sampled id, read array [id, finite]), and return them evaluated.
+        `draws`: the step samples from MLX's random sequence; `key` is then the key to sample with (None: the
+        global sequence's next). Speculated first when that pays (see the module's text); the tokens are those
+        of an all-resident model either way, sampled ones included."""
+        st = self.stats
+        if self._speculation_pays():
+            t0 = time.perf_counter()
+            undo = [c.mark() for c in {id(c): c for c in cache}.values()]
+            # the key sampling without one would draw with, taken without moving the sequence on (a step run
+            # again after a miss draws it from the sequence itself)
+            key = mx.random.split(mx.random.state[0])[1] if draws else None
+            self._routing = []
+            try:
+                y, read = build(key)
+            finally:
+                routing, self._routing = self._routing, None
+            flat = mx.concatenate([read.astype(mx.int32)] + [i.reshape(-1).astype(mx.int32) for _, i in routing])
+            ids = np.array(flat)[2:]  # the step's one sync: its token and every MoE layer's routing
+            st.host_syncs += 1
+            st.speculated += 1
+            t1 = time.perf_counter()
+            needed, at = [], 0
+            for layer, idx in routing:
+                n = idx.size
+                needed.append((layer, np.unique(ids[at:at + n])))
+                at += n
+            if all(len(u) <= l.slots and all(e in l.lru for e in u.tolist()) for l, u in needed):
+                for layer, u in needed:
+                    layer.acquire(u)  # all hits: the LRU order as a layer-by-layer step leaves it
+                if draws:
+                    mx.random.uniform(shape=(0,))  # move the sequence on by the key the step used
+                st.host_s += time.perf_counter() - t1
+                self._mean("_t_spec", time.perf_counter() - t0)
+                self._miss_rate -= SMOOTHING * self._miss_rate
+                return y, read
+            for u in undo:
+                u()
+            del y, read, flat
+            st.respun += 1
+            st.host_s += time.perf_counter() - t1
+            self._mean("_t_spec", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        misses = st.misses
+        y, read = build(None)
+        mx.eval(read)
+        self._mean("_t_sync", time.perf_counter() - t0)
+        self._miss_rate += SMOOTHING * (float(st.misses > misses) - self._miss_rate)
+        return y, read
 
     def _ready(self, top_k: int) -> None:
         if self._buf is None:
@@ -273,27 +348,16 @@ def _patch(module: Any, layer: _Layer) -> None:
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:  # noqa: N807
         st = layer.pager.stats
-        st.host_syncs += 1
         layer.pager._ready(indices.shape[-1])
-        spec = None
-        if layer.pager.speculate and layer.lru:
-            mx.async_eval(indices)  # its own evaluation: reading it below does not wait for the experts
-            spec = old.__call__(self, x, layer.table()[indices])
-            mx.async_eval(spec)
-            st.speculated += 1
+        if layer.pager._routing is not None:  # a speculated step: the slots as they are, routing read later
+            layer.pager._routing.append((layer, indices))
+            return old.__call__(self, x, layer.table()[indices])
+        st.host_syncs += 1
         t0 = time.perf_counter()
         idx = np.array(indices)  # the one sync routing needs: which experts to fetch
         t1 = time.perf_counter()
         st.sync_s += t1 - t0
         needed = np.unique(idx)
-        if spec is not None:
-            if len(needed) <= layer.slots and all(e in layer.lru for e in needed.tolist()):
-                layer.acquire(needed)  # all hits: the queued work is this layer's output
-                st.host_s += time.perf_counter() - t1
-                return spec
-            st.respun += 1
-            mx.eval(spec)  # done with the slots before any is overwritten (an in-place write, not a copy)
-            del spec
         if len(needed) <= layer.slots:
             layer.acquire(needed)
             table = layer.table()

@@ -95,7 +95,7 @@ WINDOW_CASES = [
     dict(G=8, d=512, T=300, NW=20, nth=256, pf=1, vdec=2, merge=1, blocks=12, qdtype="f16", rot=11),
 ]
 # the Metal rendering on the classes that differ most (causal window, copy ring, head dim 256, the pair decode with the
-# one-barrier merge, row blocks)
+# one-barrier merge, row blocks, head dim 512 with pair codebooks and with scalar codes)
 METAL_WINDOW = {1, 2, 4, 8, 12, 13, 15}
 
 

@@ -298,7 +298,7 @@ def test_rotation_args():
 
 # attn_fused shape classes on the executor: (case, which renderings run it). The Metal rendering runs a subset that
 # covers each configuration axis (SACC, ring STAGE, VDEC, MERGE, 384 threads, query dtypes, pair codebooks,
-# head dim 64), as compiling a program per class is most of the suite's time
+# head dim 64, head dim 512), as compiling a program per class is most of the suite's time
 FUSED_CASES = [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128, sacc=1),
                dict(G=4, d=128, T=300, nth=256, pf=1, stage=2, rot=11),
                dict(G=2, d=128, T=300, L=2, causal=True, rot=4, B=2, qdtype="bf16", nth=256, pf=1,

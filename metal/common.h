@@ -5,6 +5,7 @@
 #define LN2 0.6931471805599453f
 
 INLINE int imin(int a, int b) { return a < b ? a : b; }
+constexpr int imax_c(int a, int b) { return a > b ? a : b; }  // for constant expressions
 
 // A lane-replicated pair table holds entry c of lane l at c * 32 + l (4-byte entries), so entry c's bytes
 // start at c << 7. pair_off: the fw-bit pair index at bit p (< 32) of the 64-bit hi:lo as that byte offset,
@@ -253,13 +254,14 @@ INLINE void accum_pairs32(THR const uint* w, float wt, TG const float* pts, THR 
 // then the SO(4) blocks or the dense P; mats: this head's parameters). q: this group's first query row at qb,
 // strides qsh (head), qsl (query), qsd (dim); window rows at wkb / wvb, row strides wks / wvs, element strides
 // wkd / wvd. WCAUSAL: query row n sees
-// window token j <= NW - LQ + n % LQ. qw, ow: R*D floats, sc: R*128 floats of threadgroup memory; every
-// thread of the block calls it (barriers).
-template <int D, int R, int LQ, int ROT, int WCAUSAL, int THREADS, bool NATIVE = false, typename TQ, typename TW>
+// window token j <= NW - LQ + n % LQ. qw: R*D floats, sc: R*128 floats of threadgroup memory; ow may be qw (the query
+// rows are dead once the scores are). Writes the MMA_N x DV partials of dims d0 .. d0 + DV at o_part + ob (attn_fused's
+// value-dim halves at head dim 512) and, with wml, the rows' (m, l); every thread of the block calls it (barriers).
+template <int D, int DV, int R, int LQ, int ROT, int WCAUSAL, int THREADS, typename TQ, typename TW>
 INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV const TW* wk, int wkb, int wks,
                          int wkd, DEV const TW* wv, int wvb, int wvs, int wvd, int NW, float wscale,
                          DEV const float* mats, TG float* qw, TG float* sc, TG float* ow, DEV float* o_part,
-                         DEV float* ml_part, int pbase, uint tid) {
+                         DEV float* ml_part, int pbase, int ob, int d0, bool wml, uint tid) {
   constexpr int NWARP = THREADS / 32;
   constexpr int WT = 128;  // sc's row stride
   constexpr int WJ = 4;    // window tokens a warp holds per round
@@ -313,7 +315,7 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
       l += p;
     }
     l = simd_sum_f(l);
-    if (lane == 0) {
+    if (lane == 0 && wml) {
       ml_part[(pbase + r) * 2] = m;
       ml_part[(pbase + r) * 2 + 1] = l;
     }
@@ -337,21 +339,13 @@ INLINE void window_split(DEV const TQ* q, int qb, int qsh, int qsl, int qsd, DEV
   BARRIER();
   // into the packed values' space, as the query was rotated: WHT, then the SO(4) blocks (or the dense P)
   if ((ROT & 1) != 0) wht_rows_lean<D>(ow, R, tid, THREADS);
-  if (NATIVE) {  // attn_fused: the split's MMA_N x D partials in the fragments' order (frag_pos_n / frag_pos_d)
-    const int ob = (pbase / R) * MMA_N * D;
-    for (int p = (int)tid; p < MMA_N * D; p += THREADS) {
-      const int n = frag_pos_n<D>(p);
-      const int d = frag_pos_d<D>(p);
-      o_part[ob + p] = n >= R                ? 0.0f
-                       : ((ROT & 4) != 0) ? dense_elem<D, false>(mats, ow + n * D, d)
-                       : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + n * D, d)
-                                          : ow[n * D + d];
-    }
-    return;
-  }
-  for (int e = (int)tid; e < R * D; e += THREADS) {
-    o_part[pbase * D + e] = ((ROT & 4) != 0)   ? dense_elem<D, false>(mats, ow + (e / D) * D, e % D)
-                            : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + (e / D) * D, e % D)
-                                               : ow[e];
+  // the split's MMA_N x DV partials in the fragments' order (frag_pos_n / frag_pos_d)
+  for (int p = (int)tid; p < MMA_N * DV; p += THREADS) {
+    const int n = frag_pos_n<DV>(p);
+    const int d = d0 + frag_pos_d<DV>(p);
+    o_part[ob + p] = n >= R                ? 0.0f
+                     : ((ROT & 4) != 0) ? dense_elem<D, false>(mats, ow + n * D, d)
+                     : ((ROT & 2) != 0) ? so4_elem<false>(mats, ow + n * D, d)
+                                        : ow[n * D + d];
   }
 }

@@ -52,16 +52,10 @@ def test_the_shapes_are_the_real_ones():
     assert ISO.pairs_for(128) == ISO.pairs_for(512) == (128, 32)
 
 
-# head_dim 512 (Gemma 4's global layers) is not covered by attn_fused yet: those layers take the reference path and
-# say so on stderr. strict: this fails as soon as the kernel takes them, so the mark goes with the gap
-GAPS = {512: "attn_fused covers head_dim 64-256; 512 needs its threadgroup memory tiled (docs/KERNELS.md)"}
-
-
 def _params():
     for family in sorted(SHAPES):
         for shape in sorted(SHAPES[family]):
-            marks = [pytest.mark.xfail(strict=True, reason=GAPS[shape[0]])] if shape[0] in GAPS else []
-            yield pytest.param(family, shape, marks=marks, id=f"{family}-{shape[0]}-{shape[1]}-{shape[2]}")
+            yield pytest.param(family, shape, id=f"{family}-{shape[0]}-{shape[1]}-{shape[2]}")
 
 
 @pytest.mark.parametrize("backend", ["cuda", "metal"])

@@ -298,7 +298,7 @@ def test_rotation_args():
 
 # attn_fused shape classes on the executor: (case, which renderings run it). The Metal rendering runs a subset that
 # covers each configuration axis (SACC, ring STAGE, VDEC, MERGE, 384 threads, query dtypes, pair codebooks,
-# head dim 64), as compiling a program per class is most of the suite's time
+# head dim 64, head dim 512), as compiling a program per class is most of the suite's time
 FUSED_CASES = [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128, sacc=1),
                dict(G=4, d=128, T=300, nth=256, pf=1, stage=2, rot=11),
                dict(G=2, d=128, T=300, L=2, causal=True, rot=4, B=2, qdtype="bf16", nth=256, pf=1,
@@ -333,8 +333,19 @@ FUSED_CASES = [dict(G=8, d=128, T=300, nth=128), dict(G=8, d=128, T=300, nth=128
                dict(G=32, d=128, T=300, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1, blocks=24, Hkv=1,
                     qdtype="f16", bits=4),
                dict(G=16, d=128, T=300, L=2, causal=True, nth=256, pf=1, stage=1, vdec=2, merge=1, sacc=1,
-                    blocks=24, key_bits=4)]
-METAL_FUSED = {1, 2, 3, 5, 8, 9, 11, 13, 14, 15, 16}
+                    blocks=24, key_bits=4),
+               # head dim 512 (Gemma 4's global layers: R = 8 over 2 kv heads): a block per value-dim half, the query's
+               # fragments in threadgroup memory, rows through registers. Pair codebooks (the default), 4-bit scalar codes
+               # with f32 queries (hi and lo fragments), causal rows with 4-bit keys, the warps' merge in rounds of two
+               # slabs with byte-permute values
+               dict(G=8, d=512, T=300, nth=256, pf=1, stage=0, vdec=2, merge=1, sacc=1, blocks=12,
+                    qdtype="f16", bits=5, key_bits=7, pair_points=(128, 32)),
+               dict(G=8, d=512, T=300, nth=256, pf=2, stage=0, vdec=2, merge=1, sacc=2, blocks=12, bits=4),
+               dict(G=4, d=512, T=301, L=2, causal=True, nth=256, pf=1, stage=0, vdec=2, merge=1, sacc=1,
+                    blocks=12, key_bits=4, qdtype="bf16"),
+               dict(G=8, d=512, T=300, nth=128, pf=1, stage=0, vdec=1, merge=0, sacc=2, blocks=12, rot=11,
+                    qdtype="f16")]
+METAL_FUSED = {1, 2, 3, 5, 8, 9, 11, 13, 14, 15, 16, 17, 19}
 
 
 @pytest.mark.parametrize("backend,case", [pytest.param(be, c, id=f"{be}-case{i}") for be in ("cuda", "metal")
@@ -356,6 +367,11 @@ def test_fused_source_runs_on_cpu_executor(backend, case):
     # own rounding (~2e-4, the same with the hi / lo split); bf16 likewise (~1.6e-3)
     tol = {"bf16": 8e-3, "f16": 5e-4}.get(case.get("qdtype", "f32"), 2e-6)
     assert r["err_half"] < tol and r["lse_err"] < 1e-3
+    if case["d"] == 512:  # the launch plan's threadgroup bytes are the body's arena
+        R = case["G"] // K.row_blocks(case["G"], case.get("L", 1)) * case.get("L", 1)
+        assert r["smem_bytes"] == K._fused_smem(512, case.get("bits", 3), R, case["nth"], backend, case["stage"],
+                                                case["vdec"], case.get("key_bits"), case.get("pair_points"),
+                                                case.get("qdtype", "f32") != "f32")
 
 
 def test_pair_decode_table_alignment():
@@ -426,6 +442,11 @@ def test_fused_plan_and_shapes():
         assert K.fused_ok(128, 3, 8, be, 512, 0) and K.fused_ok(256, 3, 8, be, 512, 0)
         assert K.fused_ok(64, 4, 8, be, 512, 0)
     assert not K.fused_ok(128, 3, 16, "cuda") and not K.fused_ok(128, 3, 8, "cuda", 96)
+    # head dim 512: rows through registers (no ring); f16 / bf16 queries fit both backends, f32 queries' hi and lo
+    # fragments CUDA only
+    assert K.fused_ok(512, 3, 8, "metal", 256, 0, half=True) and not K.fused_ok(512, 3, 8, "metal", 256, 0)
+    assert K.fused_ok(512, 3, 8, "cuda", 256, 0, 2) and not K.fused_ok(512, 3, 8, "cuda", 256, 1, half=True)
+    assert K.fused_ok(512, 5, 8, "metal", 256, 0, 2, 7, (128, 32), half=True)
     # the default (256 threads, 1-slot ring) fits CUDA at head_dim 128; head_dim 256 and Metal take STAGE 0
     assert K.fused_ok(128, 3, 8, "cuda", K.fused_threads(4096), K.FUSED_STAGE)
     assert not K.fused_ok(256, 3, 8, "cuda", 256, 2) and K.fused_ok(256, 3, 8, "cuda", 256, 0)

@@ -22,10 +22,10 @@ needs_emu = pytest.mark.skipif(shutil.which("g++") is None or not sys.platform.s
                                reason="needs g++ and ucontext (Linux)")
 
 
-def _run(n_prompt: int, steps: int, seed: int, G: int = 4, **kw) -> tuple[IsoQuantCache, list[np.ndarray]]:
+def _run(n_prompt: int, steps: int, seed: int, G: int = 4, d: int = 128, **kw) -> tuple[IsoQuantCache, list[np.ndarray]]:
     """A 4-bit-key / 3-bit-value cache (or `kw`'s): a prompt, then decode steps; the attention outputs of the steps."""
     rng = np.random.default_rng(seed)
-    Hkv, d = 2, 128
+    Hkv = 2
     c = IsoQuantCache(head_dim=d, n_kv_heads=Hkv, layer=1, bits=3, fp16_window=8, **(kw or {"key_bits": 4}))
     k = mx.array(rng.standard_normal((1, Hkv, n_prompt, d)).astype(np.float16))
     v = mx.array(rng.standard_normal((1, Hkv, n_prompt, d)).astype(np.float16))
@@ -168,3 +168,21 @@ def test_four_kernels_take_pair_codebooks_and_key_widths(case, strategy, monkeyp
     err, nan, _ = KC.run_case(K, mx, c, T=case["T"], bits=case["bits"], path="four", strategy=strategy, causal=True,
                               offset=case["T"] - L, rot=3, key_bits=case["key_bits"])
     assert nan == 0 and err < 2e-6, err
+
+
+@needs_emu
+def test_head_dim_512_through_the_kernels(monkeypatch):
+    """Gemma 4's global layers (head dim 512, 16 query heads over 2 kv heads: 8 rows a kv head, pair codebooks)
+    through fused_attention's wrapper: two value-dim halves a group (grid, splits and scratch as the body lays them
+    out), against the CPU's reference attention, and the cache records the fused path."""
+    ref_cache, ref = _run(300, 1, seed=9, G=8, d=512, pair_points=(128, 32))
+    stand = _kernels_on_executor(monkeypatch)
+    gpu_cache, got = _run(300, 1, seed=9, G=8, d=512, pair_points=(128, 32))
+    call = stand["attn_fused_window"].calls[-1]
+    tmpl = dict(call["template"])
+    assert (tmpl["D"], tmpl["R"], tmpl["NRG"], tmpl["STAGE"]) == (512, 8, 1, 0)
+    assert call["grid"][0] // call["threadgroup"][0] == 2 * K.fused_vhalves(512) == 4  # 2 kv heads, 2 halves
+    assert gpu_cache.attention_path == ("fused", None) and gpu_cache.packed_len == ref_cache.packed_len > 256
+    for g, r in zip(got, ref):
+        assert np.isfinite(g).all()
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's points are fp16

@@ -74,6 +74,15 @@ def attention_cases(quick: bool) -> list[dict]:
     cases += [dict(pp, G=16, T=T) for T in ((513, 32768) if quick else (1, 513, 4096, 32768, 131072))]
     cases += [dict(base, G=16, T=T, bits=4) for T in (513, 32768)] + [dict(base, G=16, T=4099, qdtype="f16")]
     cases += [dict(pp, G=16, T=700, L=2, causal=True), dict(base, G=32, T=4096), dict(pp, G=28, T=4096)]
+    # head dim 512 (Gemma 4's global layers: 16 / 2 heads, 8 rows a kv head): a block per value-dim half, the query's
+    # fragments in threadgroup memory; pair codebooks, the edge layers' 4-bit codes, 4-bit keys, causal rows, rwht_so4
+    g512 = dict(pp, d=512, qdtype="bf16")
+    cases += [dict(g512, T=T) for T in ((1, 513, 32768) if quick else (1, 7, 513, 4096, 32768, 131072))]
+    cases += [dict(g512, qdtype="f16", T=4099), dict(g512, qdtype="f32", T=4099), dict(g512, G=4, T=700, L=2, causal=True),
+              dict(g512, T=3000, rot=11)]
+    cases += [dict(base, d=512, T=T, bits=4, qdtype="bf16") for T in (513, 32768)]
+    cases += [dict(base, d=512, T=4097), dict(base, d=512, T=4097, key_bits=4, qdtype="f16"),
+              dict(base, d=512, G=4, T=700, L=2, causal=True, bits=4)]
     # launch configurations other than the default a shape can take: (threads, load-ahead, decode, ring slots)
     for nth, pf, vdec, stage in ((384, 1, 2, 1), (256, 2, 1, 0), (512, 1, 2, 1)):
         cases += [dict(base, T=T, cfg=dict(nth=nth, pf=pf, vdec=vdec, stage=stage)) for T in (513, 32768)]

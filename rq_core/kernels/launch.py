@@ -318,9 +318,27 @@ def row_blocks(heads: int, L: int) -> int:
     return 0
 
 
+FUSED_DIMS = (64, 128, 256, 512)  # attn_fused's head dims
+
+
 def mma_ok(D: int, bits: int, R: int) -> bool:
     """Shapes the matrix-unit steps cover: R ≤ 8 rows, and each thread's D/4 key codes whole words."""
-    return R <= MMA_ROWS and (D // 4) * bits % 32 == 0 and D in (64, 128, 256)
+    return R <= MMA_ROWS and (D // 4) * bits % 32 == 0 and D in FUSED_DIMS
+
+
+def fused_vhalves(D: int) -> int:
+    """attn_fused's blocks a (batch, kv head, row block) group and split (the body's VH): 2 at head dim 512, each
+    accumulating half of the value dims (scores computed by both), else 1."""
+    return 2 if D > 256 else 1
+
+
+def _fused_check(D: int, bits: int, R: int) -> None:
+    if D not in FUSED_DIMS:
+        raise KernelUnsupported(f"head_dim {D} (attn_fused covers {', '.join(map(str, FUSED_DIMS))})")
+    if bits not in (2, 3, 4):
+        raise KernelUnsupported(f"{bits}-bit codes (kernels cover 2, 3, 4)")
+    if not 1 <= R <= MMA_ROWS:
+        raise KernelUnsupported(f"{R} query rows per kv head at head_dim {D}")
 
 
 _CONSTS: dict = {}
@@ -621,53 +639,69 @@ def fused_splits(T: int, n_groups: int, blocks: int | None = None) -> int:
     return max(1, min(-(-T // 128), target // max(1, n_groups), MAX_SPLITS))
 
 
+def fused_launch_splits(T: int, blocks_a_split: int, target: int, window: bool) -> int:
+    """attn_fused's splits (grid y) for `blocks_a_split` blocks a split (groups times value-dim halves); with a window,
+    its split first, its blocks taken from the target (so they add no wave: at 264 blocks, 2 waves of one per SM on
+    the H200, 4 more made a third, +35 us at 128K)."""
+    if not window:
+        return fused_splits(T, blocks_a_split, target)
+    return min(fused_splits(T, blocks_a_split, max(blocks_a_split, target - blocks_a_split)), MAX_SPLITS - 1) + 1
+
+
 def _fused_smem(D: int, bits: int, R: int, nth: int, be: str, stage: int = 0, vdec: int = 1,
-                kbits: int | None = None, pair: tuple[int, int] | None = None) -> int:
+                kbits: int | None = None, pair: tuple[int, int] | None = None, half: bool = False) -> int:
     """Threadgroup bytes of attn_fused (the body's arena: the (m, l) arrays, pool, the keys' own table where kbits
     differs, the pair table, the ring; then two words). vdec 2 on CUDA pads the pair table to the next 8 KB boundary of
-    the shared window (above the block's 1 KB reserved), as the body's LUTPAD does."""
+    the shared window (above the block's 1 KB reserved), as the body's LUTPAD does. Head dim 512 (QSM): the query's
+    score fragments (hi and lo halves unless `half` queries) before the tables, the pool over all of it."""
     kbits = bits if kbits is None else kbits
     step = 16 if be == "cuda" else 8
     nwarp = nth // 32
     np_ = pair[1] if pair else 1 << (2 * bits)
     luts = 32 if np_ * 32 * 4 <= 8192 else 1
-    pool = 2 * R * D + R * MAX_SPLITS
+    qsm = fused_vhalves(D) > 1
+    pool = (1 if qsm else 2) * R * D + R * MAX_SPLITS
+    qfn = (1 if half else 2) * 4 * D if qsm else 0  # NKS * FRAG_B_PAIRS * 32 words a half: 4 D on both backends
+    toff = qfn if qsm else pool
     nf = D // 2 if pair else D
     ring = nwarp * stage * step * (nf * bits // 32 + nf * kbits // 32) if stage > 0 else 4
     klut = pair[0] if pair else (1 << (2 * kbits)) if kbits != bits else 0
     small = 2 * nwarp * MMA_ROWS + 2 * MMA_ROWS  # the warps' (m, l) and the rows' (m, l), first in the arena
     pad = 0
     if vdec == 2 and luts == 32 and be == "cuda":
-        pad = (8192 - (1024 + 4 * small + 4 * pool + 4 * klut) % 8192) % 8192
-    return 4 * small + 4 * ring + 4 * pool + 4 * klut + 4 * np_ * luts + pad + 4 * 2
+        pad = (8192 - (1024 + 4 * small + 4 * toff + 4 * klut) % 8192) % 8192
+    arena = max(4 * (toff + klut + np_ * luts + ring) + pad, 4 * pool, 4 * (qfn + R * D))
+    return 4 * small + arena + 4 * 2
 
 
 def fused_ok(D: int, bits: int, R: int, be: str, nth: int | None = None, stage: int | None = None,
-             vdec: int = 1, kbits: int | None = None, pair: tuple[int, int] | None = None) -> bool:
+             vdec: int = 1, kbits: int | None = None, pair: tuple[int, int] | None = None,
+             half: bool = False) -> bool:
     """Shapes attn_fused covers: those of the matrix-unit steps (keys and values each; pair codebooks: up to 8 rows at
-    head dim 64, 128 or 256, their lane chunks funnel-shifted where they start mid-word), within the threadgroup
-    memory limit."""
+    head dim 64 to 512, their lane chunks funnel-shifted where they start mid-word), within the threadgroup
+    memory limit (half: f16 / bf16 queries). Head dim 512 takes its rows through registers (no ring)."""
     nth = 256 if nth is None else nth
     stage = FUSED_STAGE if stage is None else stage
     kb = bits if kbits is None else kbits
-    shapes = (R <= MMA_ROWS and D in (64, 128, 256)) if pair else mma_ok(D, bits, R) and mma_ok(D, kb, R)
-    return (shapes and nth % 64 == 0 and stage >= 0
-            and _fused_smem(D, bits, R, nth, be, stage, vdec, kb, pair) <= SMEM_LIMIT[be])
+    shapes = (R <= MMA_ROWS and D in FUSED_DIMS) if pair else mma_ok(D, bits, R) and mma_ok(D, kb, R)
+    return (shapes and nth % 64 == 0 and stage >= 0 and (stage == 0 or fused_vhalves(D) == 1)
+            and _fused_smem(D, bits, R, nth, be, stage, vdec, kb, pair, half) <= SMEM_LIMIT[be])
 
 
 @functools.lru_cache(maxsize=256)
 def _fused_config(D: int, bits: int, R: int, be: str, nth: int, stage: int | None, pf: int | None,
                   vdec: int = 1, kbits: int | None = None,
-                  pair: tuple[int, int] | None = None) -> tuple[int, int, int, int]:
+                  pair: tuple[int, int] | None = None, half: bool = False) -> tuple[int, int, int, int]:
     """(threads, ring stages, load-ahead, decode) of attn_fused for a shape class, checked once (a decode calls
-    this for every layer of every step). Decode 2 falls back to 1 where its padded table does not fit."""
+    this for every layer of every step). Decode 2 falls back to 1 where its padded table does not fit. Head dim 512
+    loads one step ahead by default (its key rows are twice as long)."""
     if stage is None:  # the default ring where it fits, else rows through registers
-        stage = FUSED_STAGE if fused_ok(D, bits, R, be, nth, FUSED_STAGE, kbits=kbits, pair=pair) else 0
-    pf = 1 if stage > 0 else (FUSED_PF if pf is None else pf)
-    if not fused_ok(D, bits, R, be, nth, stage, kbits=kbits, pair=pair):
+        stage = FUSED_STAGE if fused_ok(D, bits, R, be, nth, FUSED_STAGE, kbits=kbits, pair=pair, half=half) else 0
+    pf = 1 if stage > 0 else pf if pf is not None else 1 if fused_vhalves(D) > 1 else FUSED_PF
+    if not fused_ok(D, bits, R, be, nth, stage, kbits=kbits, pair=pair, half=half):
         raise KernelUnsupported(f"attn_fused: R={R}, head_dim {D}, {bits}-bit codes ({kbits}-bit keys), {nth} "
-                                f"threads, {stage} stages")
-    if vdec == 2 and not fused_ok(D, bits, R, be, nth, stage, 2, kbits, pair):
+                                f"threads, {stage} stages: over the threadgroup memory")
+    if vdec == 2 and not fused_ok(D, bits, R, be, nth, stage, 2, kbits, pair, half):
         vdec = 1
     return nth, stage, pf, vdec
 
@@ -775,7 +809,7 @@ def _fused_launch_plan(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tu
                 or key_bits is None or klvshape[0] != 1 << key_bits:
             raise KernelUnsupported("attn_fused: pair codebooks need both tables, of 2^bits and 2^key_bits points")
         pair = (klvshape[0], lvshape[0])
-        _check(D, 3, R)  # the shape checks of the 3-bit codes (head dim, rows)
+        _fused_check(D, 3, R)  # the shape checks of the 3-bit codes (head dim, rows)
         if not 16 <= pair[1] <= 64 or not 16 <= pair[0] <= 256:
             raise KernelUnsupported(f"attn_fused: pair codebooks of {pair} points (values' table lane-replicated: "
                                     "<= 64)")
@@ -787,13 +821,17 @@ def _fused_launch_plan(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tu
             raise KernelUnsupported(f"attn_fused: pair codes of capacity {kshape[2]} leave heads unaligned")
         vdec = 2  # the values' lane-replicated table by byte offsets
     else:
-        _check(D, bits, R)
+        _fused_check(D, bits, R)
     kb = bits if key_bits is None or klvshape is None else key_bits
     if kb != bits and pair is None:
-        _check(D, kb, R)
+        _fused_check(D, kb, R)
         if kshape[3] * 32 != D * kb:
             raise KernelUnsupported(f"attn_fused: key rows of {kshape[3]} words for {kb}-bit keys")
-    nth, stage, pf, vdec = _fused_config(D, bits, R, be, nth, stage, pf, FUSED_VDEC if vdec is None else vdec, kb, pair)
+    vh = fused_vhalves(D)
+    if vh > 1 and rot & ROT_DENSE:
+        raise KernelUnsupported(f"attn_fused: the dense rotation at head_dim {D} (value-dim halves rotate by warps)")
+    nth, stage, pf, vdec = _fused_config(D, bits, R, be, nth, stage, pf, FUSED_VDEC if vdec is None else vdec, kb, pair,
+                                         qdtype in (mx.float16, mx.bfloat16))
     if pair is not None and vdec != 2:
         raise KernelUnsupported("attn_fused: pair codebooks need the pair-table decode (its table did not fit)")
     wt = []
@@ -805,18 +843,14 @@ def _fused_launch_plan(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tu
     if groups > 1024:
         raise KernelUnsupported(f"attn_fused: {groups} (batch, kv head, row block) groups in one launch")
     target = fused_blocks() if blocks is None else blocks
-    if not window:
-        ns = fused_splits(T, groups, target)
-    else:  # the window's split first, its blocks taken from the target (so they add no wave: at 264 blocks, 2 waves
-        # of one per SM on the H200, 4 more made a third, +35 us at 128K)
-        ns = min(fused_splits(T, groups, max(groups, target - groups)), MAX_SPLITS - 1) + 1
+    ns = fused_launch_splits(T, groups * vh, target, window)
     template = [("TQ", qdtype), ("D", D), ("BITS", bits), ("KBITS", kb), ("PK", pair[0] if pair else 0),
                 ("PV", pair[1] if pair else 0), ("R", R), ("LQ", L), ("HKV", Hkv), ("NRG", nrg),
                 ("CAUSAL", int(causal)), ("ROT", rot), ("THREADS", nth), ("SACC", FUSED_SACC), ("PF", pf),
                 ("VDEC", vdec), ("STAGE", stage), ("MERGE", FUSED_MERGE)] + wt
     out_shapes = [(B, Hq, L, D), (fused_scratch_size(groups, ns, R, D),)]
     out_dtypes = [qdtype, mx.float32]
-    return (nth, _min_blocks(nth), kb != bits or pair is not None, groups, template, (groups * nth, ns, 1),
+    return (nth, _min_blocks(nth), kb != bits or pair is not None, groups, template, (groups * vh * nth, ns, 1),
             out_shapes, out_dtypes)
 
 
@@ -831,8 +865,8 @@ class _Shaped:
 
 
 def fused_scratch_size(groups: int, ns: int, R: int, D: int) -> int:
-    """Floats of attn_fused's scratch output: partials [groups, ns, MMA_ROWS, D], (m, l) [groups, ns, R, 2], lse
-    [groups, R]."""
+    """Floats of attn_fused's scratch output: partials [groups, VH, ns, MMA_ROWS, D / VH] (fused_vhalves), (m, l)
+    [groups, ns, R, 2], lse [groups, R]."""
     return groups * ns * MMA_ROWS * D + groups * ns * R * 2 + groups * R
 
 

@@ -417,7 +417,8 @@ def run_fused(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B
     R = G // nrg * L
     groups = B * Hkv * nrg
     merge = K.FUSED_MERGE if merge is None else merge
-    ns = K.fused_splits(T, groups, blocks)
+    vh = K.fused_vhalves(d)  # blocks a group and split (value-dim halves)
+    ns = K.fused_splits(T, groups * vh, blocks)
     nth = nth or K.fused_threads(T)
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     counter = np.zeros(groups, np.uint32)
@@ -431,7 +432,7 @@ def run_fused(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
                         v_norms=c["vnorm"], counter=counter, tlen=np.zeros(T, np.uint32)),
                    fused_outputs((B, G * Hkv, L, d), tq, groups, ns, R),
-                   (groups, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed, offsets=offsets,
+                   (groups * vh, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed, offsets=offsets,
                    layout=layout, backend=backend)
     split_scratch(outs, groups, R)
     ref = KC.reference(q64, c["mats"], c["kidx"], c["knorm"], c["vidx"], c["vnorm"], c["levels"], scale=scale,

@@ -193,14 +193,15 @@ def render_split(rows: list[dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------------------------------- pipeline
-class _Sent:
-    """Stands in the cache slot of the first layer after this rank's slice: its `state` is the send, so a
-    prefill chunk evaluated for its caches alone (generate) still hands its hidden states on."""
+class _Link:
+    """Stands in the cache slot of a layer another rank holds: its `state` is this slice's output (after the
+    send), so a prefill chunk evaluated for its caches alone (generate) still receives and hands on its hidden
+    states, also on a rank whose layers keep no state (MLP / MoE blocks)."""
 
     nbytes = fp16_nbytes = offset = 0
 
-    def __init__(self, sent: mx.array):
-        self.state = [sent]
+    def __init__(self, out: mx.array):
+        self.state = [out]
 
     def end_prefill(self) -> None:
         pass
@@ -230,8 +231,8 @@ class Pipeline:
             h = layers[i](h, c) if call is None else call(i, layers[i], h, c)
         if self.end < len(layers):  # the later layers are on rank - 1
             h = mx.distributed.send(h, self.rank - 1, group=self.group)
-            if cache is not None:
-                cache[self.end] = _Sent(h)
+        if cache is not None:  # a slot of a layer held elsewhere: this slice's output, so its recv/send run
+            cache[self.start - 1 if self.start > 0 else self.end] = _Link(h)
         # rank 0's states (the last layers') to every rank, kept in the graph
         return mx.distributed.all_gather(h, group=self.group)[: h.shape[0]]
 
@@ -302,10 +303,11 @@ def fingerprint(ckpt: Any, *extra: Any) -> bytes:
 def _exchange(rank: Rank, digest: bytes, error: Optional[str]) -> list[tuple[bytes, Optional[str]]]:
     """Every rank's (digest, error or None), by one all_gather."""
     msg = (error or "").encode()[:_MSG]
-    row = bytes([0 if error is None else 1]) + digest.ljust(_DIGEST, b"\0") + msg.ljust(_MSG, b"\0")
+    row = bytes([0 if error is None else 1]) + hashlib.sha256(digest).digest() + msg.ljust(_MSG, b"\0")
     mine = mx.array(list(row), dtype=mx.int32)  # int32: what every backend gathers
     rows = mx.distributed.all_gather(mine, group=rank.group)
     mx.eval(rows)
+    _barrier(rank)
     flat = bytes(rows.tolist())
     width = len(row)
     out = []
@@ -333,14 +335,25 @@ def agree(rank: Optional[Rank], fn: Callable[[], T], digest: Optional[Callable[[
         error, d = f"{e.strerror or e}: {e.filename}" if e.filename else str(e), b""
     rows = _exchange(rank, d, error)
     rank.watchdog.beat()
-    for r, (_, err) in enumerate(rows):
-        if err is not None:
-            raise RQError(err if r == rank.rank == 0 else f"rank {r}: {err}")
-    for r, (dr, _) in enumerate(rows):
-        if dr != rows[0][0]:
-            raise RQError(f"rank {r} has another checkpoint or other flags than rank 0 (config, weights, tokenizer, "
-                          "prompt or sampling differ): every rank must run the same model and command")
+    failed = next((f"{err}" if r == rank.rank == 0 else f"rank {r}: {err}" for r, (_, err) in enumerate(rows)
+                   if err is not None), None)
+    if failed is None:
+        r = next((r for r, (dr, _) in enumerate(rows) if dr != rows[0][0]), None)
+        if r is not None:
+            failed = (f"rank {r} has another checkpoint or other flags than rank 0 (config, weights, tokenizer, prompt "
+                      "or sampling differ): every rank must run the same model and command")
+    if failed is not None:
+        raise RQError(failed)
     return out
+
+
+def _barrier(rank: Rank) -> None:
+    """Wait until every rank reached here, so none exits while its last collective is still in flight to a peer;
+    a peer gone after that collective ended is no error (what this rank needed from it has arrived)."""
+    try:
+        mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=rank.group))
+    except RuntimeError:
+        pass
 
 
 def guard(rank: Optional[Rank], fn: Callable[..., T]) -> Callable[..., T]:
@@ -352,12 +365,11 @@ def guard(rank: Optional[Rank], fn: Callable[..., T]) -> Callable[..., T]:
         try:
             out = fn(*args, **kwargs)
             mx.synchronize()  # a step queued before an EOS still runs its send/recv on every rank
-            mx.eval(mx.distributed.all_sum(mx.ones((1,)), group=rank.group))
         except RuntimeError as e:
             raise RQError(f"a peer stopped mid-run ({str(e).splitlines()[0] if str(e) else 'connection lost'})")
         finally:
             rank.watchdog.beat()
-        rank.watchdog.stop()
+        _barrier(rank)
         return out
 
     return run

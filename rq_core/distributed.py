@@ -257,6 +257,13 @@ def shard(model: nn.Module, rank: Rank) -> Pipeline:
     return pipe
 
 
+def pipeline_of(model: nn.Module) -> Optional[Pipeline]:
+    """The Pipeline a sharded model runs (None: all layers here)."""
+    from rq_core.models.base import _pipeline
+
+    return _pipeline(model.layers)
+
+
 def slice_config(config: dict, model: nn.Module, start: int, end: int) -> dict:
     """The config as the memory planner should see one rank: its layers only (KV bytes, MoE layers)."""
     tc = dict(text_config(config))

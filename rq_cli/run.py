@@ -147,8 +147,9 @@ def run(
         ids = tok.encode(prompt)
     if ctx is not None and len(ids) > ctx:
         raise RQError(f"the prompt is {len(ids)} tokens, longer than the model's context of {ctx}")
-    pager_obj = dist.agree(rank, functools.partial(attach, m, context=len(ids) + max_tokens, prefill_chunk=prefill_chunk,
-                                                   plan_only=plan_only, json_out=json_out),
+    attach_it = functools.partial(attach, m, context=len(ids) + max_tokens, prefill_chunk=prefill_chunk,
+                                  plan_only=plan_only, json_out=json_out)
+    pager_obj = dist.agree(rank, attach_it,  # the ranks must run the same prompt and sampling
                            lambda _: repr((ids, max_tokens, temp, top_p, top_k, min_p, seed, prefill_chunk)).encode())
     if plan_only:
         return

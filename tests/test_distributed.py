@@ -193,7 +193,8 @@ def test_mismatched_checkpoints_are_refused(tmp_path):
     cfg = json.loads((other / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-5
     (other / "config.json").write_text(json.dumps(cfg))
-    got = _wait(_spawn(tmp_path, [_rq(str(DEFAULT_MODEL), "-p", "hi", "-n", "2"), _rq(str(other), "-p", "hi", "-n", "2")]))
+    got = _wait(_spawn(tmp_path, [_rq(str(DEFAULT_MODEL), "-p", "hi", "-n", "2"),
+                                  _rq(str(other), "-p", "hi", "-n", "2")]))
     assert "rank 1 has another checkpoint" in _one_line_on_rank0(got)
     got = _wait(_spawn(tmp_path, [_rq(str(DEFAULT_MODEL), "-p", "hi", "-n", "2"),
                                   _rq(str(tmp_path / "missing"), "-p", "hi", "-n", "2")]))

@@ -47,17 +47,14 @@ class Watchdog:
     def __init__(self, timeout: float, err: Any):
         self.timeout, self._err = timeout, err
         self._last = time.monotonic()
-        self._stop = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="rq-watchdog").start()
 
     def beat(self) -> None:
         self._last = time.monotonic()
 
-    def stop(self) -> None:
-        self._stop.set()
-
     def _watch(self) -> None:
-        while not self._stop.wait(min(0.5, self.timeout / 4)):
+        while True:  # a daemon thread: it ends with the process
+            time.sleep(min(0.5, self.timeout / 4))
             if time.monotonic() - self._last > self.timeout:
                 self._err.write(f"error: no progress from the other ranks for {self.timeout:g} s (a peer stopped "
                                 f"or the network is down; {TIMEOUT_ENV} sets the limit)\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Annotated, Any, Optional
 
@@ -91,7 +92,7 @@ def plan_context(m: Loaded) -> int:
 
 
 @handle_errors(max_tokens=COUNT, temp=Range(min=0), top_p=Range(0, 1, min_open=True), top_k=COUNT, min_p=FRACTION,
-               seed=SEED, prefill_chunk=POSITIVE)
+               seed=SEED, prefill_chunk=POSITIVE, ranks=POSITIVE)
 def run(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
@@ -112,6 +113,8 @@ def run(
     pager: Pager = None,
     pages: Pages = None,
     plan_only: bool = typer.Option(False, "--plan", help="Print the memory plan for --memory-budget and exit."),
+    ranks: int = typer.Option(1, "--ranks", metavar="N", help="With --plan: the layers each of N ranks holds "
+                              "(`mlx.launch ... rq run`: pipeline-parallel over the machines)."),
     prefill_chunk: PrefillChunk = 512,
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -121,7 +124,20 @@ def run(
     `rq quantize`), so a model quantized for 16 GB runs the way its recipe planned; --kv-config sets any
     other [kv] key of the recipe for this run."""
     model = model_arg(model, model_opt)
-    m = load_model(model, kv, kv_config, memory_budget, pager, pages, plan_only=plan_only)
+    from rq_core import distributed as dist
+
+    rank = dist.start() if dist.launched() and not plan_only else None  # None: one process
+    m = dist.agree(rank, functools.partial(load_model, model, kv, kv_config, memory_budget, pager, pages,
+                                           plan_only=plan_only), lambda m: dist.fingerprint(m.ckpt))
+    if rank is not None:  # this rank's layers only, from here on
+        m = dataclasses.replace(m, ckpt=dist.shard_checkpoint(m.ckpt, rank))
+    if plan_only and ranks > 1:
+        rows = dist.plan_split(m.ckpt.model, ranks)
+        if json_out:
+            print_json({"ranks": rows})
+        else:
+            console.print(dist.render_split(rows), highlight=False)
+        return
     ckpt, settings, tok, ctx = m.ckpt, m.settings, m.ckpt.tokenizer, m.context
     kv = settings.mode
     if chat or system is not None:
@@ -131,8 +147,10 @@ def run(
         ids = tok.encode(prompt)
     if ctx is not None and len(ids) > ctx:
         raise RQError(f"the prompt is {len(ids)} tokens, longer than the model's context of {ctx}")
-    pager_obj = attach(m, context=len(ids) + max_tokens, prefill_chunk=prefill_chunk, plan_only=plan_only,
-                       json_out=json_out)
+    attach_it = functools.partial(attach, m, context=len(ids) + max_tokens, prefill_chunk=prefill_chunk,
+                                  plan_only=plan_only, json_out=json_out)
+    pager_obj = dist.agree(rank, attach_it,  # the ranks must run the same prompt and sampling
+                           lambda _: repr((ids, max_tokens, temp, top_p, top_k, min_p, seed, prefill_chunk)).encode())
     if plan_only:
         return
 
@@ -149,6 +167,7 @@ def run(
             sys.stdout.flush()
 
     caches = ckpt.model.make_cache(settings)
+    generate = dist.guard(rank, generate)  # one process: generate itself
     res = generate(ckpt.model, ids, max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p,
                    seed=seed, kv=settings, eos_token_ids=ckpt.eos_token_ids, prefill_chunk=prefill_chunk,
                    context_length=ctx, on_token=None if json_out else on_token, cache=caches)

@@ -345,11 +345,47 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-def run_layers(layers: list, h: mx.array, cache: Optional[list] = None) -> mx.array:
-    """h through each layer with its cache slot (no cache: every slot None)."""
-    for layer, c in zip(layers, cache if cache is not None else [None] * len(layers)):
-        h = layer(h, c)
+LayerCall = Callable[[int, nn.Module, mx.array, Any], mx.array]
+
+
+def run_layers(layers: list, h: mx.array, cache: Optional[list] = None, call: Optional[LayerCall] = None) -> mx.array:
+    """h through each layer with its cache slot (no cache: every slot None); `call(i, layer, h, cache)` runs
+    layer i where a family passes it more than (h, cache). Split over ranks (rq_core.distributed), the layers
+    other ranks hold are `Remote` and the pipeline runs this rank's slice between a recv and a send."""
+    pipe = _pipeline(layers)
+    if pipe is not None:
+        return pipe.run(layers, h, cache, call)
+    for i, (layer, c) in enumerate(zip(layers, cache if cache is not None else [None] * len(layers))):
+        h = layer(h, c) if call is None else call(i, layer, h, c)
     return h
+
+
+class Remote(nn.Module):
+    """A layer another rank holds: no parameters (so no module walk, evaluation or pager sees its weights);
+    the plain attributes `make_cache` reads (window, head dims, block type) come from the emptied layer, so
+    every rank builds the same cache list as one process would."""
+
+    def __init__(self, layer: nn.Module, pipeline: Any):
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)  # outside the module tree
+        object.__setattr__(self, "pipeline", pipeline)
+
+    def __getattr__(self, key: str) -> Any:
+        if key.startswith("__"):
+            raise AttributeError(key)
+        return getattr(self.__dict__["_layer"], key)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a layer held by another rank was called")
+
+
+def _pipeline(layers: list) -> Any:
+    # one process: no Remote layer (two isinstance checks a forward pass)
+    if layers and isinstance(layers[0], Remote):
+        return layers[0].pipeline
+    if layers and isinstance(layers[-1], Remote):
+        return layers[-1].pipeline
+    return None
 
 
 def lm_logits(lm: nn.Module, h: mx.array, embed: nn.Embedding) -> mx.array:

@@ -33,6 +33,7 @@ from rq_core.models.base import (
     make_rope,
     rope_params,
     route_softmax_topk,
+    run_layers,
     stack_experts,
 )
 
@@ -277,13 +278,13 @@ class TextModel(nn.Module):
         h = self.embed_tokens(inputs)
         h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)  # scale rounded to the weights' dtype
         ple = self._per_layer_inputs(inputs, h) if self.ple_dim else None
-        cache = cache if cache is not None else [None] * len(self.layers)
-        kvs: dict[int, tuple] = {}
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            src = self.args.kv_source[i]
-            h, kv = layer(h, c, ple[:, :, i] if ple is not None else None, kvs.get(src))
-            kvs[i] = kv
-        return self.norm(h)
+        kvs: dict[int, tuple] = {}  # each layer's new K/V, for the KV-sharing layers after it
+
+        def step(i: int, layer: nn.Module, h: mx.array, c: Any) -> mx.array:
+            h, kvs[i] = layer(h, c, ple[:, :, i] if ple is not None else None, kvs.get(self.args.kv_source[i]))
+            return h
+
+        return self.norm(run_layers(self.layers, h, cache, step))
 
 
 class LanguageModel(nn.Module):

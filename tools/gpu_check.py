@@ -254,11 +254,51 @@ def cache_cases(quick: bool) -> list[dict]:
     return cases
 
 
+def record(cases: int, backend: str, mlx_version: str, quick: bool) -> None:
+    RECORD.write_text(json.dumps(dict(sources_sha256=sources_hash(), status="passed", backend=backend,
+                                      mlx=mlx_version, cases=cases, quick=quick), indent=1) + "\n")
+    print(f"gpu_check: recorded in {RECORD.relative_to(ROOT)}")
+
+
+def run_jobs(a: argparse.Namespace) -> int:
+    """The cases shared by `a.jobs` processes (kernel compiles dominate a fresh machine's run), their lines
+    printed as each finishes; recorded when every case of every process passed."""
+    import re
+    import subprocess
+
+    cmd = [sys.executable, __file__] + (["--quick"] if a.quick else [])
+    procs = [subprocess.Popen(cmd + ["--shard", f"{k}/{a.jobs}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for k in range(a.jobs)]
+    passed = total = 0
+    backend = mlx_version = "?"
+    ok = True
+    for p in procs:
+        out, _ = p.communicate()
+        sys.stdout.write(out)
+        m = re.search(r"gpu_check: (\d+)/(\d+) passed", out)
+        h = re.search(r"backend (\S+), MLX (\S+),", out)
+        if p.returncode != 0 or m is None or m.group(1) != m.group(2):
+            ok = False
+        if m:
+            passed, total = passed + int(m.group(1)), total + int(m.group(2))
+        if h:
+            backend, mlx_version = h.group(1), h.group(2)
+    print(f"gpu_check: {passed}/{total} passed in {a.jobs} processes")
+    if a.record and ok:
+        record(total, backend, mlx_version, a.quick)
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer contexts")
     ap.add_argument("--record", action="store_true", help="write the sources' hash to tools/gpu_check.json if all pass")
+    ap.add_argument("--jobs", type=int, default=1, help="processes that share the cases (each compiles its kernels)")
+    ap.add_argument("--shard", default="0/1", help=argparse.SUPPRESS)  # K/N: every N-th case from the K-th
     a = ap.parse_args()
+    if a.jobs > 1:
+        return run_jobs(a)
+    shard, n_shards = (int(v) for v in a.shard.split("/"))
     import mlx.core as mx
 
     import rq_core.kernels.launch as K
@@ -271,12 +311,15 @@ def main() -> int:
     env.set_config(replace(env.config(), poison=True))
     # the split counters: a tiny ring, so slots are reused many times in this run and must come back zeroed
     K.COUNTER_POOL = 8
-    seed = int(time.time())
+    seed = int(time.time()) + shard
     rng = np.random.default_rng(seed)
     print(f"gpu_check: backend {K.backend()}, MLX {mx.__version__}, seed {seed}, sources {sources_hash()[:16]}")
     results = []
+    index = iter(range(1 << 30))
 
     def report(name: str, fn) -> None:
+        if next(index) % n_shards != shard:
+            return
         t0 = time.time()
         try:
             outcome = fn()
@@ -305,9 +348,7 @@ def main() -> int:
     fails = results.count(False)
     print(f"gpu_check: {len(results) - fails}/{len(results)} passed")
     if a.record and not fails:
-        RECORD.write_text(json.dumps(dict(sources_sha256=sources_hash(), status="passed", backend=K.backend(),
-                                          mlx=mx.__version__, cases=len(results), quick=a.quick), indent=1) + "\n")
-        print(f"gpu_check: recorded in {RECORD.relative_to(ROOT)}")
+        record(len(results), K.backend(), mx.__version__, a.quick)
     return 1 if fails else 0
 
 

@@ -75,7 +75,7 @@ def ppl(
     json_out: Json = False,
 ) -> None:
     """Perplexity over held-out text: each window's first half is prefilled, the second half is scored
-    as decode reads the (compressed) cache. --full: every window of the text."""
+    as decode reads the (compressed) cache."""
     from rq_core.tools.eval import check_context, load_eval_model, perplexity
 
     model = model_arg(model, model_opt)
@@ -86,10 +86,10 @@ def ppl(
     settings = kv_settings(recipe_of(em.path), kv, kv_config)
     gpu_first_run_note()
     ctx = check_context(em.context if context is None else context, em.context)
+    n = None if full else PPL_WINDOWS if windows is None else windows
     with _live(json_out) as (progress, note):
-        res = perplexity(em.model, _ids(em, text), settings, context=ctx, step=step,
-                         max_windows=None if full else windows or PPL_WINDOWS, prefill_chunk=prefill_chunk,
-                         progress=progress, note=note)
+        res = perplexity(em.model, _ids(em, text), settings, context=ctx, step=step, max_windows=n,
+                         prefill_chunk=prefill_chunk, progress=progress, note=note)
     if json_out:
         print_json(res.as_dict())
         return
@@ -117,12 +117,12 @@ def niah_cmd(
     trials: Optional[int] = typer.Option(None, "--trials", metavar="N", show_default=False,
                                          help=f"Needles per cell (default: {NIAH_QUICK['trials']}; "
                                               f"--full: {NIAH_FULL['trials']})."),
-    full: bool = typer.Option(False, "--full", help="The larger grid of lengths, depths and needles per cell."),
+    full: bool = typer.Option(False, "--full", help="The larger grid of lengths, depths and needles per cell (a "
+                                                    "flag given explicitly still sets its own)."),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Random seed of the needles' numbers and places."),
     json_out: Json = False,
 ) -> None:
-    """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end. --full: the
-    larger grid of lengths, depths and needles (a flag given explicitly still sets its own)."""
+    """Needle in a haystack: a secret number hidden in the held-out plays, asked for at the end."""
     from rq_core.tools.eval import load_eval_model, needle_token_pieces, niah
 
     model = model_arg(model, model_opt)
@@ -179,11 +179,11 @@ def gates_cmd(
                                              help="Thresholds and sample sizes, TOML (default: the bundled "
                                                   "gates.toml)."),
     full: bool = typer.Option(False, "--full", help="Score every window of the held-out text for the perplexity "
-                                                    "and KL gates; the gates file's [full] sample for the others."),
+                                                    "and KL gates, and the sample of the gates file's "
+                                                    "\"full\" table for the others."),
     json_out: Json = False,
 ) -> None:
-    """Twelve quality gates of a KV mode against fp16; exits 1 if any gate fails. --full: the perplexity and KL
-    gates score every window of the held-out text, the others the larger sample of the gates file's [full]."""
+    """Twelve quality gates of a KV mode against fp16; exits 1 if any gate fails."""
     from rq_core.tools.eval import GateRunner, load_eval_model, load_gates
 
     model = model_arg(model, model_opt)

@@ -95,7 +95,8 @@ def test_decode_vs_mlxlm_at_tiny_scale(tmp_path):
     for m in res["models"].values():
         sw = m["shared_weights"]
         assert sw["same_objects"] == sw["arrays"] > 0 and sw["added_bytes"] < 1 << 20
-        assert m["logits_check_float32"]["max_abs_diff"] < 1e-3  # gemma4 in float32 too
+        # gemma4 in float32 too: measured 2.3e-5 at most (0.0 for the others); 4x that
+        assert m["logits_check_float32"]["max_abs_diff"] < 1e-4
         assert m["logits_check_float32"]["top1_agree"] == 1.0
     assert len(res["rows"]) == 3 * 2 * 3
     for row in res["rows"]:

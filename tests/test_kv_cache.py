@@ -13,6 +13,10 @@ from rq_core.cache.kv_cache import (FP16Cache, IsoQuantCache, KVSettings, TurboQ
 
 B, HQ, HKV, D = 1, 4, 2, 32
 SCALE = 1 / math.sqrt(D)
+# A cache's attention against reference_attention on the same (dequantized) keys and values, float32: worst measured
+# 1.67e-6 absolute (test_long_prompt_is_compressed_while_it_prefills, outputs up to 2.9; the others 1.2e-7 to
+# 1.4e-6); 2x that for another summation order.
+ORACLE_ATOL = 3.5e-6
 
 
 def _rand(shape, seed):
@@ -42,7 +46,7 @@ def test_isoquant_is_5x_smaller_at_d128(pair_points, k_words, v_words):
     assert c.k_norms.dtype == mx.float16
     assert c.nbytes == 100 * 2 * 2 * (48 + 2)  # codes + fp16 norms, K and V
     assert c.fp16_nbytes == 100 * 2 * 2 * 256
-    assert c.fp16_nbytes / c.nbytes >= 5.0
+    assert c.fp16_nbytes / c.nbytes == 256 / 50  # 5.12x, from the two exact sizes above
 
 
 def test_quantize_reconstruction():
@@ -57,9 +61,12 @@ def test_quantize_reconstruction():
         codes, norms = quantize_kv(x, rot, levels, 3, norm_correction=nc)
         xh = np.array(dequantize_kv(codes, norms, rot, levels, 3, 128))
         rel = np.mean(np.sum((xh - np.array(x)) ** 2, -1) / n**2)
-        assert 0.02 < rel < 0.05  # ≈ the codebook's MSE (0.034)
-        if nc:  # norm correction: the reconstruction has the original length (fp16 norm)
-            np.testing.assert_allclose(np.linalg.norm(xh, axis=-1), n, rtol=2e-3)
+        # the codebook's MSE (0.0340): measured 0.034122 without norm correction, 0.033952 with it (seeded data and
+        # rotation, so only float32 rounding moves them: 1e-3 relative)
+        assert rel == pytest.approx(0.034122 if not nc else 0.033952, rel=1e-3)
+        if nc:  # norm correction: the reconstruction has the original length (fp16 norm: measured 4.8e-4 relative,
+            # half of float16's epsilon 2^-10, the bound)
+            np.testing.assert_allclose(np.linalg.norm(xh, axis=-1), n, rtol=2.0**-10)
     zero_codes, zero_norms = quantize_kv(mx.zeros((1, 2, 1, 128)), rot, levels, 3)
     assert np.all(np.array(zero_norms) == 0)
 
@@ -79,10 +86,11 @@ def test_deferred_prefill_is_exact_fp16_then_compressed():
     assert c.packed_len == 28
     K = dequantize_kv(c.k_codes[:, :, :28], c.k_norms[:, :, :28], c.rotation, c.levels, 3, D)
     V = dequantize_kv(c.v_codes[:, :, :28], c.v_norms[:, :, :28], c.rotation, c.levels, 3, D)
-    np.testing.assert_allclose(np.array(out), np.array(reference_attention(q, K, V, scale=SCALE)), atol=1e-5)
+    np.testing.assert_allclose(np.array(out), np.array(reference_attention(q, K, V, scale=SCALE)), atol=ORACLE_ATOL)
     # ... and stays close to fp16 attention.
     fout = f.attend(q, k, v, scale=SCALE)
-    assert float(mx.abs(out - fout).max()) < 0.5 * float(mx.abs(fout).max())
+    # measured 0.273 of max |fp16| (28 random 3-bit tokens); 1.5x that
+    assert float(mx.abs(out - fout).max()) < 0.41 * float(mx.abs(fout).max())
 
 
 @pytest.mark.parametrize("pair_points, words", [((), 6), ((128, 32), 7), (None, 6)])
@@ -104,7 +112,7 @@ def test_fp16_window_and_multi_token_decode(pair_points, words):
     fv = mx.concatenate([v, v2], axis=2)[:, :, 11:]
     K, V = mx.concatenate([Kp, fk], axis=2), mx.concatenate([Vp, fv], axis=2)
     want = reference_attention(q2, K, V, scale=SCALE, offset=12, causal=True)
-    np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
+    np.testing.assert_allclose(np.array(out), np.array(want), atol=ORACLE_ATOL)
     assert c.nbytes == 2 * 11 * (4 * words + 2 * 2) + 2 * 4 * D * 2 * 2  # the window counted at fp16's 2 bytes
 
 
@@ -139,7 +147,7 @@ def test_window_slides_without_copies_and_the_prompt_buffer_is_released():
         out = c.attend(q1, k1, v1, scale=SCALE)
         ks, vs = mx.concatenate([ks, k1], axis=2), mx.concatenate([vs, v1], axis=2)
         if i in (0, 3, 4, 251, 252, 299):
-            np.testing.assert_allclose(np.array(out), np.array(_oracle(c, q1, ks, vs, 600 + i)), atol=1e-5)
+            np.testing.assert_allclose(np.array(out), np.array(_oracle(c, q1, ks, vs, 600 + i)), atol=ORACLE_ATOL)
     assert (c.packed_len, c.fp16_len) == (896, 4) and c._fk.shape[2] <= c.step
     # the window's tokens and the new one are coded together (60 launches of 5 tokens, not 300), with the codes per-token
     # compression gives
@@ -167,7 +175,7 @@ def test_trim_drops_codes_made_ahead():
         q1, k1, v1 = _qkv(1, 700 + 3 * i)
         out = c.attend(q1, k1, v1, scale=SCALE)
         ks, vs = mx.concatenate([ks, k1], axis=2), mx.concatenate([vs, v1], axis=2)
-        np.testing.assert_allclose(np.array(out), np.array(_oracle(c, q1, ks, vs, 44 + i)), atol=1e-5)
+        np.testing.assert_allclose(np.array(out), np.array(_oracle(c, q1, ks, vs, 44 + i)), atol=ORACLE_ATOL)
     n = c.packed_len
     np.testing.assert_array_equal(np.array(c.k_codes[:, :, :n]),
                                   np.array(quantize_kv(ks[:, :, :n], c.rotation, c.levels, 3)[0]))
@@ -199,7 +207,7 @@ def test_long_prompt_is_compressed_while_it_is_prefilled(pair_points, mode, rota
         V = mx.concatenate([Vp, vs[:, :, n:]], axis=2)
         want = reference_attention(q, K, V, scale=SCALE, offset=ks.shape[2] - L,
                                    causal=True)
-        np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
+        np.testing.assert_allclose(np.array(out), np.array(want), atol=ORACLE_ATOL)
     assert c.packed_len == 57 - 16  # compressed before the chunks of 24 and 3 (keep max(16, L))
     c.end_prefill()
     assert (c.packed_len, c.fp16_len) == (55, 2)
@@ -262,15 +270,21 @@ def test_value_gain_unshrinks_attention_over_many_tokens(pair_points):
         n = c.packed_len
         ref = quantize_kv(mx.concatenate([values, values[:, :, :1]], axis=2), c.rotation, c.levels, c.bits)[1]
         g = reconstruction_gain(np.array(c.levels), d) if gain else 1.0
+        # fp16 norms: measured 4.7e-4 relative, half of float16's epsilon 2^-10 (the bound)
         np.testing.assert_allclose(np.array(c.v_norms[:, :, :n]).astype(np.float32),
-                                   (np.array(ref).astype(np.float32) * g), rtol=2e-3)
-    assert abs(ratios[True] - 1) < 0.01 < 1 - ratios[False]
+                                   (np.array(ref).astype(np.float32) * g), rtol=2.0**-10)
+    # with the gain: measured |ratio - 1| 0.0056 (pairs) and 0.0014 (scalar); without it, shrunk by the codebook's
+    # distortion 1 - 1 / gain to within 0.0055 (pairs) and 0.0013 (scalar). Bounds: 1.8x the worse.
+    dist = 1 - 1 / reconstruction_gain(np.array(c.levels), d)
+    assert abs(ratios[True] - 1) < 0.01
+    assert abs((1 - ratios[False]) - dist) < 0.01, (ratios, dist)
 
 
 def test_edge_layers_are_the_first_and_last_compressed_ones():
     """with_edge_layers: the first and last `edge_layers` compressed caches (sliding-window and other caches not
     counted) become scalar caches at edge_bits; the middle ones are the same objects as before."""
     from rq_core.cache.kv_cache import with_edge_layers
+    from rq_core.codec.codebook import reconstruction_gain
     from rq_core.models.base import SlidingWindowCache
 
     kv = KVSettings(mode="isoquant3", fp16_window=4, edge_layers=1)
@@ -283,7 +297,8 @@ def test_edge_layers_are_the_first_and_last_compressed_ones():
     for i in (1, 4):
         c = out[i]
         assert c is not before[i] and c.layer == i and c.bits == 4 and c.key_bits is None and c.pair_points is None
-        assert c.fp16_window == 4 and c.v_gain > 1.0  # the window and the gain are kept
+        # the window and the gain are kept (4-bit levels' gain: measured 1.00963)
+        assert c.fp16_window == 4 and c.v_gain == pytest.approx(reconstruction_gain(np.array(c.levels), 128), rel=1e-6)
     assert before[2].pair_points == (128, 32)  # the middle ones keep the default pair codebooks
     # two edge layers at each end of four: all of them; none: nothing changes
     assert all(c.bits == 4 for c in with_edge_layers(list(before), KVSettings(mode="isoquant3", edge_layers=2))[1:5])
@@ -312,7 +327,8 @@ def test_edge_layers_bits_lower_the_attention_error():
         out = c.attend(q, k[:, :, -1:], v[:, :, -1:], scale=D ** -0.5)
         errs.append(float(mx.linalg.norm(out - ref) / mx.linalg.norm(ref)))
         sizes.append(c.nbytes)
-    assert errs[1] < 0.7 * errs[0] and sizes[1] > sizes[0]
+    # measured 0.469 of the 3-bit error; the scalar codebooks' MSE ratio predicts sqrt(0.0095 / 0.0340) = 0.53
+    assert errs[1] < 0.55 * errs[0] and sizes[1] > sizes[0]
 
 
 def test_trim_and_bytes():
@@ -377,7 +393,7 @@ def test_prompt_chunk_over_compressed_tokens_batch_of_two():
     Vp = dequantize_kv(c.v_codes[:, :, :n], c.v_norms[:, :, :n], c.rotation, c.levels, c.bits, d)
     want = reference_attention(q, mx.concatenate([Kp, ks[:, :, n:]], axis=2), mx.concatenate([Vp, vs[:, :, n:]], axis=2),
                                scale=SCALE, offset=36 - L, causal=True)
-    np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
+    np.testing.assert_allclose(np.array(out), np.array(want), atol=ORACLE_ATOL)
 
 
 def test_nearest_pair_in_slabs_is_exact_and_bounded():
@@ -397,5 +413,5 @@ def test_nearest_pair_in_slabs_is_exact_and_bounded():
     mx.reset_peak_memory()
     got = nearest_pair(z, pts)
     mx.eval(got)
-    assert (mx.get_peak_memory() - base) < 64 << 20
+    assert (mx.get_peak_memory() - base) < 64 << 20  # measured 41 MiB: 1.5x that, half the one-shot 128 MiB
     np.testing.assert_array_equal(np.array(got), want)

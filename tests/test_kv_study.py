@@ -42,7 +42,7 @@ def test_split_bits_at_equal_bits_matches_packed_cache(rotation, window):
     real = _run(IsoQuantCache(bits=3, **kw))
     emul_cache = SplitBitsCache(key_bits=3, value_bits=3, **kw)
     emul = _run(emul_cache)
-    assert mx.abs(real - emul).max().item() < 1e-4
+    assert mx.abs(real - emul).max().item() < 2e-6  # measured 4.0e-7 to 6.0e-7 (float32): 3x the worst
     assert emul_cache.fp16_len == window and emul_cache.offset == 12 + 3 * 2
 
 
@@ -54,9 +54,10 @@ def test_cache_key_bits_matches_the_emulation(window):
     c = IsoQuantCache(bits=3, key_bits=4, **kw)
     real = _run(c)
     emul = _run(SplitBitsCache(key_bits=4, value_bits=3, **kw))
-    assert mx.abs(real - emul).max().item() < 1e-4
+    assert mx.abs(real - emul).max().item() < 2e-6  # measured 4.0e-7 to 6.0e-7 (float32): 3x the worst
     assert c.k_codes.shape[-1] == 4 * D // 32 and c.v_codes.shape[-1] == 3 * D // 32
-    assert mx.abs(real - _run(IsoQuantCache(bits=3, **kw))).max().item() > 1e-3  # the keys' width is used
+    # the keys' width is used: measured 0.21 from the plain cache; half of it
+    assert mx.abs(real - _run(IsoQuantCache(bits=3, **kw))).max().item() > 0.1
     T = c.packed_len
     assert c.nbytes == B * HKV * (T * (4 * 4 + 4 * 3 + 4) + window * 2 * D * 2)
     assert c.nbytes == B * HKV * (T * packed_bytes(4, 3, D) + window * 4 * D)
@@ -71,9 +72,10 @@ def test_cache_pair_points_matches_the_emulation(window):
     c = IsoQuantCache(bits=3, pair_points=(128, 32), **kw)
     real = _run(c)
     emul = _run(PairVQCache(pair_points=(128, 32), key_bits=3, value_bits=3, **kw))
-    assert mx.abs(real - emul).max().item() < 1e-4
+    assert mx.abs(real - emul).max().item() < 2e-6  # measured 4.0e-7 to 6.0e-7 (float32): 3x the worst
     assert c.k_codes.shape[-1] == -(-D // 2 * 7 // 32) and c.v_codes.shape[-1] == -(-D // 2 * 5 // 32)
-    assert mx.abs(real - _run(IsoQuantCache(bits=3, **kw))).max().item() > 1e-3  # the codebooks are used
+    # the codebooks are used: measured 0.54 from the scalar cache; a fifth of it
+    assert mx.abs(real - _run(IsoQuantCache(bits=3, **kw))).max().item() > 0.1
     T = c.packed_len
     assert c.nbytes == B * HKV * (T * 4 * (c.k_words + c.words + 1) + window * 2 * D * 2)
     # at head_dim 128 (a multiple of 128: whole words) the rows are IsoQuant-3's: 14 + 10 words against 12 + 12

@@ -43,8 +43,9 @@ def test_rotation_matches_format_md_by_quaternions(variant: str) -> None:
         conj_r = g[:, 1] * np.array([1.0, -1.0, -1.0, -1.0])
         want[0, h] = _hamilton(_hamilton(g[None, :, 0], v.reshape(-1, d // 4, 4)), conj_r[None]).reshape(-1, d)
     r = Rotation(d, H, variant=variant, seed=seed, layer=layer)
-    assert np.abs(np.array(r.forward(mx.array(x.astype(np.float32)))) - want).max() < 1e-5
-    assert np.abs(np.array(r.inverse(mx.array(want.astype(np.float32)))) - x).max() < 1e-5
+    # float32 against the float64 quaternion products: measured 3.4e-7 and 2.9e-7 at most; 3x that
+    assert np.abs(np.array(r.forward(mx.array(x.astype(np.float32)))) - want).max() < 1e-6
+    assert np.abs(np.array(r.inverse(mx.array(want.astype(np.float32)))) - x).max() < 1e-6
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -70,7 +71,7 @@ def test_qwen_rope_uses_config_theta(family: str) -> None:
     att = build_model(cfg).layers[0].self_attn
     x = np.random.default_rng(0).standard_normal((1, 2, 40, 32))
     got = np.array(att.rope(mx.array(x.astype(np.float32)), offset=5))
-    assert np.abs(got - _rope_np(x, 1e6, 5)).max() < 1e-4
+    assert np.abs(got - _rope_np(x, 1e6, 5)).max() < 5e-6  # measured 1.5e-6 (float32 angles at theta 1e6)
 
 
 # --------------------------------------------------------------------------------------------- generate
@@ -148,7 +149,7 @@ def test_shipped_pair_codebook_is_a_lloyd_fixed_point(role: str, n: int) -> None
     cnt = np.bincount(a, minlength=n)
     assert cnt.min() > 0
     cent = np.stack([np.bincount(a, z[:, j].astype(np.float64), minlength=n) / cnt for j in range(2)], 1)
-    assert np.abs(cent - pts).max() < 0.03
+    assert np.abs(cent - pts).max() < 0.015  # seeded sample: measured 0.0069 (values) and 0.0089 (keys)
 
 
 # --------------------------------------------------------------------------------------------- dispatch

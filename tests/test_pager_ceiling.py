@@ -48,6 +48,8 @@ def test_measured_peak_is_within_the_budget(pages, slots, speculate):
     assert res.tokens == ref
     assert st.misses > 0 and st.staging_bytes > 0
     assert measured <= budget, (measured, budget)
+    # the plan against the measured peak: measured 2.3% to 3.1% above it over these six cases; 5% is 1.6x the worst
+    # (peaks move by allocator rounding from run to run)
     assert abs(plan["planned_peak_bytes"] - measured) <= 0.05 * measured, (plan["planned_peak_bytes"], measured)
 
 

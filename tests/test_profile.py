@@ -115,7 +115,7 @@ def test_profile_takes_pair_codebooks_and_key_widths(tiny, extra) -> None:
                                 bits=cache.bits, scale=128 ** -0.5, offset=149, causal=False, valid_len=150,
                                 key_bits=cache.key_bits, key_levels=cache.k_levels)
     want = cache.rotation.inverse_queries(o_rot)
-    assert mx.allclose(out.reshape(want.shape), want, atol=1e-4).item()
+    assert mx.allclose(out.reshape(want.shape), want, atol=4e-6).item()  # measured 1.1e-6 (values up to 1.4)
 
 
 def test_profile_fp16_has_no_stages(tiny) -> None:

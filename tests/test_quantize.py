@@ -84,8 +84,9 @@ def test_output_loads_in_mlx_lm(tiny, tmp_path, family):
     x = mx.array([[5, 6, 7, 8, 9, 10]])
     ours = load(tmp_path / "q", tokenizer=False).model(x).astype(mx.float32)
     theirs = m(x).astype(mx.float32)
-    # same tensors, same quantization. Gemma 4: our module and mlx-lm's differ slightly (softcapped logits)
-    tol = 0.25 if family == "gemma4" else 1e-4
+    # same tensors, same quantization: measured 0.0 (bit-identical) except Gemma 4, whose softcapped logits are
+    # computed in another order by mlx-lm: measured 2.6e-6; bounds ~4x that, and 1e-6 (a few ulps of these logits)
+    tol = 1e-5 if family == "gemma4" else 1e-6
     assert float(mx.abs(ours - theirs).max()) <= tol
 
 
@@ -111,7 +112,7 @@ def test_gptq_has_lower_output_error_than_rtn():
     ref = X @ np.array(W).T
     err_g = np.linalg.norm(X @ wg.T - ref)
     err_r = np.linalg.norm(X @ wr.T - ref)
-    assert err_g < 0.5 * err_r
+    assert err_g < 0.4 * err_r  # measured 0.261 (seeded weights and inputs); 1.5x that
 
 
 def test_streaming_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):

@@ -308,7 +308,7 @@ def test_sampler_filters_match_numpy(temp, top_p, top_k, min_p) -> None:
     logits = rng.normal(0, 1.5, size=12).astype(np.float32)
     want = _np_filtered(logits, temp, top_p, top_k, min_p)
     got = np.array(mx.softmax(filter_logits(mx.array(logits[None]), temp, top_p, top_k, min_p), axis=-1))[0]
-    np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(got, want, atol=2.5e-7)  # measured 5.2e-8 (probabilities; 2 float32 ulps at 1)
     assert (want == 0).sum() > 0 or (top_k == 0 and min_p == 0 and top_p == 1)  # a filter that drops nothing tests nothing
     mx.random.seed(1)
     n = 40000

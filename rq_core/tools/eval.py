@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -36,6 +36,15 @@ NEEDLE_PREFIX = "\nThe secret number is "
 NEEDLE_SUFFIX = ".\n"
 QUESTION = "\nWhat is the secret number? The secret number is "
 N_DIGITS = 5
+
+# Callbacks the CLI passes in: progress(stage, done, total) after each step of a long stage (its first call has
+# done=0), note(text) with a partial result as soon as it is known. Either may be None.
+Progress = Callable[[str, int, int], None]
+Note = Callable[[str], None]
+
+
+def _quiet(*_: Any) -> None:
+    pass
 
 
 # ----------------------------------------------------------------------------------------- inputs
@@ -204,17 +213,23 @@ def check_context(context: int, em_context: int) -> int:
 
 
 def perplexity(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, prefill: Optional[int] = None,
-               step: int = 32, max_windows: Optional[int] = None, prefill_chunk: int = 512) -> PPLResult:
+               step: int = 32, max_windows: Optional[int] = None, prefill_chunk: int = 512,
+               progress: Optional[Progress] = None, note: Optional[Note] = None) -> PPLResult:
     """Perplexity of the decode-scored half (by default) of each window (its prefill in chunks of `prefill_chunk`)."""
+    progress, note = progress or _quiet, note or _quiet
     prefill = context // 2 if prefill is None else prefill
     total, count = 0.0, 0
     wins = windows(ids, context, max_windows)
-    for w in wins:
+    stage = f"{label(kv)}: {len(wins)} window(s) of {context}"
+    progress(stage, 0, len(wins))
+    for i, w in enumerate(wins):
         lp = window_logprobs(model, w, kv, prefill=prefill, step=step, prefill_chunk=prefill_chunk)
         tgt = mx.array(w[prefill + 1 :].astype(np.int32))
-        nll = -mx.take_along_axis(lp, tgt[:, None], axis=-1).sum()
-        total += float(nll.item())
+        nll = float((-mx.take_along_axis(lp, tgt[:, None], axis=-1).sum()).item())
+        total += nll
         count += int(tgt.size)
+        progress(stage, i + 1, len(wins))
+        note(f"window {i + 1}/{len(wins)}: ppl {math.exp(nll / tgt.size):.3f}, so far {math.exp(total / count):.3f}")
     nll = total / count
     return PPLResult(ppl=math.exp(nll), tokens=count, kv_mode=kv.mode, rotation=rotation_of(kv), context=context,
                      windows=len(wins), prefill=prefill, nll=nll,
@@ -251,20 +266,40 @@ class Comparison:
         return self.ppl / self.ppl_ref - 1.0
 
 
+def reference_logprobs(model: Any, ids: np.ndarray, *, context: int, prefill: Optional[int] = None, step: int = 32,
+                       max_windows: Optional[int] = None, prefill_chunk: int = 512,
+                       progress: Optional[Progress] = None) -> list[mx.array]:
+    """fp16 log-probabilities of each window's scored tokens: `compare`'s reference (`ref`)."""
+    progress = progress or _quiet
+    prefill = context // 2 if prefill is None else prefill
+    wins = windows(ids, context, max_windows)
+    fp16, ref = KVSettings(mode="fp16"), []
+    stage = f"fp16: {len(wins)} window(s) of {context}"
+    progress(stage, 0, len(wins))
+    for w in wins:
+        ref.append(window_logprobs(model, w, fp16, prefill=prefill, step=step, prefill_chunk=prefill_chunk))
+        progress(stage, len(ref), len(wins))
+    return ref
+
+
 def compare(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, prefill: Optional[int] = None,
             step: int = 32, max_windows: Optional[int] = None,
-            ref: Optional[list[mx.array]] = None, prefill_chunk: int = 512) -> tuple[Comparison, list[mx.array]]:
+            ref: Optional[list[mx.array]] = None, prefill_chunk: int = 512,
+            progress: Optional[Progress] = None) -> tuple[Comparison, list[mx.array]]:
     """Compare `kv` with fp16 window by window (KL(fp16 ‖ kv) per scored token, top-1 agreement, ΔPPL).
 
     `ref` (fp16 log-probabilities per window, as returned) avoids recomputing the reference."""
+    progress = progress or _quiet
     prefill = context // 2 if prefill is None else prefill
     wins = windows(ids, context, max_windows)
-    fp16 = KVSettings(mode="fp16")
     if ref is None:
-        ref = [window_logprobs(model, w, fp16, prefill=prefill, step=step, prefill_chunk=prefill_chunk) for w in wins]
+        ref = reference_logprobs(model, ids, context=context, prefill=prefill, step=step, max_windows=max_windows,
+                                 prefill_chunk=prefill_chunk, progress=progress)
     nll_r = nll_m = 0.0
     kls, agree, count, finite = [], 0, 0, True
-    for w, lr in zip(wins, ref):
+    stage = f"{label(kv)}: {len(wins)} window(s) of {context}"
+    progress(stage, 0, len(wins))
+    for i, (w, lr) in enumerate(zip(wins, ref)):
         lm = window_logprobs(model, w, kv, prefill=prefill, step=step, prefill_chunk=prefill_chunk)
         finite &= bool(mx.all(mx.isfinite(lm)).item())
         tgt = mx.array(w[prefill + 1 :].astype(np.int32))[:, None]
@@ -274,6 +309,7 @@ def compare(model: Any, ids: np.ndarray, kv: KVSettings, *, context: int, prefil
         kls.append(np.array(kl))
         agree += int((mx.argmax(lr, axis=-1) == mx.argmax(lm, axis=-1)).sum().item())
         count += int(tgt.size)
+        progress(stage, i + 1, len(wins))
     kl_all = np.concatenate(kls)
     finite &= bool(np.isfinite(kl_all).all())
     return Comparison(nll_ref=nll_r / count, nll=nll_m / count, tokens=count,
@@ -331,22 +367,30 @@ def answer_needle(model: Any, trial: NeedleTrial, kv: KVSettings, prefill_chunk:
 
 
 def niah(model: Any, ids: np.ndarray, pieces: dict, kvs: Sequence[KVSettings], *, lengths: Sequence[int],
-         depths: Sequence[float], trials: int, seed: int = 0) -> dict:
+         depths: Sequence[float], trials: int, seed: int = 0, progress: Optional[Progress] = None,
+         note: Optional[Note] = None) -> dict:
     """Accuracy (exact match of all digits) per (length, depth) cell for each KV mode, same needles for all.
 
     Each cell also lists its needles' outcomes (`hits`, 1 = retrieved, in the same order for every mode), and
     every mode after the first gets `paired` against the first (fp16 in `rq eval niah`): needles only the
     reference retrieved (`lost`), only this mode retrieved (`gained`), and McNemar's exact two-sided p."""
+    progress, note = progress or _quiet, note or _quiet
     result: dict[str, Any] = {"lengths": list(lengths), "depths": list(depths), "trials": trials, "modes": {}}
     ref_hits: list[int] | None = None
+    n = len(lengths) * len(depths) * trials
     for kv in kvs:
         cells, hits_all = [], []
+        stage = f"{label(kv)}: {n} needle(s)"
+        progress(stage, 0, n)
         for L in lengths:
             for d in depths:
-                ts = needle_trials(ids, pieces, length=L, depth=d, trials=trials, seed=seed)
-                hits = [int(np.array_equal(answer_needle(model, t, kv), t.answer)) for t in ts]
+                hits = []
+                for t in needle_trials(ids, pieces, length=L, depth=d, trials=trials, seed=seed):
+                    hits.append(int(np.array_equal(answer_needle(model, t, kv), t.answer)))
+                    progress(stage, len(hits_all) + len(hits), n)
                 cells.append({"length": L, "depth": d, "accuracy": sum(hits) / trials, "hits": hits})
                 hits_all += hits
+                note(f"{label(kv)} {L}@{d:g}: {sum(hits)}/{trials} retrieved")
         acc = float(np.mean([c["accuracy"] for c in cells])) if cells else 0.0
         entry: dict[str, Any] = {"cells": cells, "accuracy": acc}
         if ref_hits is None:
@@ -471,16 +515,21 @@ class GateReport:
 
 
 class GateRunner:
-    """Runs the twelve gates for KV modes against fp16; fp16 references are computed once and reused."""
+    """Runs the twelve gates for KV modes against fp16; fp16 references are computed once and reused.
 
-    def __init__(self, em: EvalModel, cfg: dict, ids: np.ndarray):
+    Sample sizes are gates.toml's [settings]; `full=True` scores every window of the held-out text at both contexts
+    for the perplexity/KL gates and takes the rest of the sample from its [full] table where it sets them."""
+
+    def __init__(self, em: EvalModel, cfg: dict, ids: np.ndarray, *, full: bool = False,
+                 progress: Optional[Progress] = None, note: Optional[Note] = None):
         self.em, self.cfg, self.ids = em, cfg, ids
-        s = cfg.get("settings", {})
+        self.progress, self.note = progress or _quiet, note or _quiet
+        s = {**cfg.get("settings", {}), **(cfg.get("full", {}) if full else {})}
         self.context = min(int(s.get("context", 1024)), em.context)
         self.full_context = em.context if s.get("full_context", "model") == "model" else int(s["full_context"])
         self.full_context = min(self.full_context, em.context)
-        self.windows = int(s.get("windows", 4))
-        self.full_windows = int(s.get("full_windows", 2))
+        self.windows: Optional[int] = None if full else int(s.get("windows", 4))
+        self.full_windows: Optional[int] = None if full else int(s.get("full_windows", 2))
         self.step = int(s.get("step", 32))
         self.prompts = int(s.get("prompts", 4))
         self.prompt_len = int(s.get("prompt_len", 256))
@@ -491,20 +540,34 @@ class GateRunner:
         self.seed = int(s.get("seed", 0))
         self._ref: dict[str, Any] = {}
 
+    def window_counts(self) -> tuple[int, int]:
+        """Windows the perplexity/KL gates score at `context` and at `full_context`."""
+        return (len(windows(self.ids, self.context, self.windows)),
+                len(windows(self.ids, self.full_context, self.full_windows)))
+
     def _prompt_set(self) -> list[np.ndarray]:
         rng = np.random.default_rng(self.seed)
         starts = rng.integers(0, len(self.ids) - self.prompt_len, size=self.prompts)
         return [self.ids[s : s + self.prompt_len].astype(np.int32) for s in starts]
+
+    def _greedy_all(self, kv: KVSettings, prompts: list[np.ndarray]) -> list[list[int]]:
+        stage, out = f"{label(kv)}: {len(prompts)} greedy continuation(s) of {self.gen_tokens}", []
+        self.progress(stage, 0, len(prompts))
+        for p in prompts:
+            out.append(_greedy(self.em.model, p, kv, self.gen_tokens))
+            self.progress(stage, len(out), len(prompts))
+        return out
 
     def reference(self) -> dict:
         if self._ref:
             return self._ref
         m, fp16 = self.em.model, KVSettings(mode="fp16")
         r: dict[str, Any] = {}
-        _, r["win"] = compare(m, self.ids, fp16, context=self.context, step=self.step, max_windows=self.windows)
-        _, r["full"] = compare(m, self.ids, fp16, context=self.full_context, step=self.step,
-                               max_windows=self.full_windows)
-        r["greedy"] = [_greedy(m, p, fp16, self.gen_tokens) for p in self._prompt_set()]
+        r["win"] = reference_logprobs(m, self.ids, context=self.context, step=self.step, max_windows=self.windows,
+                                      progress=self.progress)
+        r["full"] = reference_logprobs(m, self.ids, context=self.full_context, step=self.step,
+                                       max_windows=self.full_windows, progress=self.progress)
+        r["greedy"] = self._greedy_all(fp16, self._prompt_set())
         r["niah"] = self._niah(fp16)
         self._ref = r
         return r
@@ -512,23 +575,32 @@ class GateRunner:
     def _niah(self, kv: KVSettings) -> float:
         pieces = needle_token_pieces(self.em.tokenizer)
         res = niah(self.em.model, self.ids, pieces, [kv], lengths=self.niah_lengths, depths=self.niah_depths,
-                   trials=self.niah_trials, seed=self.seed)
-        return res["modes"][label(kv)]["accuracy"]
+                   trials=self.niah_trials, seed=self.seed, progress=self.progress)
+        acc = res["modes"][label(kv)]["accuracy"]
+        self.note(f"{label(kv)}: needle accuracy {acc:.2f}")
+        return acc
 
     def run(self, kv: KVSettings) -> GateReport:
         m, ref = self.em.model, self.reference()
         rep = GateReport(label(kv))
         c, _ = compare(m, self.ids, kv, context=self.context, step=self.step, max_windows=self.windows,
-                       ref=ref["win"])
+                       ref=ref["win"], progress=self.progress)
+        self.note(f"{label(kv)} at {self.context}: ΔPPL {c.rel_delta_ppl:+.2%}, mean KL {c.mean_kl:.4f}, "
+                  f"p99 KL {c.p99_kl:.4f}, top-1 agreement {c.top1_agreement:.3f}")
         cf, _ = compare(m, self.ids, kv, context=self.full_context, step=self.step,
-                        max_windows=self.full_windows, ref=ref["full"])
+                        max_windows=self.full_windows, ref=ref["full"], progress=self.progress)
+        self.note(f"{label(kv)} at {self.full_context}: ΔPPL {cf.rel_delta_ppl:+.2%}")
 
         prompts = self._prompt_set()
         agree = total = 0
-        for p, cont in zip(prompts, ref["greedy"]):
+        stage = f"{label(kv)}: agreement along {len(prompts)} fp16 continuation(s)"
+        self.progress(stage, 0, len(prompts))
+        for i, (p, cont) in enumerate(zip(prompts, ref["greedy"])):
             a, n = _forced_agreement(m, p, cont, kv)
             agree += a
             total += n
+            self.progress(stage, i + 1, len(prompts))
+        self.note(f"{label(kv)}: greedy agreement {agree / max(total, 1):.3f}")
 
         acc = self._niah(kv)
         rep.details.update({
@@ -536,7 +608,7 @@ class GateRunner:
             "full_context": self.full_context, "full_tokens": cf.tokens, "ppl_full": cf.ppl,
             "ppl_full_fp16": cf.ppl_ref, "needle_accuracy": acc, "needle_accuracy_fp16": ref["niah"],
             "needle_trials": len(self.niah_lengths) * len(self.niah_depths) * self.niah_trials})
-        own = [_greedy(m, p, kv, self.gen_tokens) for p in prompts]
+        own = self._greedy_all(kv, prompts)
         # bytes at the scored context (prompt + 16 decoded tokens), where a fixed fp16 window is a share a user sees
         ratio = self._kv_ratio(kv, self.ids[: max(1, self.context - 16)].astype(np.int32))
         rep.gates = gate_verdicts({

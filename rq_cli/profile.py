@@ -110,11 +110,11 @@ def profile(
         pager_obj = attach_pager(ckpt, memory_budget, pager_policy(rec, pager), False, json_out,
                                  context=max(contexts) + 64,
                                  prefill_chunk=512, kv_mode=kv, edge_layers=settings.edge_layers)
-        from rq_core.cache.auto import fp16_fits
+        from rq_core.cache.auto import budget_fit
         from rq_core.quant.recipe import parse_size
 
         budget = parse_size(memory_budget, "--memory-budget")
-        fits = lambda n: fp16_fits(ckpt.model, ckpt.config, budget, context=n + 64)  # noqa: E731
+        fits = lambda n: budget_fit(ckpt.model, ckpt.config, budget, settings, context=n + 64).fp16  # noqa: E731
 
     def progress(r: dict) -> None:
         if not json_out:

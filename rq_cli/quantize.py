@@ -82,26 +82,29 @@ def quantize(
 
 def _kv_mode_for_plan(cfg: dict, rec: Any, budget: Optional[int]) -> tuple[Any, Optional[str]]:
     """The recipe with kv.mode = "auto" resolved as a run would resolve it at the recipe's pager.context (the
-    planner's fit for fp16 K/V), and auto's reason; as it is for a named mode."""
+    planner's fits and K/V bytes), and auto's reason; as it is for a named mode."""
     import dataclasses
 
-    from rq_core.cache.auto import AUTO, decide_unloaded
+    from rq_core.cache.auto import AUTO, COMPRESSED, Fit, decide_unloaded
     from rq_core.paging.planner import plan as make_plan
 
     if rec.kv.mode != AUTO:
         return rec, None
-    fp16 = dataclasses.replace(rec, kv=dataclasses.replace(rec.kv, mode="fp16"))
-    p = make_plan(cfg, fp16, budget=budget)
-    c = decide_unloaded(cfg, rec.kv, context=p.context, fp16_fits=p.fits)
+    p16, pc = (make_plan(cfg, dataclasses.replace(rec, kv=dataclasses.replace(rec.kv, mode=m)), budget=budget)
+               for m in ("fp16", COMPRESSED))
+    need = [p.kv_bytes + p.prefill_fp16_bytes for p in (p16, pc)]  # what differs between the two caches' needs
+    c = decide_unloaded(cfg, rec.kv, context=p16.context, fit=Fit(p16.fits, pc.fits, *need))
     return dataclasses.replace(rec, kv=dataclasses.replace(rec.kv, mode=c.mode)), c.reason
 
 
 @handle_errors
 def dequantize(
     model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
-                                          help="A quantized checkpoint directory or hub id (default: the bundled model)."),
+                                          help="A quantized checkpoint directory or hub id (default: the bundled "
+                                               "model)."),
     model_opt: ModelOpt = None,
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Output directory (new or empty; written atomically, never replaced)."),
+    out: Optional[str] = typer.Option(None, "--out", "-o",
+                                      help="Output directory (new or empty; written atomically, never replaced)."),
     shard_size: str = typer.Option("2GB", "--shard-size", help="Largest output shard."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:

@@ -82,6 +82,11 @@ def settle_kv(m: Loaded, context: int, prefill_chunk: int) -> Loaded:
     return dataclasses.replace(m, settings=dataclasses.replace(m.settings, mode=c.mode), kv_auto_reason=c.reason)
 
 
+def kv_auto_note(m: Loaded) -> str:
+    """'KV auto: MODE, why' when --kv auto picked the mode, else ''."""
+    return f"KV auto: {m.settings.mode}, {m.kv_auto_reason}" if m.kv_auto_reason else ""
+
+
 def attach(m: Loaded, *, context: int, prefill_chunk: int, plan_only: bool = False, json_out: bool = False) -> Any:
     """The expert pager for the memory budget (rq_core.paging.pager), attached to the model; None when everything
     is resident. With `plan_only`, print the plan instead (rq_cli.run_pager)."""
@@ -176,7 +181,8 @@ def run(
         d = res.as_dict()
         if pager_obj is not None:
             d["pager"] = pager_obj.report().as_dict()
-        print_json({"text": text_out, **d, "kv_mode": kv, "kv_auto_reason": m.kv_auto_reason, "kv_window": settings.fp16_window,
+        print_json({"text": text_out, **d, "kv_mode": kv, "kv_auto_reason": m.kv_auto_reason,
+                    "kv_window": settings.fp16_window,
                     "kv_prefill_fp16": settings.prefill_fp16 if kv != "fp16" else None,
                     "kv_value_gain": settings.value_gain if kv != "fp16" else None,
                     "rotation": settings.rotation if kv == "isoquant3" else None,
@@ -195,7 +201,7 @@ def run(
         [f"{settings.edge_layers} edge layer(s) at {settings.edge_bits} bits"] if kv != "fp16" and settings.edge_layers
         else [])
     kv_stat = f"KV {kv}{f' ({chr(44).join(notes)})' if notes else ''} {_fmt_bytes(res.kv_bytes)}"
-    auto_note = f" | KV auto: {kv}, {m.kv_auto_reason}" if m.kv_auto_reason else ""
+    auto_note = f" | {kv_auto_note(m)}" if m.kv_auto_reason else ""
     if kv != "fp16":
         kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}, attention {format_paths(attention_paths(caches))}"
     elif res.kv_bytes > res.kv_bytes_fp16:  # rq_core.checkpoint computes small models in float32 on the CPU

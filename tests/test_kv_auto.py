@@ -3,6 +3,7 @@ reports of it; a named mode (--kv, a recipe's kv.mode) wins over auto."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -20,18 +21,24 @@ LONG = auto.LONG_CONTEXT
 SETTINGS = KVSettings(mode=auto.AUTO, fp16_window=DEFAULT_FP16_WINDOW, edge_layers=DEFAULT_EDGE_LAYERS)
 
 
-@pytest.mark.parametrize("backend,context,fits,declined,mode,why", [
-    (None, 1024, True, (), "fp16", "CPU"),  # no kernels: the compressed cache is slower
-    (None, 4 * LONG, True, (), "fp16", "CPU"),  # at any context
-    (None, 1024, False, (), "isoquant3", "does not fit"),  # unless the budget forces it
-    ("cuda", LONG, True, (), "isoquant3", f"from {LONG}"),  # a long context, every shape covered
-    ("metal", 4 * LONG, True, (), "isoquant3", "metal"),
-    ("cuda", LONG - 1, True, (), "fp16", f"below {LONG}"),  # shorter: fp16 decodes faster
-    ("cuda", 4 * LONG, True, ("head_dim 512: not covered",), "fp16", "declines"),  # a declined shape: never
-    ("cuda", 1024, False, ("head_dim 512: not covered",), "isoquant3", "does not fit"),  # ... unless forced
+NO_FP16 = auto.Fit(fp16=False, compressed=True, fp16_need=30, compressed_need=20)
+
+
+@pytest.mark.parametrize("backend,context,fit,declined,mode,why", [
+    (None, 1024, auto.Fit(), (), "fp16", "CPU"),  # no kernels: the compressed cache is slower
+    (None, 4 * LONG, auto.Fit(), (), "fp16", "CPU"),  # at any context
+    (None, 1024, NO_FP16, (), "isoquant3", "does not fit"),  # unless the budget forces it
+    ("cuda", LONG, auto.Fit(), (), "isoquant3", f"from {LONG}"),  # a long context, every shape covered
+    ("metal", 4 * LONG, auto.Fit(), (), "isoquant3", "metal"),
+    ("cuda", LONG - 1, auto.Fit(), (), "fp16", f"below {LONG}"),  # shorter: fp16 decodes faster
+    ("cuda", 4 * LONG, auto.Fit(), ("head_dim 512: not covered",), "fp16", "declines"),  # a declined shape: never
+    ("cuda", 1024, NO_FP16, ("head_dim 512: not covered",), "isoquant3", "does not fit"),  # ... unless forced
+    # neither fits: the one that needs less (the run then fails naming the least budget)
+    (None, 1024, auto.Fit(False, False, 30, 20), (), "isoquant3", "isoquant3 needs less"),
+    ("cuda", LONG, auto.Fit(False, False, 20, 30), (), "fp16", "fp16 needs less"),
 ])
-def test_choose(backend, context, fits, declined, mode, why):
-    got, reason = auto.choose(backend=backend, context=context, fp16_fits=fits, declined=declined)
+def test_choose(backend, context, fit, declined, mode, why):
+    got, reason = auto.choose(backend=backend, context=context, fit=fit, declined=declined)
     assert got == mode and why in reason, reason
 
 
@@ -50,19 +57,27 @@ def test_shapes_and_declines(bundled):
     assert len(why) == 1 and why[0].startswith("head_dim 128, 6/4 heads:")
 
 
-def test_budget_fits(bundled):
+def test_budget_fit(bundled):
     m, cfg = bundled.model, bundled.config
-    assert auto.fp16_fits(m, cfg, None, context=2048)  # no budget: it fits
-    assert auto.fp16_fits(m, cfg, 10**9, context=1504)
-    # fp16 K/V of 1,504 tokens (float32 on the CPU: 12 KiB a token) does not fit 27 MB beside the weights
-    assert not auto.fp16_fits(m, cfg, 27 * 10**6, context=1504)
-    assert auto.fp16_fits(m, cfg, 27 * 10**6, context=64)
+    assert auto.budget_fit(m, cfg, None, SETTINGS, context=2048) == auto.Fit()  # no budget: both fit
+    assert auto.budget_fit(m, cfg, 10**9, SETTINGS, context=1504).fp16
+    # fp16 K/V of 1,504 tokens (float32 on the CPU: 12 KiB a token) does not fit 27 MB beside the weights; the
+    # compressed cache's (512 prompt tokens held in fp16 while prefilling, in chunks of 64) does
+    fit = auto.budget_fit(m, cfg, 27 * 10**6, dataclasses.replace(SETTINGS, prefill_fp16=512), context=1504,
+                          prefill_chunk=64)
+    assert (fit.fp16, fit.compressed) == (False, True) and fit.compressed_need < 27 * 10**6 < fit.fp16_need
+    assert auto.budget_fit(m, cfg, 27 * 10**6, SETTINGS, context=64).fp16
 
 
 def test_decide_on_the_bundled_model(bundled, monkeypatch):
     m, cfg = bundled.model, bundled.config
     assert auto.decide(m, cfg, SETTINGS, context=64).mode == "fp16"  # this machine's CPU
-    assert auto.decide(m, cfg, SETTINGS, context=1504, budget=27 * 10**6).mode == "isoquant3"
+    forced = auto.decide(m, cfg, dataclasses.replace(SETTINGS, prefill_fp16=512), context=1504, budget=27 * 10**6,
+                         prefill_chunk=64)
+    assert (forced.mode, forced.reason) == ("isoquant3", "fp16 KV for 1504 tokens does not fit the memory budget")
+    # the whole prompt held in fp16 while prefilling (prefill_fp16 4096): the compressed cache needs more; fp16 stays
+    kept = auto.decide(m, cfg, SETTINGS, context=1504, budget=27 * 10**6, prefill_chunk=64)
+    assert kept.mode == "fp16" and "fp16 needs less" in kept.reason
     monkeypatch.setattr(auto, "kernel_backend", lambda: "cuda")  # the kernel takes this model's shape
     assert auto.decide(m, cfg, SETTINGS, context=LONG).mode == "isoquant3"
     assert auto.decide(m, cfg, SETTINGS, context=LONG - 1).mode == "fp16"

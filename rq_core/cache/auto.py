@@ -20,9 +20,20 @@ COMPRESSED = "isoquant3"  # what auto compresses with
 # From this many tokens of context a GPU with the fused kernel runs the compressed cache rather than fp16. The
 # decode benchmark (benchmarks/decode_vs_mlxlm.py, benchmarks/results/decode_vs_mlxlm.json) has the compressed
 # whole-model step slower than fp16's at 2K and at 32K on an H200; the attention benchmark (benchmarks/attention.py,
-# benchmarks/results/attention.json) has the fused kernel faster than fp16 attention first at 128K. Below that
-# fp16 is the faster cache wherever it fits.
+# benchmarks/results/attention.json) has the fused kernel faster than fp16 attention first at 128K of the 4K, 32K and
+# 128K it measures. Below that fp16 is taken as the faster cache wherever it fits.
 LONG_CONTEXT = 131072
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """Whether fp16 and compressed K/V for the planned context fit the memory budget (the pager's plan: top-k expert
+    slots a layer left), and the least budget each needs in bytes. The default: no budget, both fit."""
+
+    fp16: bool = True
+    compressed: bool = True
+    fp16_need: int = 0
+    compressed_need: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +44,19 @@ class AutoChoice:
     reason: str
 
 
-def choose(*, backend: Optional[str], context: int, fp16_fits: bool = True,
+def choose(*, backend: Optional[str], context: int, fit: Fit = Fit(),
            declined: Sequence[str] = ()) -> tuple[str, str]:
     """(mode, reason) for a run of `context` tokens. backend: 'cuda' or 'metal' where the GPU kernels run, None on
-    the CPU; fp16_fits: fp16 K/V at this context fits the memory budget (True without a budget); declined: why the
-    fused kernel declines a compressed layer's shape on `backend` (empty: it takes every one)."""
-    if not fp16_fits:
-        return COMPRESSED, f"fp16 KV for {context} tokens does not fit the memory budget"
+    the CPU; fit: what fits the memory budget at this context; declined: why the fused kernel declines a compressed
+    layer's shape on `backend` (empty: it takes every one). Where neither cache fits, the one needing less (the run
+    then fails naming the least budget)."""
+    if not fit.fp16:
+        if fit.compressed:
+            return COMPRESSED, f"fp16 KV for {context} tokens does not fit the memory budget"
+        if fit.compressed_need < fit.fp16_need:
+            return COMPRESSED, f"neither fp16 nor {COMPRESSED} KV for {context} tokens fits the memory budget; " \
+                               f"{COMPRESSED} needs less"
+        return "fp16", f"neither fp16 nor {COMPRESSED} KV for {context} tokens fits the memory budget; fp16 needs less"
     if backend is None:
         return "fp16", "on the CPU the compressed cache decodes slower than fp16 (no GPU kernels)"
     if declined:
@@ -92,39 +109,43 @@ def declined_shapes(backend: str, shapes: Iterable[tuple[int, int, int]], settin
     return out
 
 
-def fp16_fits(model: Any, config: dict, budget: Optional[int], *, context: int, prefill_chunk: int = 512,
-              index: Optional[dict] = None) -> bool:
-    """fp16 K/V for `context` tokens fits `budget` bytes beside the weights (the pager's plan: top-k expert slots a
-    layer left); True without a budget."""
+def budget_fit(model: Any, config: dict, budget: Optional[int], settings: Any, *, context: int,
+               prefill_chunk: int = 512, index: Optional[dict] = None) -> Fit:
+    """What fits `budget` bytes beside the loaded model's weights at `context` tokens: fp16 K/V, and the compressed
+    cache of `settings` (its prefill_fp16 and edge layers), as the pager plans them (Fit() without a budget)."""
     if budget is None:
-        return True
+        return Fit()
     from rq_core.paging.pager import slots_for_budget
 
-    return bool(slots_for_budget(model, config, budget, context=context, prefill_chunk=prefill_chunk,
-                                 kv_mode="fp16", index=index)["fits"])
+    plans = [slots_for_budget(model, config, budget, context=context, prefill_chunk=prefill_chunk, kv_mode=mode,
+                              index=index, **kw)
+             for mode, kw in (("fp16", {}), (COMPRESSED, dict(prefill_fp16=settings.prefill_fp16,
+                                                              edge_layers=settings.edge_layers)))]
+    return Fit(bool(plans[0]["fits"]), bool(plans[1]["fits"]), plans[0]["min_budget_bytes"],
+               plans[1]["min_budget_bytes"])
 
 
 def decide(model: Any, config: dict, settings: Any, *, context: int, budget: Optional[int] = None,
            prefill_chunk: int = 512, index: Optional[dict] = None) -> AutoChoice:
     """auto's choice for a loaded model: `choose` asked with this machine's backend, the model's attention shapes and
     the budget's plan."""
-    fits = fp16_fits(model, config, budget, context=context, prefill_chunk=prefill_chunk, index=index)
-    return _choice(lambda: model, settings, context, fits)
+    fit = budget_fit(model, config, budget, settings, context=context, prefill_chunk=prefill_chunk, index=index)
+    return _choice(lambda: model, settings, context, fit)
 
 
-def decide_unloaded(config: dict, settings: Any, *, context: int, fp16_fits: bool) -> AutoChoice:
+def decide_unloaded(config: dict, settings: Any, *, context: int, fit: Fit) -> AutoChoice:
     """auto's choice for a checkpoint not loaded (`rq quantize --plan`): its attention shapes from the family's model
-    built lazily (no weights read); fp16_fits: the planner's answer."""
+    built lazily (no weights read); fit: the planner's answers."""
     def build() -> Any:
         from rq_core.models import get_model_module
 
         module = get_model_module(config.get("model_type"))
         return module.Model(module.ModelArgs.from_dict(config))
 
-    return _choice(build, settings, context, fp16_fits)
+    return _choice(build, settings, context, fit)
 
 
-def _choice(model: Callable[[], Any], settings: Any, context: int, fits: bool) -> AutoChoice:
+def _choice(model: Callable[[], Any], settings: Any, context: int, fit: Fit) -> AutoChoice:
     be = kernel_backend()
     declined = declined_shapes(be, attention_shapes(model()), settings) if be is not None else []
-    return AutoChoice(*choose(backend=be, context=context, fp16_fits=fits, declined=declined))
+    return AutoChoice(*choose(backend=be, context=context, fit=fit, declined=declined))

@@ -154,6 +154,8 @@ def run(
     pager_obj = attach(m, context=len(ids) + max_tokens, prefill_chunk=prefill_chunk, plan_only=plan_only,
                        json_out=json_out)
     if plan_only:
+        if m.kv_auto_reason and not json_out:
+            console.print(kv_auto_note(m), highlight=False, soft_wrap=True)
         return
 
     from rq_core.generate import generate

@@ -8,10 +8,10 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, Kv, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
+from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, KvAuto, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
                            ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, console, gpu_first_run_note,
                            handle_errors, model_arg, print_error)
-from rq_cli.run import Pages, attach, load_model, plan_context
+from rq_cli.run import Pages, attach, kv_auto_note, load_model, plan_context, settle_kv
 from rq_core.errors import RQError
 
 HELP = "/reset clears the conversation, /quit (or Ctrl-D) exits"
@@ -30,7 +30,7 @@ def chat(
     top_k: TopK = 0,
     min_p: MinP = 0.0,
     seed: Seed = 0,
-    kv: Kv = None,
+    kv: KvAuto = None,
     kv_config: KvConfig = None,
     memory_budget: MemoryBudget = None,
     pager: Pager = None,
@@ -42,6 +42,9 @@ def chat(
     from rq_core.serve import Engine, Sampling
 
     m = load_model(model_arg(model, model_opt), kv, kv_config, memory_budget, pager, pages)
+    m = settle_kv(m, plan_context(m), prefill_chunk)
+    if m.kv_auto_reason:
+        console.print(kv_auto_note(m), highlight=False, soft_wrap=True)
     attach(m, context=plan_context(m), prefill_chunk=prefill_chunk)
     engine = Engine(m.ckpt, m.settings, prefill_chunk=prefill_chunk)
     gpu_first_run_note()

@@ -274,6 +274,11 @@ Kv = Annotated[Optional[str], typer.Option(
     "--kv", metavar="MODE", show_default=False,
     help="KV cache of full-attention layers: fp16, isoquant3 or turbo3 (default: the checkpoint's recipe.toml "
          "kv.mode, else fp16).")]
+KvAuto = Annotated[Optional[str], typer.Option(
+    "--kv", metavar="MODE", show_default=False,
+    help="KV cache of full-attention layers: auto, fp16, isoquant3 or turbo3 (default: the checkpoint's recipe.toml "
+         "kv.mode, else auto: fp16 where fp16 K/V for the planned context fits --memory-budget and is not slower "
+         "on this machine, else isoquant3; the stats line and --json say which and why).")]
 KvCompressed = Annotated[Optional[str], typer.Option(
     "--kv", metavar="MODE", show_default=False,
     help="KV cache of full-attention layers: fp16, isoquant3 or turbo3 (default: the checkpoint's recipe.toml "
@@ -314,23 +319,33 @@ def recipe_of(path: Path) -> Any:
     return None
 
 
-def check_kv_flags(kv: Optional[str], kv_config: Optional[list[str]]) -> None:
+def check_kv_flags(kv: Optional[str], kv_config: Optional[list[str]], auto: bool = False) -> None:
     """A bad --kv or --kv-config fails before a model loads."""
-    kv_settings(None, kv, kv_config)
+    kv_settings(None, kv, kv_config, auto=auto)
 
 
-def kv_settings(rec: Any, kv: Optional[str], kv_config: Optional[list[str]], default_mode: str = "fp16") -> Any:
-    """The KV cache settings every command builds: the recipe's [kv] (else the defaults `rq run` uses, in
-    `default_mode`), then --kv, then each --kv-config KEY=VALUE, checked as a recipe is."""
+def kv_settings(rec: Any, kv: Optional[str], kv_config: Optional[list[str]], default_mode: str = "fp16",
+                auto: bool = False) -> Any:
+    """The KV cache settings every command builds: the recipe's [kv] (else the defaults `rq run` uses), then --kv,
+    then each --kv-config KEY=VALUE, checked as a recipe is. The mode left unset (no --kv, a recipe without kv.mode
+    or with kv.mode = "auto") is "auto" for a command that runs one cache and picks it (`auto`: run, serve, chat;
+    rq_core.cache.auto), else `default_mode`; --kv auto is refused by the others."""
+    from rq_core.cache.auto import AUTO
     from rq_core.cache.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KV_MODES, KVSettings
     from rq_core.quant.recipe import apply_kv_config
 
-    if kv is not None and kv not in KV_MODES:
-        raise RQError(f"unknown --kv {kv!r} (choose from: {', '.join(KV_MODES)})")
-    base = rec.kv if rec is not None else KVSettings(mode=default_mode, fp16_window=DEFAULT_FP16_WINDOW,
+    modes = KV_MODES + ((AUTO,) if auto else ())
+    if kv == AUTO and not auto:
+        raise RQError(f"--kv auto picks one cache for a run (rq run, serve, chat); here choose from: "
+                      f"{', '.join(KV_MODES)}")
+    if kv is not None and kv not in modes:
+        raise RQError(f"unknown --kv {kv!r} (choose from: {', '.join(modes)})")
+    base = rec.kv if rec is not None else KVSettings(mode=AUTO, fp16_window=DEFAULT_FP16_WINDOW,
                                                      edge_layers=DEFAULT_EDGE_LAYERS)
     if kv is not None:
         base = dataclasses.replace(base, mode=kv)
+    if base.mode == AUTO and not auto:
+        base = dataclasses.replace(base, mode=default_mode)
     return apply_kv_config(base, kv_config or [])
 
 

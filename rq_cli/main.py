@@ -31,6 +31,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     pass
 
 app.command("quantize", cls=RQCommand, help="Quantize a checkpoint by role with a TOML recipe.")(quantize.quantize)
+app.command("dequantize", cls=RQCommand, help="Write a full-precision copy of a quantized checkpoint.")(quantize.dequantize)
 app.command("calibrate-codebook", cls=RQCommand, help="Compute a Lloyd-Max codebook for the KV cache.")(calibrate.calibrate_codebook)
 app.command("pack", cls=RQCommand, help="Lay out experts as aligned page files for the pager.")(pack.pack)
 app.command("run", cls=RQCommand, help="Generate text with a (quantized) model.")(run.run)

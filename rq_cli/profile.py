@@ -20,14 +20,19 @@ def _table(report: dict) -> None:
              if k in ("kv_attention", "rest") or any(r["attribution"][k] > 0 for r in report["results"])]
     names = {"kv_attention": "KV attn", "sliding_attention": "sliding", "experts": "experts", "ssm": "SSM",
              "rest": "rest"}
-    for col in ["context", "step", "tok/s"] + [names[p] for p in parts] + ["KV share", "verdict"]:
+    for col in ["context", "step", "tok/s"] + [names[p] for p in parts] + ["KV share", "fp16 step", "vs fp16",
+                                                                           "verdict"]:
         t.add_column(col, justify="right")
     for r in report["results"]:
         a = r["attribution"]
+        fp16 = "-" if r["fp16_step_ms"] is None else f"{r['fp16_step_ms']:.2f}"
+        vs = "-" if r["step_vs_fp16"] is None else f"{r['step_vs_fp16']:.2f}x"
         t.add_row(str(r["context"]), f"{r['decode_step_ms']:.2f}", f"{r['decode_tok_per_s']:.1f}",
-                  *[f"{a[p]:.2f}" for p in parts], f"{r['kv_attention_share']:.1%}",
+                  *[f"{a[p]:.2f}" for p in parts], f"{r['kv_attention_share']:.1%}", fp16, vs,
                   "[green]go[/]" if r["verdict"] == "go" else "[yellow]no-go[/]")
     console.print(t)
+    console.print("step, fp16 step: measured whole decode steps of the compressed and the fp16 cache; vs fp16: "
+                  "their ratio", highlight=False)
     console.print(f"attention paths (compressed layers): {format_paths(report['attention_paths'])}", highlight=False)
     staged = [r for r in report["results"] if r["kernels"]]
     if staged:
@@ -42,16 +47,20 @@ def _table(report: dict) -> None:
             k.add_row(str(r["context"]), *[f"{v:.3f}" for v in r["kernels"].values()],
                       "-" if ratio is None else f"{ratio:.2f}", str(r["strategy"]))
         console.print(k)
-    thr = report["threshold"]
+    thr, share = report["threshold"], report["share_verdict"]
+    share_note = (f"KV attention is above {thr:.0%} of the step from {report['share_go_from_context']} tokens"
+                  if share == "go" else f"KV attention stays at or below {thr:.0%} of the step")
     if report["verdict"] == "go":
-        console.print(f"[green]go[/]: KV attention is above {thr:.0%} of decode time from "
-                      f"{report['go_from_context']} tokens of context; compressing the KV cache pays there.")
+        first = next(r for r in report["results"] if r["verdict"] == "go")
+        console.print(f"[green]go[/] from {first['context']} tokens of context: {first['verdict_reason']}; "
+                      f"compressing the KV cache pays there ({share_note}).", highlight=False)
     else:
-        console.print(f"[yellow]no-go[/]: KV attention stays at or below {thr:.0%} of decode time at these "
-                      "contexts; compressing the KV cache saves memory but will not speed up decoding.")
+        last = report["results"][-1]
+        console.print(f"[yellow]no-go[/]: {last['verdict_reason']}; at these contexts compressing the KV cache saves "
+                      f"memory but does not speed up decoding ({share_note}).", highlight=False)
 
 
-@handle_errors(threshold=FRACTION, repeats=POSITIVE, warmup=COUNT)
+@handle_errors(threshold=FRACTION, tolerance=FRACTION, repeats=POSITIVE, warmup=COUNT)
 def profile(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
@@ -60,7 +69,10 @@ def profile(
     kv: KvCompressed = None,
     kv_config: KvConfig = None,
     threshold: float = typer.Option(0.20, "--threshold", metavar="X",
-                                    help="KV-attention share above which compression pays."),
+                                    help="KV-attention share above which the share rule (share_verdict) says go."),
+    tolerance: float = typer.Option(0.05, "--tolerance", metavar="X",
+                                    help="How much slower than fp16's step the compressed step may be and still "
+                                         "count as not slower (0.05: 5%)."),
     fill: str = typer.Option("synthetic", "--fill", metavar="HOW",
                              help="How the context is built: synthetic (random K/V appended) or prefill "
                                   "(random tokens through the model)."),
@@ -70,7 +82,8 @@ def profile(
     pager: Pager = None,
     json_out: Json = False,
 ) -> None:
-    """Time one decode step per context: the five attention kernels, and KV attention vs experts, SSM, rest."""
+    """Time one decode step per context, the compressed cache's and fp16's: the five attention kernels, KV attention
+    vs experts, SSM, rest, and whether the compressed step is not slower than fp16's (the verdict)."""
     from rq_core.checkpoint import load, resolve_model_path, text_config
     from rq_core.tools.profile import profile_model
 
@@ -90,22 +103,29 @@ def profile(
         console.print(f"[yellow]note:[/] context {max(contexts)} is beyond the model's {limit} positions "
                       "(timing is still meaningful, outputs are not)")
 
-    pager_obj = None
+    pager_obj, fits = None, None
     if memory_budget is not None:
         from rq_cli.run_pager import attach_pager
 
         pager_obj = attach_pager(ckpt, memory_budget, pager_policy(rec, pager), False, json_out,
                                  context=max(contexts) + 64,
                                  prefill_chunk=512, kv_mode=kv, edge_layers=settings.edge_layers)
+        from rq_core.cache.auto import budget_fit
+        from rq_core.quant.recipe import parse_size
+
+        budget = parse_size(memory_budget, "--memory-budget")
+        fits = lambda n: budget_fit(ckpt.model, ckpt.config, budget, settings, context=n + 64).fp16  # noqa: E731
 
     def progress(r: dict) -> None:
         if not json_out:
-            console.print(f"  context {r['context']}: step {r['decode_step_ms']:.3f} ms, "
-                          f"KV attention {r['kv_attention_share']:.1%}")
+            fp16 = f", fp16 step {r['fp16_step_ms']:.3f} ms" if r["fp16_step_ms"] is not None else ""
+            console.print(f"  context {r['context']}: step {r['decode_step_ms']:.3f} ms{fp16}, "
+                          f"KV attention {r['kv_attention_share']:.1%}", highlight=False)
 
     report = profile_model(ckpt.model, contexts, kv=settings, fill=fill,
                            vocab_size=text_config(ckpt.config).get("vocab_size"),
-                           warmup=warmup, repeats=repeats, threshold=threshold, on_context=progress)
+                           warmup=warmup, repeats=repeats, threshold=threshold, on_context=progress,
+                           tolerance=tolerance, fp16_fits=fits)
     report["model"] = str(ckpt.path)
     report["model_type"] = ckpt.model_type
     # Expert time ("experts") includes the pager's reads; its counters over the whole profile:

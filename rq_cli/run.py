@@ -9,7 +9,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, Kv, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
+from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, KvAuto, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
                            ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, check_kv_flags, console,
                            gpu_first_run_note, handle_errors, kv_settings, memory_budget_of, model_arg, pager_policy,
                            print_json, recipe_of)
@@ -29,7 +29,7 @@ def _settings(path, kv: Optional[str], kv_config: Optional[list[str]], memory_bu
     """(KVSettings, memory budget, pager policy, where they came from): the checkpoint's recipe.toml (else the
     defaults: fp16, a 32-token window for compressed modes, everything resident, lru), then the flags."""
     rec = recipe_of(path)
-    settings = kv_settings(rec, kv, kv_config)
+    settings = kv_settings(rec, kv, kv_config, auto=True)  # mode "auto": settle_kv picks it
     return (settings, memory_budget_of(rec, path, memory_budget, pages), pager_policy(rec, pager),
             "recipe.toml" if rec is not None else "defaults")
 
@@ -51,13 +51,14 @@ class Loaded:
     pages: Optional[str]
     source: str  # where the settings came from: "recipe.toml" or "defaults"
     context: Optional[int]  # the model's context length
+    kv_auto_reason: Optional[str] = None  # why --kv auto picked settings.mode (None: a mode was named)
 
 
 def load_model(model: Optional[str], kv: Optional[str], kv_config: Optional[list[str]], memory_budget: Optional[str],
                pager: Optional[str], pages: Optional[str], plan_only: bool = False) -> Loaded:
     """The checkpoint (float32 on the CPU for small models; the pager casts pages to the model's dtype as it loads
     them) with its tokenizer and settings; a bad flag fails before the model loads."""
-    check_kv_flags(kv, kv_config)
+    check_kv_flags(kv, kv_config, auto=True)
     from rq_core.checkpoint import context_length, load
 
     ckpt = load(model, cpu_float32=True)
@@ -67,6 +68,24 @@ def load_model(model: Optional[str], kv: Optional[str], kv_config: Optional[list
     if pages is not None and memory_budget is None and not plan_only:
         raise RQError("--pages needs --memory-budget (or a recipe's [pager] memory_budget)")
     return Loaded(ckpt, settings, memory_budget, pager, pages, source, context_length(ckpt.config))
+
+
+def settle_kv(m: Loaded, context: int, prefill_chunk: int) -> Loaded:
+    """`m` with --kv auto's mode picked for `context` tokens and the memory budget (rq_core.cache.auto.decide);
+    as it is when a mode was named."""
+    from rq_core.cache.auto import AUTO, decide
+    from rq_core.quant.recipe import parse_size
+
+    if m.settings.mode != AUTO:
+        return m
+    budget = parse_size(m.memory_budget, "--memory-budget") if m.memory_budget is not None else None
+    c = decide(m.ckpt.model, m.ckpt.config, m.settings, context=context, budget=budget, prefill_chunk=prefill_chunk)
+    return dataclasses.replace(m, settings=dataclasses.replace(m.settings, mode=c.mode), kv_auto_reason=c.reason)
+
+
+def kv_auto_note(m: Loaded) -> str:
+    """'KV auto: MODE, why' when --kv auto picked the mode, else ''."""
+    return f"KV auto: {m.settings.mode}, {m.kv_auto_reason}" if m.kv_auto_reason else ""
 
 
 def attach(m: Loaded, *, context: int, prefill_chunk: int, plan_only: bool = False, json_out: bool = False) -> Any:
@@ -107,7 +126,7 @@ def run(
     top_k: TopK = 0,
     min_p: MinP = 0.0,
     seed: Seed = 0,
-    kv: Kv = None,
+    kv: KvAuto = None,
     kv_config: KvConfig = None,
     memory_budget: MemoryBudget = None,
     pager: Pager = None,
@@ -138,8 +157,7 @@ def run(
         else:
             console.print(dist.render_split(rows), highlight=False)
         return
-    ckpt, settings, tok, ctx = m.ckpt, m.settings, m.ckpt.tokenizer, m.context
-    kv = settings.mode
+    ckpt, tok, ctx = m.ckpt, m.ckpt.tokenizer, m.context
     if chat or system is not None:
         ids = tok.encode_chat(([{"role": "system", "content": system}] if system is not None else []) +
                               [{"role": "user", "content": prompt}])
@@ -147,11 +165,15 @@ def run(
         ids = tok.encode(prompt)
     if ctx is not None and len(ids) > ctx:
         raise RQError(f"the prompt is {len(ids)} tokens, longer than the model's context of {ctx}")
+    m = settle_kv(m, len(ids) + max_tokens, prefill_chunk)
+    settings, kv = m.settings, m.settings.mode
     attach_it = functools.partial(attach, m, context=len(ids) + max_tokens, prefill_chunk=prefill_chunk,
                                   plan_only=plan_only, json_out=json_out)
     pager_obj = dist.agree(rank, attach_it,  # the ranks must run the same prompt and sampling
                            lambda _: repr((ids, max_tokens, temp, top_p, top_k, min_p, seed, prefill_chunk)).encode())
     if plan_only:
+        if m.kv_auto_reason and not json_out:
+            console.print(kv_auto_note(m), highlight=False, soft_wrap=True)
         return
 
     from rq_core.generate import generate
@@ -180,7 +202,8 @@ def run(
         d = res.as_dict()
         if pager_obj is not None:
             d["pager"] = pager_obj.report().as_dict()
-        print_json({"text": text_out, **d, "kv_mode": kv, "kv_window": settings.fp16_window,
+        print_json({"text": text_out, **d, "kv_mode": kv, "kv_auto_reason": m.kv_auto_reason,
+                    "kv_window": settings.fp16_window,
                     "kv_prefill_fp16": settings.prefill_fp16 if kv != "fp16" else None,
                     "kv_value_gain": settings.value_gain if kv != "fp16" else None,
                     "rotation": settings.rotation if kv == "isoquant3" else None,
@@ -199,6 +222,7 @@ def run(
         [f"{settings.edge_layers} edge layer(s) at {settings.edge_bits} bits"] if kv != "fp16" and settings.edge_layers
         else [])
     kv_stat = f"KV {kv}{f' ({chr(44).join(notes)})' if notes else ''} {_fmt_bytes(res.kv_bytes)}"
+    auto_note = f" | {kv_auto_note(m)}" if m.kv_auto_reason else ""
     if kv != "fp16":
         kv_stat += f" vs fp16 {_fmt_bytes(res.kv_bytes_fp16)}{ratio}, attention {format_paths(attention_paths(caches))}"
     elif res.kv_bytes > res.kv_bytes_fp16:  # rq_core.checkpoint computes small models in float32 on the CPU
@@ -210,7 +234,7 @@ def run(
     console.print(
         f"prompt {res.prompt_tokens} tok @ {res.prefill_tok_per_s:.1f} tok/s | "
         f"decode {res.generated_tokens} tok @ {res.decode_tok_per_s:.1f} tok/s{slow_first} | "
-        f"peak mem {_fmt_bytes(res.peak_memory_bytes)} (rss {_fmt_bytes(res.peak_rss_bytes)}) | {kv_stat}",
+        f"peak mem {_fmt_bytes(res.peak_memory_bytes)} (rss {_fmt_bytes(res.peak_rss_bytes)}) | {kv_stat}{auto_note}",
         highlight=False, soft_wrap=True)
     if pager_obj is not None:
         st = pager_obj.report()

@@ -6,10 +6,10 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, Kv, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
+from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, KvAuto, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
                            ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, console,
                            gpu_first_run_note, handle_errors, model_arg)
-from rq_cli.run import Pages, attach, load_model, plan_context
+from rq_cli.run import Pages, attach, kv_auto_note, load_model, plan_context, settle_kv
 
 
 @handle_errors(max_tokens=POSITIVE, temp=Range(min=0), top_p=Range(0, 1, min_open=True), top_k=COUNT, min_p=FRACTION,
@@ -26,7 +26,7 @@ def serve(
     min_p: MinP = 0.0,
     seed: Optional[int] = typer.Option(None, "--seed", metavar="N", show_default=False,
                                        help="Random seed for requests without one (default: unseeded)."),
-    kv: Kv = None,
+    kv: KvAuto = None,
     kv_config: KvConfig = None,
     memory_budget: MemoryBudget = None,
     pager: Pager = None,
@@ -40,6 +40,9 @@ def serve(
     from rq_core.serve import Engine, Sampling, serve as run_server
 
     m = load_model(model_arg(model, model_opt), kv, kv_config, memory_budget, pager, pages)
+    m = settle_kv(m, plan_context(m), prefill_chunk)
+    if m.kv_auto_reason:
+        console.print(kv_auto_note(m), highlight=False, soft_wrap=True)
     attach(m, context=plan_context(m), prefill_chunk=prefill_chunk)
     engine = Engine(m.ckpt, m.settings, prefill_chunk=prefill_chunk,
                     name=model_arg(model, model_opt) or m.ckpt.path.name)

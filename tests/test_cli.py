@@ -64,7 +64,9 @@ def test_shared_options_have_one_name_and_default() -> None:
     run, soak = ({p.name: p for p in cmds[n].params} for n in ("run", "soak"))
     for opt in ("temp", "top_p", "seed", "max_tokens", "memory_budget", "pager", "kv"):
         assert run[opt].opts == soak[opt].opts, opt
-    assert run["kv"].help.split(" (default")[0] == soak["kv"].help.split(" (default")[0]
+    # the same modes, and auto where one cache is run and picked (run, serve, chat)
+    assert run["kv"].help.split(" (default")[0].replace("auto, ", "") == soak["kv"].help.split(" (default")[0]
+    assert "auto, fp16" in run["kv"].help and "auto" not in soak["kv"].help.split(" (default")[0]
 
 
 def test_error_lines_keep_brackets() -> None:

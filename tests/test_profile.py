@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from rq_cli.main import app
 from rq_core.checkpoint import build_model
 from rq_core.cache.kv_cache import KVSettings
-from rq_core.tools.profile import (STAGES, Recorder, fill_caches, find_components, profile_model, time_fn,
-                             time_round_robin, verdict)
+from rq_core.tools.profile import (STAGES, Recorder, fill_caches, find_components, profile_model, step_verdict,
+                                   time_fn, time_round_robin, verdict)
 
 GOLDEN = Path(__file__).parent / "golden" / "qwen3_moe" / "model"
 TINY = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -44,6 +44,18 @@ def test_verdict_threshold() -> None:
     assert verdict(0.45, 0.2) == "go" and verdict(0.14, 0.2) == "no-go" and verdict(0.2, 0.2) == "no-go"
 
 
+def test_step_verdict() -> None:
+    """go where the compressed step is not slower than fp16's (within the tolerance) or memory forces compression."""
+    assert step_verdict(9.0, 10.0)[0] == "go"
+    assert step_verdict(10.4, 10.0, tolerance=0.05)[0] == "go"  # within 5%
+    assert step_verdict(10.6, 10.0, tolerance=0.05) == ("no-go", "the compressed step takes 1.06x fp16's: slower "
+                                                                 "(tolerance 5%)")
+    assert step_verdict(10.6, 10.0, tolerance=0.1)[0] == "go"
+    go, why = step_verdict(30.0, None, fp16_fits=False)  # fp16 K/V does not fit: forced, nothing to compare
+    assert go == "go" and "does not fit" in why
+    assert step_verdict(10.0, 10.0, compressed=False)[0] == "no-go"  # fp16 profiled
+
+
 @pytest.mark.parametrize("fill", ["synthetic", "prefill"])
 def test_fill_reaches_the_context(tiny, fill: str) -> None:
     caches = tiny.make_cache(KVSettings(mode="isoquant3"))
@@ -69,7 +81,13 @@ def _check_report(r: dict) -> None:
     assert set(a) == {"kv_attention", "sliding_attention", "experts", "ssm", "rest"}
     assert sum(a.values()) == pytest.approx(r["decode_step_ms"])
     assert r["kv_attention_share"] == pytest.approx(a["kv_attention"] / r["decode_step_ms"])
-    assert r["verdict"] == verdict(r["kv_attention_share"], r["threshold"])
+    assert r["share_verdict"] == verdict(r["kv_attention_share"], r["threshold"])
+    if r["fp16_step_ms"] is not None:  # the verdict: the two measured steps
+        assert r["step_vs_fp16"] == pytest.approx(r["measured_step_ms"] / r["fp16_step_ms"])
+        assert r["fp16_step_p10_ms"] <= r["fp16_step_ms"] <= r["fp16_step_p90_ms"]
+    assert (r["verdict"], r["verdict_reason"]) == step_verdict(
+        r["measured_step_ms"], r["fp16_step_ms"], tolerance=r["tolerance"], fp16_fits=r["fp16_fits"],
+        compressed=r["kernels"] is not None)
     assert r["layers"]["kv_attention"] == 2 and r["layers"]["experts"] == 2
 
 
@@ -123,6 +141,24 @@ def test_profile_fp16_has_no_stages(tiny) -> None:
     r = rep["results"][0]
     _check_report(r)
     assert r["kernels"] is None and r["attention_path"] == "sdpa"
+    assert r["fp16_step_ms"] is None and r["verdict"] == "no-go"  # nothing compressed to compare
+
+
+def test_profile_measures_fp16_beside_the_compressed_step(tiny) -> None:
+    rep = profile_model(tiny, [128, 256], kv=KVSettings(mode="isoquant3"), warmup=0, repeats=2, tolerance=0.1)
+    for r in rep["results"]:
+        _check_report(r)
+        assert r["fp16_step_ms"] > 0 and r["fp16_fits"] and r["tolerance"] == 0.1
+    assert rep["tolerance"] == 0.1
+    go = [r["context"] for r in rep["results"] if r["verdict"] == "go"]
+    assert rep["verdict"] == ("go" if go else "no-go") and rep["go_from_context"] == (min(go) if go else None)
+    # fp16 K/V that does not fit the budget: no fp16 step, compression forced
+    forced = profile_model(tiny, [128, 256], kv=KVSettings(mode="isoquant3"), warmup=0, repeats=1,
+                           fp16_fits=lambda n: n < 256)
+    a, b = forced["results"]
+    assert a["fp16_step_ms"] > 0 and a["fp16_fits"]
+    assert (b["fp16_step_ms"], b["fp16_fits"], b["verdict"]) == (None, False, "go")
+    assert forced["verdict"] == "go"
 
 
 def test_profile_scales_layers(tiny) -> None:

@@ -11,6 +11,7 @@ of a killed run is removed by the next run into the same OUT.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -21,7 +22,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -453,12 +454,7 @@ def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLi
     src = resolve_model_path(model_path)
     config = load_config(src)
     out = Path(out)
-    remove_stale_tmp(out)
-    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
-        raise RQError(f"output {out} exists and is not empty (choose another -o or remove it)")
-    out_was_empty_dir = out.is_dir()
-    if out.resolve() == src.resolve():
-        raise RQError("the output directory must differ from the model directory")
+    out_was_empty_dir = _check_out(out, src)
     job = _Job(src, config, recipe, progress)
     job.validate()
     mx.reset_peak_memory()
@@ -478,13 +474,7 @@ def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLi
         job.model = model_skeleton(config)  # fresh lazy parameters after the analysis pass
         job.layer_paths = job._layer_paths()
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists() and not _remove_if_ours(tmp):  # a killed run whose PID this process got again
-        raise RQError(f"{tmp} is in the way and was not made by rq quantize (move it)")
-    tmp.mkdir()
-    try:
-        (tmp / TMP_MARK).touch()
+    with _staged(out, out_was_empty_dir, "the quantized model", "quantizing") as tmp:
         writer = _ShardWriter(tmp, shard_bytes)
         total = len(job.groups)
         done = 0
@@ -522,6 +512,118 @@ def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLi
         job.res.shards = len(set(weight_map.values()))
         job.res.bytes_out = writer.total
         _write_metadata(tmp, src, config, job, weight_map)
+    job.res.out = str(out)
+    job.res.peak_memory_bytes = int(mx.get_peak_memory())
+    return job.res
+
+
+# ------------------------------------------------------------------------------------ dequantizing
+@dataclass
+class DequantizeResult:
+    out: str
+    tensors: int = 0  # tensors written
+    dequantized: int = 0  # of them, weights brought back from codes, scales and biases
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def dequantize(model_path: str | os.PathLike, out: str | os.PathLike, *, shard_bytes: int = 2 * 10**9,
+               progress: Optional[Progress] = None) -> DequantizeResult:
+    """A full-precision copy of a quantized checkpoint in the directory `out` (written as `quantize` writes): each
+    quantized weight (mlx-lm's affine convention: packed codes, scales and biases, with config.json's bits and group
+    size for its path) back to floats in its scales' dtype, the other tensors as stored, config.json without its
+    quantization section, the tokenizer and small files copied, and no recipe.toml. The copy holds exactly what the
+    quantized weights hold, no more: a source for `rq quantize` where the original float weights are not at hand."""
+    from rq_core.checkpoint import load_config, load_weights, resolve_model_path
+
+    src = resolve_model_path(model_path)
+    config = load_config(src)
+    q = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(q, dict):
+        raise RQError(f"{src} is not quantized (its config.json has no quantization section); it is its own "
+                      "full-precision copy")
+    if q.get("mode", "affine") != "affine":
+        raise RQError(f"{src}: quantization mode {q.get('mode')!r} cannot be dequantized here (affine only)")
+    out = Path(out)
+    out_was_empty_dir = _check_out(out, src)
+    w = load_weights(src)
+    if getattr(w, "moved", None):
+        raise RQError(f"{src}: its experts were moved into expert pages (`rq pack --move`); dequantize a "
+                      "checkpoint that holds them")
+    res = DequantizeResult(out="")
+    names = sorted(k for k in w if not (k.endswith((".scales", ".biases")) and k.rsplit(".", 1)[0] + ".scales" in w))
+    with _staged(out, out_was_empty_dir, "the float copy", "dequantizing") as tmp:
+        writer = _ShardWriter(tmp, shard_bytes)
+        for i, k in enumerate(names):
+            a, base = w[k], k.rsplit(".", 1)[0]
+            res.bytes_in += _bytes(a)
+            if k.endswith(".weight") and base + ".scales" in w:
+                a = _dequantized(src, base, a, w[base + ".scales"], w.get(base + ".biases"), q)
+                res.bytes_in += _bytes(w[base + ".scales"]) + (_bytes(w[base + ".biases"]) if base + ".biases" in w
+                                                               else 0)
+                res.dequantized += 1
+            writer.add(k, a)
+            res.tensors += 1
+            if progress:
+                progress("dequantize", i + 1, len(names))
+        weight_map = writer.finish()
+        res.bytes_out = writer.total
+        cfg = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+        (tmp / "config.json").write_text(dumps_strict(cfg, indent=2))
+        if len(set(weight_map.values())) > 1:
+            total = sum(os.path.getsize(tmp / f) for f in set(weight_map.values()))
+            (tmp / "model.safetensors.index.json").write_text(dumps_strict(
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        _copy_side_files(src, tmp)
+    res.out = str(out)
+    return res
+
+
+def _dequantized(src: Path, path: str, codes: mx.array, scales: mx.array, biases: Optional[mx.array],
+                 q: dict) -> mx.array:
+    """One weight from its codes, scales and biases (bits and group size: config.json's entry for its path, else
+    the checkpoint's)."""
+    spec = q.get(path)
+    spec = spec if isinstance(spec, dict) else q
+    bits, gs = spec.get("bits"), spec.get("group_size")
+    if biases is None:
+        raise RQError(f"{src}: {path} has scales but no biases (affine quantization stores both)")
+    try:
+        return mx.dequantize(codes, scales, biases, group_size=gs, bits=bits).astype(scales.dtype)
+    except (ValueError, TypeError) as e:
+        raise RQError(f"{src}: cannot dequantize {path} at {bits} bits, group size {gs}: {e}") from None
+
+
+# ------------------------------------------------------------------------------------ publishing
+def _check_out(out: Path, src: Path) -> bool:
+    """Refuse an output that is not new or empty, or is the source; True when it is an empty folder. Temp folders of
+    killed runs into `out` are removed first."""
+    remove_stale_tmp(out)
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+        raise RQError(f"output {out} exists and is not empty (choose another -o or remove it)")
+    if out.resolve() == src.resolve():
+        raise RQError("the output directory must differ from the model directory")
+    return out.is_dir()
+
+
+@contextlib.contextmanager
+def _staged(out: Path, out_was_empty_dir: bool, what: str, doing: str) -> Iterator[Path]:
+    """A marked temp folder `.OUT.tmp-PID` to write into, published as `out` when the block ends (only if nothing
+    appeared at `out` meanwhile) and removed if anything fails; `what` names the output and `doing` the work in the
+    error lines."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    if tmp.exists() and not _remove_if_ours(tmp):  # a killed run whose PID this process got again
+        raise RQError(f"{tmp} is in the way and was not made by rq (move it)")
+    tmp.mkdir()
+    try:
+        (tmp / TMP_MARK).touch()
+        yield tmp
         _fsync_dir(tmp)
         if out_was_empty_dir:
             try:  # the empty folder the user named; rmdir cannot remove one that got files meanwhile
@@ -529,11 +631,11 @@ def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLi
             except FileNotFoundError:
                 pass
             except OSError:
-                raise RQError(f"output {out} got files while quantizing; it was left as it is and the "
-                              "quantized model was not written (choose another -o)") from None
+                raise RQError(f"output {out} got files while {doing}; it was left as it is and {what} was not "
+                              "written (choose another -o)") from None
         if not publish_dir(tmp, out):
-            raise RQError(f"output {out} appeared while quantizing; it was left as it is and the quantized "
-                          "model was not written (choose another -o)")
+            raise RQError(f"output {out} appeared while {doing}; it was left as it is and {what} was not "
+                          "written (choose another -o)")
         (out / TMP_MARK).unlink(missing_ok=True)  # after the rename: a run killed before it leaves a marked, removable folder
         _fsync_dir(out.parent)
     except OSError as e:  # disk full, permission denied: one line, and nothing half-written stays
@@ -543,12 +645,8 @@ def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLi
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    job.res.out = str(out)
-    job.res.peak_memory_bytes = int(mx.get_peak_memory())
-    return job.res
 
 
-# ------------------------------------------------------------------------------------ publishing
 TMP_MARK = ".rq-quantize-partial"  # marks a temp folder as this tool's until it is published
 _RENAME_NOREPLACE = 1  # linux/fs.h
 _RENAME_EXCL = 0x4  # macOS sys/stdio.h, renamex_np
@@ -679,6 +777,11 @@ def _write_metadata(tmp: Path, src: Path, config: dict, job: _Job, weight_map: d
             dumps_strict({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     resolved = _R(**{**job.recipe.__dict__, "roles": dict(job.specs)})
     (tmp / "recipe.toml").write_text(resolved.dumps())
+    _copy_side_files(src, tmp)
+
+
+def _copy_side_files(src: Path, tmp: Path) -> None:
+    """The tokenizer, chat template and other small files of the source (not its weights, config or recipe)."""
     for f in src.iterdir():
         if f.is_file() and f.name not in _SKIP_FILES and f.name.endswith(_COPY_SUFFIXES) \
                 and not f.name.endswith(".safetensors"):

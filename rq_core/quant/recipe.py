@@ -22,6 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from rq_core.errors import RQError
+from rq_core.cache.auto import AUTO
 from rq_core.cache.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW, KVSettings, check_edges, prefill_fp16_value
 from rq_core.quant.roles import FAMILIES, ROLES
 from rq_core.textio import read_utf8
@@ -33,6 +34,9 @@ METHODS = ("rtn", "gptq")
 # Roles whose tensors are plain Linear weights: the calibrated method (GPTQ) applies to them.
 GPTQ_ROLES = ("attention", "dense_mlp", "mamba", "shared_expert", "lm_head")
 KV_MODES = ("fp16", "isoquant3", "turbo3")
+# kv.mode of a recipe: a mode, or auto (also what a recipe without kv.mode gets): the run picks one
+# (rq_core.cache.auto); the recipe's own mode wins over auto
+KV_CHOICES = KV_MODES + (AUTO,)
 ROTATIONS = ("wht_so4", "wht", "so4", "so3", "dense", "rwht_so4")
 POLICIES = ("lru",)  # the pager's policies
 # Policies that existed once, with why they are gone (a recipe or --pager naming one gets this line).
@@ -224,9 +228,9 @@ def _role_spec(src: str, role: str, t: Any, base: RoleSpec) -> RoleSpec:
 def _parse_kv(src: str, table: Any) -> KVSettings:
     """The [kv] table (numbers already checked by _check_numbers) as KVSettings; every problem one RQError line."""
     kv_t = _check_keys("kv", table, KV_KEYS, src)
-    kv = KVSettings(**{"fp16_window": DEFAULT_FP16_WINDOW, "edge_layers": DEFAULT_EDGE_LAYERS, **kv_t})
-    if kv.mode not in KV_MODES:
-        raise RQError(f"{src}: kv.mode = {kv.mode!r} is not one of {', '.join(KV_MODES)}")
+    kv = KVSettings(**{"mode": AUTO, "fp16_window": DEFAULT_FP16_WINDOW, "edge_layers": DEFAULT_EDGE_LAYERS, **kv_t})
+    if kv.mode not in KV_CHOICES:
+        raise RQError(f"{src}: kv.mode = {kv.mode!r} is not one of {', '.join(KV_CHOICES)}")
     if kv.rotation not in ROTATIONS:
         raise RQError(f"{src}: kv.rotation = {kv.rotation!r} is not one of {', '.join(ROTATIONS)}")
     if kv.pair_points is not None:

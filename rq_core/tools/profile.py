@@ -1,9 +1,13 @@
 """Where a decode step's time goes, and whether compressing the KV cache pays.
 
-The paper's rule: compressing KV pays only when KV attention takes more than ~20% of decode time.
+The verdict compares two measured decode steps at each context, the compressed cache's and fp16's: "go" where the
+compressed step is not slower than fp16's (within a tolerance, STEP_TOLERANCE) or where fp16 K/V does not fit the
+memory budget (compression is forced); KV attention's share of the step (the paper's rule of thumb: compression can
+pay only above ~20%) is reported beside it as `share_verdict`.
 `profile_model` fills every layer's cache with N tokens, then
 
-1. times whole decode steps (one evaluation each: what `rq run` does per token);
+1. times whole decode steps (one evaluation each: what `rq run` does per token), and fp16's step on caches of the
+   same context in the same rounds;
 2. records one step's calls to the components (full-attention `cache.attend`, sliding-window
    attention, routed experts `SwitchGLU` including any pager I/O, Mamba mixers) with their inputs,
    and re-runs each kind for all layers in one evaluation: its time without per-call syncs;
@@ -31,6 +35,9 @@ from rq_core.errors import RQError
 
 STAGES = ("rotation", "A_fused_qk_dot", "B_softmax", "C_fused_value_accum", "D_rotate_inverse")
 DEFAULT_THRESHOLD = 0.20  # the paper's break-even share of decode time for KV attention
+# the compressed step counts as not slower than fp16's up to this fraction slower: the spread of repeated step
+# timings on a shared machine
+STEP_TOLERANCE = 0.05
 
 
 # ------------------------------------------------------------------------------------------- timing
@@ -391,8 +398,24 @@ def _reference_stages(cache: Any, q: mx.array, scale: float, chunk: Optional[int
 
 # ------------------------------------------------------------------------------------------ profiling
 def verdict(share: float, threshold: float) -> str:
-    """'go' when KV attention's share of a decode step is above the threshold: compressing KV pays."""
+    """The share rule (`share_verdict`): 'go' when KV attention's share of a decode step is above the threshold."""
     return "go" if share > threshold else "no-go"
+
+
+def step_verdict(step_ms: float, fp16_step_ms: Optional[float], *, tolerance: float = STEP_TOLERANCE,
+                 fp16_fits: bool = True, compressed: bool = True) -> tuple[str, str]:
+    """(verdict, reason) from the two measured steps: 'go' where the compressed step is at most `tolerance` slower
+    than fp16's, or where fp16 K/V does not fit the memory budget (no fp16 step to compare: compression is forced)."""
+    if not compressed:
+        return "no-go", "the profiled cache is fp16: nothing compressed to compare"
+    if not fp16_fits:
+        return "go", "fp16 K/V does not fit the memory budget: compression is forced"
+    if fp16_step_ms is None or fp16_step_ms <= 0:
+        raise RQError("no fp16 step to compare with")
+    ratio = step_ms / fp16_step_ms
+    if ratio <= 1 + tolerance:
+        return "go", f"the compressed step takes {ratio:.2f}x fp16's: not slower (tolerance {tolerance:.0%})"
+    return "no-go", f"the compressed step takes {ratio:.2f}x fp16's: slower (tolerance {tolerance:.0%})"
 
 
 def time_round_robin(measures: dict[str, tuple[Callable[[], Any], Optional[Callable[[], None]]]], *,
@@ -419,14 +442,19 @@ def time_round_robin(measures: dict[str, tuple[Callable[[], Any], Optional[Calla
 def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str = "synthetic",
                     vocab_size: Optional[int] = None, warmup: int = 2, repeats: int = 7,
                     threshold: float = DEFAULT_THRESHOLD, layer_scale: float = 1.0,
-                    seed: int = 0) -> dict[str, Any]:
+                    seed: int = 0, fp16_caches: Optional[list] = None, fp16_fits: bool = True,
+                    tolerance: float = STEP_TOLERANCE) -> dict[str, Any]:
     """Profile one decode step at `n_tokens` of context (caches fresh from `model.make_cache`).
 
     `layer_scale` multiplies every per-layer component (for a model built with fewer layers than the
     real one: all layers are alike, so their times scale; embedding and lm_head do not).
+    `fp16_caches` (fresh fp16 caches; None where fp16 is profiled or does not fit, `fp16_fits` False): filled to the
+    same context, their step is timed in the same rounds for the verdict (step_verdict, on the measured steps).
     Times are milliseconds per decode step.
     """
     fill_caches(model, caches, n_tokens, fill=fill, vocab_size=vocab_size, seed=seed)
+    if fp16_caches is not None:
+        fill_caches(model, fp16_caches, n_tokens, fill=fill, vocab_size=vocab_size, seed=seed)
     tok = mx.array([[7]], mx.int32)
 
     def step() -> mx.array:
@@ -445,6 +473,8 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
     undo()
 
     measures: dict[str, tuple[Callable[[], Any], Optional[Callable[[], None]]]] = {"step": (step, undo)}
+    if fp16_caches is not None:
+        measures["fp16_step"] = (lambda: model(tok, cache=fp16_caches), lambda: _trim(fp16_caches))
     counts: dict[str, int] = {}
     for kind in KINDS:
         calls = [c for c in rec.calls if c.kind == kind]
@@ -494,6 +524,12 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
     step_ms = sum(scaled.values()) + rest
     attribution = {**scaled, "rest": rest}
     share = attribution["kv_attention"] / step_ms if step_ms > 0 else 0.0
+    fp16 = t.get("fp16_step")
+    from rq_core.cache.kv_cache import IsoQuantCache
+
+    compressed = any(isinstance(c, IsoQuantCache) for c in caches)
+    go, why = step_verdict(full_ms, fp16.ms if fp16 else None, tolerance=tolerance, fp16_fits=fp16_fits,
+                           compressed=compressed)
     result: dict[str, Any] = {
         "context": n_tokens,
         "fill": fill,
@@ -515,7 +551,16 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         "attention_paths": attention_paths(caches),
         "kv_attention_share": share,
         "threshold": threshold,
-        "verdict": verdict(share, threshold),
+        # fp16's measured step at this context (None: fp16 profiled, or its K/V does not fit the budget)
+        "fp16_step_ms": fp16.ms if fp16 else None,
+        "fp16_step_p10_ms": fp16.p10 * 1e3 if fp16 else None,
+        "fp16_step_p90_ms": fp16.p90 * 1e3 if fp16 else None,
+        "step_vs_fp16": full_ms / fp16.ms if fp16 and fp16.ms > 0 else None,  # measured steps, compressed / fp16
+        "fp16_fits": fp16_fits,
+        "tolerance": tolerance,
+        "share_verdict": verdict(share, threshold),
+        "verdict": go,
+        "verdict_reason": why,
     }
     if have_stages:
         kern = {k: t[k].ms * layer_scale for k in STAGES}
@@ -542,8 +587,10 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
 def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill: str = "synthetic",
                   vocab_size: Optional[int] = None, warmup: int = 2, repeats: int = 7,
                   threshold: float = DEFAULT_THRESHOLD, layer_scale: float = 1.0,
-                  on_context: Optional[Callable[[dict], None]] = None) -> dict[str, Any]:
-    """`profile_context` for each context length (fresh caches each), plus an overall verdict."""
+                  on_context: Optional[Callable[[dict], None]] = None, tolerance: float = STEP_TOLERANCE,
+                  fp16_fits: Optional[Callable[[int], bool]] = None) -> dict[str, Any]:
+    """`profile_context` for each context length (fresh caches each, fp16's beside a compressed cache's), plus an
+    overall verdict. fp16_fits(context): whether fp16 K/V of that context fits the memory budget (None: it does)."""
     from rq_core.cache.kv_cache import KVSettings
 
     kv = kv or KVSettings(mode="isoquant3")
@@ -551,18 +598,24 @@ def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill
         raise RQError("give at least one context length")
     if not 0 < threshold < 1:
         raise RQError(f"threshold must be a fraction between 0 and 1 (got {threshold})")
+    if not 0 <= tolerance <= 1:
+        raise RQError(f"tolerance must be a fraction between 0 and 1 (got {tolerance})")
     results = []
     for n in contexts:
         caches = model.make_cache(kv)
+        fits = fp16_fits(n) if fp16_fits is not None else True
+        fp16_caches = model.make_cache(KVSettings(mode="fp16")) if kv.mode != "fp16" and fits else None
         r = profile_context(model, caches, n, fill=fill, vocab_size=vocab_size, warmup=warmup, repeats=repeats,
-                            threshold=threshold, layer_scale=layer_scale)
-        del caches
+                            threshold=threshold, layer_scale=layer_scale, fp16_caches=fp16_caches, fp16_fits=fits,
+                            tolerance=tolerance)
+        del caches, fp16_caches
         results.append(r)
         if on_context:
             on_context(r)
     be = backend()
     paths = sorted({r["attention_path"] for r in results if r["attention_path"]})
     go = [r["context"] for r in results if r["verdict"] == "go"]
+    share_go = [r["context"] for r in results if r["share_verdict"] == "go"]
     return {
         "backend": be,
         # True when the reference path (MLX ops, as on CPU) was timed rather than GPU kernels
@@ -576,10 +629,13 @@ def profile_model(model: nn.Module, contexts: list[int], *, kv: Any = None, fill
         "attention_path": paths[0] if len(paths) == 1 else (paths or None),
         "attention_paths": results[-1]["attention_paths"],  # at the last context
         "threshold": threshold,
+        "tolerance": tolerance,
         "warmup": warmup,
         "repeats": repeats,
         "layer_scale": layer_scale,
         "results": results,
         "verdict": "go" if go else "no-go",
         "go_from_context": min(go) if go else None,
+        "share_verdict": "go" if share_go else "no-go",  # the share rule alone (KV attention above the threshold)
+        "share_go_from_context": min(share_go) if share_go else None,
     }

@@ -488,7 +488,8 @@ def write(config: dict, recipe_name: str, out: str | Path, *, seed: int = 0, tok
 def _mark_matches(m: dict, config: dict, recipe_name: str, seed: int, routing: str, packed: bool) -> bool:
     route, exp = parse_routing(routing)
     want = f"{route}:{exp:g}" if route != "uniform" else None
-    return (m.get("config") == config and m.get("recipe") == recipe_name and m.get("seed") == seed
+    same_recipe = m.get("recipe") == recipe_name or m.get("recipe") == recipe_mod.load(recipe_name).name
+    return (m.get("config") == config and same_recipe and m.get("seed") == seed
             and m.get("routing") == want and bool(m.get("packed")) == bool(packed))
 
 

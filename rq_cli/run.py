@@ -115,7 +115,10 @@ def plan_context(m: Loaded) -> int:
 def run(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
-    prompt: str = typer.Option(..., "--prompt", "-p", metavar="TEXT", show_default=False, help="Prompt text."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", metavar="TEXT", show_default=False,
+                                         help="Prompt text."),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", metavar="PATH", show_default=False,
+                                              help="Read the prompt text from this file (a long prompt)."),
     system: Optional[str] = typer.Option(None, "--system", metavar="TEXT", show_default=False,
                                          help="A system message before the prompt, with the chat template "
                                               "(implies --chat)."),
@@ -143,6 +146,13 @@ def run(
     `rq quantize`), so a model quantized for 16 GB runs the way its recipe planned; --kv-config sets any
     other [kv] key of the recipe for this run."""
     model = model_arg(model, model_opt)
+    if (prompt is None) == (prompt_file is None):
+        raise RQError("give the prompt with --prompt TEXT or --prompt-file PATH (one of them)")
+    if prompt_file is not None:
+        try:
+            prompt = open(prompt_file, encoding="utf-8").read()
+        except OSError as e:
+            raise RQError(f"--prompt-file {prompt_file}: {e.strerror or e}")
     from rq_core import distributed as dist
 
     rank = dist.start() if dist.launched() and not plan_only else None  # None: one process

@@ -82,3 +82,72 @@ def test_two_layers_of_a_real_config_load_and_run(name, tmp_path):
     assert top != [1, 5, 100, 7]  # the head does not just echo the input (tied embeddings)
     assert len(set(top)) > 1
     assert synth.ensure(cfg, synth.default_recipe(cfg), out) == (out, True)  # reused, not rewritten
+
+
+# ----------------------------------------------------------------------------------- routing and packed writes
+def test_routing_option_parses():
+    assert synth.parse_routing("uniform") == ("uniform", 0.0)
+    assert synth.parse_routing("zipf") == ("zipf", synth.ZIPF_S)
+    assert synth.parse_routing("zipf:1.5") == ("zipf", 1.5)
+    for bad in ("zipf:x", "zipf:0", "normal", "uniform:2"):
+        with pytest.raises(Exception):
+            synth.parse_routing(bad)
+
+
+def test_zipf_row_scales_give_the_asked_selection_frequencies():
+    import numpy as np
+
+    E, k = 128, 8
+    c = synth.zipf_row_scales(E, k, 1.0)
+    target = synth.zipf_targets(E, k, 1.0)
+    g = np.random.default_rng(7).standard_normal((8192, E)) * c[None]  # fresh logits, not the fitted ones
+    top = np.argpartition(-g, k - 1, axis=1)[:, :k]
+    obs = np.bincount(top.ravel(), minlength=E) / 8192
+    assert abs(synth.top_share(obs) - synth.top_share(target)) < 0.03
+    assert synth.top_share(obs) > 0.35  # uniform: 0.10
+    assert np.max(np.abs(obs[:20] - target[:20]) / target[:20]) < 0.25
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma4"])
+def test_zipf_scales_the_router_rows_and_nothing_else(family, tmp_path):
+    import numpy as np
+
+    src = make_tiny(family, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    synth.write(cfg, str(RECIPE), tmp_path / "u")
+    synth.write(cfg, str(RECIPE), tmp_path / "z", routing="zipf:1.2")
+    u, z = {}, {}
+    for d, acc in ((tmp_path / "u", u), (tmp_path / "z", z)):
+        for f in weight_files(d):
+            acc.update(mx.load(str(f)))
+    assert set(u) == set(z)
+    changed = [k for k in u if not mx.array_equal(u[k], z[k])]
+    assert changed and all(("gate" in k or "router" in k) for k in changed), changed
+    assert json.loads((tmp_path / "z" / synth.MARK).read_text())["routing"] == "zipf:1.2"
+    assert "routing" not in json.loads((tmp_path / "u" / synth.MARK).read_text())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma4"])
+def test_packed_write_is_what_rq_pack_move_leaves(family, tmp_path):
+    from rq_core.paging.pack import pack
+
+    src = make_tiny(family, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    synth.write(cfg, str(RECIPE), tmp_path / "m")
+    pack(tmp_path / "m", move=True)
+    synth.write(cfg, str(RECIPE), tmp_path / "p", packed=True)
+    im = json.loads((tmp_path / "m" / "experts" / "index.json").read_text())
+    ip = json.loads((tmp_path / "p" / "experts" / "index.json").read_text())
+    assert ip == im
+    for meta in im["layers"].values():
+        assert (tmp_path / "p" / "experts" / meta["file"]).read_bytes() == \
+            (tmp_path / "m" / "experts" / meta["file"]).read_bytes()
+    assert _layout(tmp_path / "p") == _layout(tmp_path / "m")
+    from rq_core.paging.pages import moved_experts
+
+    assert moved_experts(tmp_path / "p") == moved_experts(tmp_path / "m")
+    a = load(tmp_path / "p").model(mx.array([[1, 5, 9]]))
+    b = load(tmp_path / "m").model(mx.array([[1, 5, 9]]))
+    assert mx.array_equal(a, b)
+    assert synth.ensure(cfg, str(RECIPE), tmp_path / "p", packed=True) == (tmp_path / "p", True)
+    assert synth.ensure(cfg, str(RECIPE), tmp_path / "p")[1] is False  # not packed: another checkpoint

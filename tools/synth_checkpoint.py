@@ -35,6 +35,10 @@ def _main() -> None:
     ap.add_argument("-o", "--out", required=True, help="output directory (replaced)")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the config's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--routing", default="uniform", help="uniform (random routers) or zipf[:S]: router rows scaled so "
+                                                         "that experts' selection follows a Zipf law of exponent S")
+    ap.add_argument("--packed", action="store_true", help="the routed experts only in OUT/experts, as `rq pack --move` "
+                                                          "leaves them (one copy on disk)")
     ap.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     a = ap.parse_args()
     cfg = read_config(a.config)
@@ -48,11 +52,12 @@ def _main() -> None:
         bar = None
     recipe_name = a.recipe or default_recipe(cfg)
     if bar is None:
-        s = write(cfg, recipe_name, a.out, seed=a.seed, progress=_stderr_progress)
+        s = write(cfg, recipe_name, a.out, seed=a.seed, progress=_stderr_progress, routing=a.routing,
+                  packed=a.packed)
     else:
         with bar:
             task = bar.add_task("writing shards", total=None)
-            s = write(cfg, recipe_name, a.out, seed=a.seed,
+            s = write(cfg, recipe_name, a.out, seed=a.seed, routing=a.routing, packed=a.packed,
                       progress=lambda st, d, t: bar.update(task, completed=d, total=t))
     if a.json:
         print(json.dumps({"out": a.out, **s}))

@@ -1,0 +1,310 @@
+"""The paper's headline table measured on our checkpoints, through the real CLI: real-size synthetic checkpoints of
+Nemotron 3 Super 120B-A12B (nemotron-32gb, 32 GB), Qwen3-30B-A3B (qwen3-16gb, 16 GB) and Gemma 4 26B-A4B
+(gemma4-16gb, 16 GB), each `rq run CKPT --memory-budget B --kv MODE --prompt-file F --json` in its own process.
+
+    python3 benchmarks/paper_table.py --dir /data/rq-paper                      # GPU, see benchmarks/README.md
+    python3 benchmarks/paper_table.py --tiny --dir /tmp/rq-paper-tiny           # 2-layer slices, CPU check
+
+Per model: the checkpoint (rq_core.tools.synth: random codes at the recipe's bits in rq quantize's layout, written
+packed: the routed experts once, in CKPT/experts, as `rq pack --move` leaves them), reused from --dir when complete.
+Per context and KV mode: `rq run --plan --json` (the planner's peak and smallest budget), then the run: MLX peak
+and peak RSS (the JSON's, and the child's from wait4), steady decode tok/s, time to first token (the prefill),
+pager hit rate, KV bytes; measured / planned peak. Then one run at the smallest budget the plan names. A cell that
+fails or passes --timeout is recorded with its error; the others' results are kept. Writes
+benchmarks/results/paper_table.json (or --out) after every cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import _readme  # noqa: E402
+
+MODELS = {  # family -> (config in tests/data/configs, recipe, budget, the paper's (peak GB, tok/s) on an M4 Max)
+    "nemotron_h": ("nemotron3-super-120b-a12b", "nemotron-32gb", "32GB", (17.2, 14.85)),
+    "qwen3_moe": ("qwen3-30b-a3b", "qwen3-16gb", "16GB", (6.8, 15.60)),
+    "gemma4": ("gemma4-26b-a4b", "gemma4-16gb", "16GB", (5.4, 12.85)),
+}
+TEXTS = [ROOT / "rq_core" / "assets" / "heldout.txt", ROOT / "rq_core" / "assets" / "calibration.txt"]
+DISK_MARGIN = 1.05  # pages' alignment padding and metadata over the planner's weight bytes
+
+
+def rq_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rq_cli.main", *args]
+
+
+def run_child(cmd: list[str], timeout: float) -> dict:
+    """Run `cmd` (its own process group) for at most `timeout` s: rc, stdout, stderr tail, wall s and the child's peak
+    RSS from wait4 (bytes), measured even when it fails."""
+    import tempfile
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe, open(os.devnull, "rb") as devnull:
+        p = subprocess.Popen(cmd, stdin=devnull, stdout=fo, stderr=fe, cwd=ROOT, env=env, start_new_session=True)
+        timed_out = False
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() - t0 > timeout:
+                timed_out = True
+                os.killpg(p.pid, signal.SIGKILL)
+                pid, status, ru = os.wait4(p.pid, 0)
+                break
+            time.sleep(0.1)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        fo.seek(0)
+        fe.seek(0)
+        out, err = fo.read(), fe.read()
+    rss = int(ru.ru_maxrss if sys.platform == "darwin" else ru.ru_maxrss * 1024)
+    return {"rc": None if timed_out else p.returncode, "timed_out": timed_out, "stdout": out.decode(errors="replace"),
+            "stderr": err.decode(errors="replace")[-2000:], "wall_s": round(time.perf_counter() - t0, 2),
+            "child_peak_rss_bytes": rss}
+
+
+def parse_json(text: str) -> dict | None:
+    i = text.find("{")
+    if i < 0:
+        return None
+    try:
+        return json.JSONDecoder().raw_decode(text[i:])[0]
+    except ValueError:
+        return None
+
+
+def error_line(r: dict) -> str:
+    if r["timed_out"]:
+        return f"timed out after {r['wall_s']:.0f} s"
+    lines = [ln for ln in r["stderr"].strip().splitlines() if ln.strip()]
+    return f"exit {r['rc']}: {lines[-1][:300] if lines else '(no message)'}"
+
+
+def prompt_file(d: Path, n: int) -> tuple[Path, int]:
+    """A text file of about `n` tokens of the bundled tokenizer (the checkpoints' tokenizer): the package's held-out
+    and calibration text, repeated, cut at n tokens. Returns (path, its token count)."""
+    from rq_core.checkpoint import DEFAULT_MODEL
+    from rq_core.tokenizer import load_tokenizer
+
+    f = d / f"prompt-{n}.txt"
+    meta = d / f"prompt-{n}.json"
+    if f.is_file() and meta.is_file():
+        return f, json.loads(meta.read_text())["tokens"]
+    tok = load_tokenizer(DEFAULT_MODEL)
+    base = "\n\n".join(t.read_text() for t in TEXTS if t.is_file())
+    ids = tok.encode(base)
+    reps = -(-n // max(1, len(ids))) + 1
+    ids = tok.encode("\n\n".join([base] * reps))[:n]
+    text = tok.decode(ids)
+    for _ in range(8):  # a cut between two merges can re-encode longer: trim until it fits
+        m = len(tok.encode(text))
+        if m <= n:
+            break
+        ids = ids[:-(m - n)]
+        text = tok.decode(ids)
+    d.mkdir(parents=True, exist_ok=True)
+    f.write_text(text)
+    meta.write_text(json.dumps({"tokens": len(tok.encode(text))}))
+    return f, json.loads(meta.read_text())["tokens"]
+
+
+def disk_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+RUN_KEYS = ("prompt_tokens", "generated_tokens", "stop_reason", "prefill_s", "prefill_tok_per_s", "decode_tok_per_s",
+            "steady_decode_tok_per_s", "first_step_s", "peak_memory_bytes", "peak_rss_bytes", "kv_bytes",
+            "kv_bytes_fp16", "kv_mode")
+PAGER_KEYS = ("hit_rate", "hits", "misses", "bytes_read", "evictions", "slots")
+PLAN_KEYS = ("planned_peak_bytes", "min_budget_bytes", "slots_per_layer", "experts_per_layer", "top_k", "fits",
+             "resident_bytes", "kv_bytes", "budget_bytes")
+
+
+def plan_cell(ckpt: Path, budget: str, kv: str, pf: Path, tokens: int, timeout: float) -> dict:
+    r = run_child(rq_cmd("run", str(ckpt), "--memory-budget", budget, "--kv", kv, "--prompt-file", str(pf),
+                         "--max-tokens", str(tokens), "--plan", "--json"), timeout)
+    d = parse_json(r["stdout"])
+    if d is None or "plan" not in d:
+        return {"error": error_line(r)}
+    return {k: d["plan"].get(k) for k in PLAN_KEYS}
+
+
+def run_cell(ckpt: Path, budget: str, kv: str, pf: Path, tokens: int, timeout: float) -> dict:
+    r = run_child(rq_cmd("run", str(ckpt), "--memory-budget", budget, "--kv", kv, "--prompt-file", str(pf),
+                         "--max-tokens", str(tokens), "--temp", "0", "--json"), timeout)
+    d = parse_json(r["stdout"]) if r["rc"] == 0 else None
+    if d is None or "peak_memory_bytes" not in d:
+        return {"error": error_line(r), "wall_s": r["wall_s"], "child_peak_rss_bytes": r["child_peak_rss_bytes"]}
+    out = {k: d.get(k) for k in RUN_KEYS}
+    out["pager"] = {k: (d.get("pager") or {}).get(k) for k in PAGER_KEYS}
+    out["wall_s"] = r["wall_s"]
+    out["child_peak_rss_bytes"] = r["child_peak_rss_bytes"]
+    return out
+
+
+def gb(n) -> str:
+    return "-" if n is None else f"{n / 1e9:.2f}"
+
+
+def table(res: dict) -> str:
+    lines = ["| model | budget | KV | context | planned peak GB | MLX peak GB | RSS GB | measured/planned | decode tok/s "
+             "| TTFT s | hit rate | KV MB | paper: peak GB, tok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for m in res["models"]:
+        paper = f"{m['paper']['peak_gb']}, {m['paper']['tok_s']}" if m["paper"] else "-"
+        rows = [(m["budget"], c) for c in m["cells"]]
+        if m.get("min_budget"):
+            rows.append((f"min {gb(m['min_budget'].get('budget_bytes'))} GB", m["min_budget"]))
+        if m.get("error"):
+            lines.append(f"| {m['config']} | {m['budget']} | - | - | error: {m['error']} | | | | | | | | {paper} |")
+        for budget, c in rows:
+            r, p = c.get("run") or {}, c.get("plan") or {}
+            if "error" in r or "error" in p or not r:
+                err = r.get("error") or p.get("error") or "not run"
+                lines.append(f"| {m['config']} | {budget} | {c.get('kv')} | {c.get('context')} | "
+                             f"{gb(p.get('planned_peak_bytes'))} | error: {err} | | | | | | | {paper} |")
+                continue
+            hr = r["pager"].get("hit_rate")
+            ratio = (r["peak_memory_bytes"] / p["planned_peak_bytes"]) if p.get("planned_peak_bytes") else None
+            lines.append(
+                f"| {m['config']} | {budget} | {c['kv']} | {r['prompt_tokens']:,} | {gb(p.get('planned_peak_bytes'))} | "
+                f"{gb(r['peak_memory_bytes'])} | {gb(r['peak_rss_bytes'])} | "
+                f"{'-' if ratio is None else f'{ratio:.2f}'} | {r['steady_decode_tok_per_s']:.2f} | "
+                f"{r['prefill_s']:.2f} | {'-' if hr is None else f'{100 * hr:.1f}%'} | {r['kv_bytes'] / 1e6:.1f} | "
+                f"{paper} |")
+    lines += ["", f"Synthetic checkpoints (random weights at the recipe's bits, routing {res['routing']}), "
+              f"{res['tokens']} greedy tokens after a prompt of the context's length; every cell one `rq run` "
+              "process. Decode tok/s: steady (first step apart). TTFT: the prefill. The paper's numbers: Apple M4 Max, "
+              "its own checkpoints."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="nemotron_h,qwen3_moe,gemma4")
+    ap.add_argument("--contexts", default=None, help="prompt lengths in tokens (default 2048,32768; --tiny 64,256)")
+    ap.add_argument("--tokens", type=int, default=32, help="greedy decode tokens a run")
+    ap.add_argument("--kv", default="isoquant3,fp16")
+    ap.add_argument("--routing", default="uniform", help="uniform | zipf[:S] (the synthetic routers, see synth.py)")
+    ap.add_argument("--dir", required=True, help="where the checkpoints and prompts live (reused when complete)")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds a subprocess may run")
+    ap.add_argument("--no-min-budget", action="store_true", help="skip the run at the plan's smallest budget")
+    ap.add_argument("--delete-after", action="store_true", help="remove each checkpoint after its cells (disk)")
+    ap.add_argument("--tiny", action="store_true", help="2-layer slices, budgets between the smallest and all "
+                                                        "resident, contexts 64,256: a CPU check of the pipeline")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="results JSON (default benchmarks/results/paper_table.json)")
+    a = ap.parse_args()
+
+    from rq_core.paging.planner import plan
+    from rq_core.quant import recipe as recipe_mod
+    from rq_core.tools import synth
+
+    routing = a.routing
+    synth.parse_routing(routing)  # a bad value fails before any work
+    contexts = [int(x) for x in (a.contexts or ("64,256" if a.tiny else "2048,32768")).split(",")]
+    kvs = a.kv.split(",")
+    names = a.models.split(",")
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        sys.exit(f"error: unknown model {unknown[0]!r} (choose from {', '.join(MODELS)})")
+    d = Path(a.dir).expanduser().resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    res = {"routing": routing, "tokens": a.tokens, "tiny": a.tiny, "contexts": contexts, "kv": kvs, "models": []}
+    out_path = Path(a.out) if a.out else None
+
+    def save() -> None:
+        _readme.save("paper_table", res, table(res), out_path)
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    prompts = {n: prompt_file(d / "prompts", n) for n in contexts}
+    for fam in names:
+        cfg_name, rec_name, budget, paper = MODELS[fam]
+        cfg = synth.read_config(cfg_name)
+        if a.tiny:
+            cfg = synth.truncate(cfg, 2)
+        m = {"model": fam, "config": cfg_name, "recipe": rec_name, "budget": budget, "cells": [],
+             "paper": None if a.tiny else {"peak_gb": paper[0], "tok_s": paper[1], "budget": budget,
+                                           "machine": "Apple M4 Max"}}
+        res["models"].append(m)
+        ckpt = d / f"{cfg_name}{'-2layers' if a.tiny else ''}-{rec_name}-{routing.replace(':', '_')}"
+        try:
+            expect = plan(cfg, recipe_mod.load(rec_name)).total_bytes
+            free = shutil.disk_usage(d).free + (disk_bytes(ckpt) if ckpt.exists() else 0)
+            m["checkpoint"] = {"path": str(ckpt), "planned_bytes": expect}
+            if expect * DISK_MARGIN > free and not (ckpt / synth.MARK).is_file():
+                raise RuntimeError(f"{ckpt} needs about {expect * DISK_MARGIN / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+            say(f"[{fam}] checkpoint {ckpt} ({expect / 1e9:.1f} GB planned) ...")
+            t0 = time.perf_counter()
+            _, reused = synth.ensure(cfg, rec_name, ckpt, seed=a.seed, routing=routing, packed=True)
+            m["checkpoint"].update(reused=reused, write_s=round(time.perf_counter() - t0, 1),
+                                   disk_bytes=disk_bytes(ckpt))
+            say(f"[{fam}] checkpoint {'reused' if reused else 'written'}: {m['checkpoint']['disk_bytes'] / 1e9:.2f} GB "
+                f"on disk, {m['checkpoint']['write_s']} s")
+        except Exception as e:  # this model's cells are lost, the others' are not
+            m["error"] = f"{type(e).__name__}: {e}"
+            say(f"[{fam}] error: {m['error']}")
+            save()
+            continue
+        if a.tiny:  # halfway between the smallest budget and everything resident: the pager at work
+            lo = plan_cell(ckpt, "1TB", kvs[0], prompts[contexts[0]][0], a.tokens, a.timeout)
+            if "error" in lo:
+                m["error"] = f"plan: {lo['error']}"
+                save()
+                continue
+            budget = str((lo["min_budget_bytes"] + lo["planned_peak_bytes"]) // 2)
+            m["budget"] = budget
+        for ctx in contexts:
+            pf, n_tok = prompts[ctx]
+            for kv in kvs:
+                c = {"context": ctx, "prompt_file_tokens": n_tok, "kv": kv}
+                c["plan"] = plan_cell(ckpt, budget, kv, pf, a.tokens, a.timeout)
+                c["run"] = run_cell(ckpt, budget, kv, pf, a.tokens, a.timeout)
+                pk, r = c["plan"].get("planned_peak_bytes"), c["run"]
+                if pk and "peak_memory_bytes" in r:
+                    c["measured_over_planned"] = round(r["peak_memory_bytes"] / pk, 3)
+                m["cells"].append(c)
+                save()
+                if "error" in r:
+                    say(f"[{fam}] {kv} {ctx}: error {r['error']}")
+                else:
+                    say(f"[{fam}] {kv} {ctx}: peak {gb(r['peak_memory_bytes'])} GB (planned {gb(pk)}), "
+                        f"{r['steady_decode_tok_per_s']:.2f} tok/s, TTFT {r['prefill_s']:.2f} s, "
+                        f"hit rate {r['pager']['hit_rate']}, wall {r['wall_s']} s")
+        first = next((c for c in m["cells"] if c["plan"].get("min_budget_bytes")), None)
+        if first and not a.no_min_budget:
+            mb = int(first["plan"]["min_budget_bytes"])
+            pf = prompts[first["context"]][0]
+            c = {"context": first["context"], "kv": first["kv"], "budget_bytes": mb}
+            c["plan"] = plan_cell(ckpt, str(mb), first["kv"], pf, a.tokens, a.timeout)
+            c["run"] = run_cell(ckpt, str(mb), first["kv"], pf, a.tokens, a.timeout)
+            r = c["run"]
+            if "error" not in r:
+                c["at_least_1_tok_per_s"] = r["steady_decode_tok_per_s"] >= 1.0
+            m["min_budget"] = c
+            save()
+            say(f"[{fam}] smallest budget {gb(mb)} GB: " + (f"error {r['error']}" if "error" in r else
+                f"peak {gb(r['peak_memory_bytes'])} GB, {r['steady_decode_tok_per_s']:.2f} tok/s"))
+        if a.delete_after:
+            shutil.rmtree(ckpt, ignore_errors=True)
+            say(f"[{fam}] removed {ckpt}")
+    save()
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()

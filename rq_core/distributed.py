@@ -193,7 +193,8 @@ def render_split(rows: list[dict[str, Any]]) -> str:
 class _Link:
     """Stands in the cache slot of a layer another rank holds: its `state` is this slice's output (after the
     send), so a prefill chunk evaluated for its caches alone (generate) still receives and hands on its hidden
-    states, also on a rank whose layers keep no state (MLP / MoE blocks)."""
+    states, also on a rank whose layers keep no state (MLP / MoE blocks). It has no `mark()`: a step that
+    crossed ranks cannot be taken back, so an expert pager here never speculates."""
 
     nbytes = fp16_nbytes = offset = 0
 

@@ -2,14 +2,13 @@
 expert slots (stacked arrays, so one gather_qmm per projection still serves the layer); an LRU over
 (layer, expert) decides which slot a missing expert is read into.
 
-A decode step first runs speculatively on the experts already resident: the expert -> slot table is an
-mx.array that remaps the routing on the device, and every layer's routing comes back with the sampled token in
-the step's one host sync. If every expert was resident (the common case) that is the step. If one was not,
-the caches and the random key are put back (`mark()` of each cache) and the step runs again layer by layer:
-one host sync per MoE layer to read its routing, its misses read together, in parallel (os.preadv into one
-preallocated staging buffer, a thread each), and written into the slots with one scatter per tensor. Either
-way the step computes what an all-resident model computes. Speculation stops while the measured times say
-it costs more than it saves (mostly missing steps), and starts again when the steps stop missing.
+A decode step runs layer by layer: one host sync per MoE layer to read its routing (the expert -> slot table
+is an mx.array that remaps the routing on the device), its misses read together, in parallel (os.preadv into
+one preallocated staging buffer, a thread each), and written into the slots with one scatter per tensor.
+With speculation (`speculate=`), a step first runs on the experts already resident, every layer's routing read
+with the sampled token in one sync; if one expert was missing, the caches and the random key are put back
+(`mark()` of each cache) and the step runs again layer by layer. Either way the step computes what an
+all-resident model computes. It pays only where steps rarely miss ("auto" measures and stops while it does not).
 
 Pages are checked before use: the index field by field and against the model's banks, the page files'
 sizes, the fingerprint of the weights they were packed from (stale pages), and (`verify=True`, the
@@ -201,11 +200,12 @@ class ExpertPager:
     read (off only to measure what it costs). `threads`: parallel reads of one layer's misses, and the pages
     the staging buffer holds. `speculate`: "auto" runs a decode step first on the resident experts, with one host
     sync for the whole step, while the measured times say that pays (see the module's text); "always" on every
-    step; "off" never (one host sync per MoE layer in every step)."""
+    step; "off" (the default: a step that misses one expert of its 8 x layers pays for both runs, and on random
+    routing at real size most steps miss: benchmarks/pager.py --pager-cost) never."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
-                 threads: int = READ_THREADS, speculate: str = "auto") -> None:
+                 threads: int = READ_THREADS, speculate: str = "off") -> None:
         check_policy(policy)
         if speculate not in SPECULATE:
             raise RQError(f"unknown speculation {speculate!r} (choose from: {', '.join(SPECULATE)})")
@@ -266,9 +266,10 @@ class ExpertPager:
         global sequence's next). Speculated first when that pays (see the module's text); the tokens are those
         of an all-resident model either way, sampled ones included."""
         st = self.stats
-        if self._speculation_pays():
+        caches = list({id(c): c for c in cache}.values())
+        if self._speculation_pays() and all(callable(getattr(c, "mark", None)) for c in caches):
             t0 = time.perf_counter()
-            undo = [c.mark() for c in {id(c): c for c in cache}.values()]
+            undo = [c.mark() for c in caches]
             # the key sampling without one would draw with, taken without moving the sequence on (a step run
             # again after a miss draws it from the sequence itself)
             key = mx.random.split(mx.random.state[0])[1] if draws else None

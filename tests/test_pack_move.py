@@ -104,3 +104,22 @@ def test_malformed_moved_metadata_is_one_line(moved, tmp_path):
         mx.save_safetensors(str(c / "model.safetensors"), w, metadata={"rq_moved_experts": bad})
         with pytest.raises(RQError, match="rq_moved_experts metadata is malformed"):
             load(c, tokenizer=False)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_moe"])
+def test_move_takes_banks_stored_under_mlx_lm_names(tmp_path, family):
+    """rq quantize stores Nemotron-H's banks under mlx-lm's names (`switch_mlp.fc1` / `fc2`, loaded as up_proj /
+    down_proj): --move finds and takes them by the name they load under, and the checkpoint runs as before."""
+    from _tiny_models import make_tiny
+    from rq_core.quant import recipe
+    from rq_core.quant.quantize import quantize
+
+    ck = tmp_path / "q"
+    quantize(make_tiny(family, tmp_path / "src"), recipe.load(Path(__file__).parent / "data" / "tiny-rtn.toml"), ck)
+    ref = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=8, prefill_chunk=16).tokens
+    pack(ck, move=True)
+    assert moved_experts(ck)
+    for f in ck.glob("*.safetensors"):
+        hdr = json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")])
+        assert not [k for k in hdr if ".switch_mlp." in k], f
+    assert generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=8, prefill_chunk=16).tokens == ref

@@ -96,14 +96,25 @@ def _bank_names(banks: dict[str, Any]) -> dict[str, str]:
     return {f"{p}.{n}": p for p, m in banks.items() for n in bank_tensors(m)}
 
 
-def _check_movable(src: Path, banks: dict[str, Any]) -> None:
-    """RQError unless every bank tensor is stored under its own name in a shard that is a file of the checkpoint."""
+def _loaded_names(model: Any, stored: list[str]) -> dict[str, str]:
+    """Stored tensor name -> the name it loads under (the model's `sanitize` of that name alone: mlx-lm's
+    `switch_mlp.fc1` is Nemotron-H's `up_proj` bank, for one); names sanitize drops or merges stay as they are."""
+    out = {}
+    for k in stored:
+        got = model.sanitize({k: mx.zeros((1,))}) if hasattr(model, "sanitize") else {k: None}
+        out[k] = next(iter(got)) if len(got) == 1 else k
+    return out
+
+
+def _check_movable(src: Path, model: Any, banks: dict[str, Any]) -> None:
+    """RQError unless every bank tensor is stored whole (under a name that loads as it) in a shard that is a file
+    of the checkpoint."""
     names, found = _bank_names(banks), set()
     for f in weight_files(src):
         if f.is_symlink():
             raise RQError(f"{f} is a link (a hub cache?): --move rewrites the shards; copy the checkpoint to a "
                           "folder of its own first")
-        found |= set(read_header(f)[0]) & set(names)
+        found |= set(_loaded_names(model, [k for k in read_header(f)[0] if k != "__metadata__"]).values()) & set(names)
     moved = moved_experts(src)
     missing = [n for n in names if n not in found and names[n] not in moved]
     if missing:
@@ -111,7 +122,7 @@ def _check_movable(src: Path, banks: dict[str, Any]) -> None:
                       "its shards), so --move cannot take them out (quantize it with `rq quantize` first)")
 
 
-def _move_banks(src: Path, banks: dict[str, Any], fps: dict[str, str]) -> int:
+def _move_banks(src: Path, model: Any, banks: dict[str, Any], fps: dict[str, str]) -> int:
     """Rewrite each shard that holds bank tensors without them (atomically: a temp file renamed over it), recording
     what it held in its metadata; then drop them from the shard index. Returns the bytes taken out."""
     names = _bank_names(banks)
@@ -122,16 +133,17 @@ def _move_banks(src: Path, banks: dict[str, Any], fps: dict[str, str]) -> int:
     taken = 0
     for f in weight_files(src):
         hdr, start = read_header(f)
-        take = [k for k in hdr if k in names]
+        loaded = _loaded_names(model, [k for k in hdr if k != "__metadata__"])
+        take = [k for k in loaded if loaded[k] in names]
         if not take:
             continue
-        keep = sorted(((k, v) for k, v in hdr.items() if k != "__metadata__" and k not in names),
+        keep = sorted(((k, v) for k, v in hdr.items() if k != "__metadata__" and k not in take),
                       key=lambda kv: kv[1]["data_offsets"][0])
         meta = dict(hdr.get("__metadata__") or {})
         rec = json.loads(meta.get(MOVED_KEY, "{}"))
-        for k in take:
-            p = names[k]
-            rec.setdefault(p, {"fingerprint": fps[p], "tensors": {}})["tensors"][k] = {
+        for k in take:  # recorded under the loaded name: what loading puts a placeholder in for
+            p = names[loaded[k]]
+            rec.setdefault(p, {"fingerprint": fps[p], "tensors": {}})["tensors"][loaded[k]] = {
                 "shape": hdr[k]["shape"], "dtype": hdr[k]["dtype"]}
             taken += hdr[k]["data_offsets"][1] - hdr[k]["data_offsets"][0]
         meta[MOVED_KEY] = json.dumps(rec, sort_keys=True)
@@ -168,8 +180,9 @@ def _move_banks(src: Path, banks: dict[str, Any], fps: dict[str, str]) -> int:
     if index.is_file():
         d = json.loads(index.read_text())
         wm = d.get("weight_map")
-        if isinstance(wm, dict) and any(k in wm for k in names):
-            d["weight_map"] = {k: v for k, v in wm.items() if k not in names}
+        gone = {k for k, n in _loaded_names(model, list(wm)).items() if n in names} if isinstance(wm, dict) else set()
+        if gone:
+            d["weight_map"] = {k: v for k, v in wm.items() if k not in gone}
             tmp = src / f".{index.name}.tmp-{os.getpid()}"
             tmp.write_text(json.dumps(d, indent=1))
             with open(tmp, "rb+") as fh:
@@ -198,12 +211,12 @@ def pack(ckpt: str | os.PathLike, *, out: Optional[str | os.PathLike] = None,
         raise RQError(f"{src}: this model has no routed experts to pack")
     moved = moved_experts(src)
     if move:
-        _check_movable(src, banks)
+        _check_movable(src, model, banks)
     if moved:
         if not move:
             raise RQError(f"{src}: its routed experts live only in its pages (packed with --move): there is "
                           "nothing to pack again")
-        return _finish_move(src, banks)
+        return _finish_move(src, model, banks)
     dst = pages_dir(src, out)
     if out is not None:
         try:
@@ -280,11 +293,11 @@ def pack(ckpt: str | os.PathLike, *, out: Optional[str | os.PathLike] = None,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if move:
-        _move_banks(src, banks, fingerprints)
+        _move_banks(src, model, banks, fingerprints)
     return PackResult(out=str(dst), layers=len(banks), experts=n_exp, page_bytes=max_page, bytes_written=total)
 
 
-def _finish_move(src: Path, banks: dict[str, Any]) -> PackResult:
+def _finish_move(src: Path, model: Any, banks: dict[str, Any]) -> PackResult:
     """`rq pack --move` again on a checkpoint some of whose banks were moved: the pages must be the ones they
     were moved to (they are kept, being their only copy); the banks still in the shards are moved."""
     idx = load_index(src, banks=banks)
@@ -293,7 +306,7 @@ def _finish_move(src: Path, banks: dict[str, Any]) -> PackResult:
         if idx["layers"][path]["source"] != fp:
             raise RQError(f"the expert pages in {idx['dir']} do not match layer {path} of {src}; its moved experts "
                           "live only in the pages they were moved to: restore those")
-    _move_banks(src, banks, fps)
+    _move_banks(src, model, banks, fps)
     layers = [idx["layers"][p] for p in banks]
     return PackResult(out=idx["dir"], layers=len(layers), experts=sum(m["num_experts"] for m in layers),
                       page_bytes=max(m["page_bytes"] for m in layers), bytes_written=0)

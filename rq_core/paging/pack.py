@@ -141,9 +141,9 @@ def _move_banks(src: Path, model: Any, banks: dict[str, Any], fps: dict[str, str
                       key=lambda kv: kv[1]["data_offsets"][0])
         meta = dict(hdr.get("__metadata__") or {})
         rec = json.loads(meta.get(MOVED_KEY, "{}"))
-        for k in take:  # recorded under the loaded name: what loading puts a placeholder in for
+        for k in take:  # recorded as the shard stored it (loading's placeholders go through sanitize too)
             p = names[loaded[k]]
-            rec.setdefault(p, {"fingerprint": fps[p], "tensors": {}})["tensors"][loaded[k]] = {
+            rec.setdefault(p, {"fingerprint": fps[p], "tensors": {}})["tensors"][k] = {
                 "shape": hdr[k]["shape"], "dtype": hdr[k]["dtype"]}
             taken += hdr[k]["data_offsets"][1] - hdr[k]["data_offsets"][0]
         meta[MOVED_KEY] = json.dumps(rec, sort_keys=True)

@@ -67,6 +67,12 @@ def heldout_vs_unigram(em: ev.EvalModel, ids: np.ndarray, windows: int) -> dict:
     return {"ppl": math.exp(nll / n), "unigram_ppl": uni, "tokens": n, "context": C, "unigram_counts": src}
 
 
+# The sample of the README's quality table (what benchmarks/results/quality.json was measured on): 4 windows of 1,024
+# tokens and 2 of the full context, 4 prompts, needles at 1,024 and 2,048 tokens; `--set KEY=VALUE` overrides.
+SAMPLE = {"windows": 4, "full_windows": 2, "prompts": 4, "niah_lengths": [1024, 2048], "niah_depths": [0.25, 0.75],
+          "niah_trials": 2}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
@@ -107,6 +113,7 @@ def main() -> None:
     em = ev.load_eval_model(args.model)
     ids = ev.encode_ids(em.tokenizer, ev.load_heldout_text())
     cfg = ev.load_gates(args.gates)
+    cfg["settings"].update(SAMPLE)  # the table's sample, larger than `rq eval gates`' default
     for kv_pair in args.set:
         key, _, value = kv_pair.partition("=")
         if key not in cfg.get("settings", {}) or key == "":

@@ -193,6 +193,33 @@ def _move_banks(src: Path, model: Any, banks: dict[str, Any], fps: dict[str, str
 
 
 # ------------------------------------------------------------------------------ writing
+def write_page_file(d: Path, path: str, arrays: list[tuple[str, np.ndarray, str]], fingerprint: str) -> dict:
+    """One MoE layer's page file in folder `d` from its banks' (name, [E, ...] array, dtype name) and the weights'
+    fingerprint: expert e's tensors back to back in page e (aligned), fsynced; returns its index.json entry."""
+    E = arrays[0][1].shape[0]
+    layout, off = [], 0
+    for n, a, dt in arrays:
+        nb = a[0].nbytes
+        layout.append({"name": n, "dtype": dt, "shape": list(a.shape[1:]), "offset": off, "nbytes": nb})
+        off += nb
+    used = off
+    align = page_align(used)
+    page = -(-used // align) * align
+    fname = f"{path}.bin"
+    crcs = []
+    with open(d / fname, "wb") as f:
+        pad = b"\0" * (page - used)
+        for e in range(E):
+            blob = b"".join(a[e].tobytes() for _, a, _ in arrays)
+            crcs.append(zlib.crc32(blob))
+            f.write(blob)
+            f.write(pad)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": fname, "num_experts": E, "page_bytes": page, "used_bytes": used, "tensors": layout,
+            "crc32": crcs, "source": fingerprint}
+
+
 def pack(ckpt: str | os.PathLike, *, out: Optional[str | os.PathLike] = None,
          progress: Optional[Callable[[str, int, int], None]] = None, move: bool = False) -> PackResult:
     """Write {<layer path>.bin, index.json} into CKPT/experts (or OUT), replacing a previous pack.
@@ -242,28 +269,8 @@ def pack(ckpt: str | os.PathLike, *, out: Optional[str | os.PathLike] = None,
             tensors = list(bank_tensors(sw).items())
             mx.eval([t for _, t in tensors])
             arrays = [(n, _to_numpy(t), _dtype_name(t)) for n, t in tensors]
-            E = arrays[0][1].shape[0]
-            layout, off = [], 0
-            for n, a, dt in arrays:
-                nb = a[0].nbytes
-                layout.append({"name": n, "dtype": dt, "shape": list(a.shape[1:]), "offset": off, "nbytes": nb})
-                off += nb
-            used = off
-            align = page_align(used)
-            page = -(-used // align) * align
-            fname = f"{path}.bin"
-            crcs = []
-            with open(tmp / fname, "wb") as f:
-                pad = b"\0" * (page - used)
-                for e in range(E):
-                    blob = b"".join(a[e].tobytes() for _, a, _ in arrays)
-                    crcs.append(zlib.crc32(blob))
-                    f.write(blob)
-                    f.write(pad)
-                f.flush()
-                os.fsync(f.fileno())
-            index["layers"][path] = {"file": fname, "num_experts": E, "page_bytes": page, "used_bytes": used,
-                                     "tensors": layout, "crc32": crcs, "source": fingerprints[path]}
+            index["layers"][path] = entry = write_page_file(tmp, path, arrays, fingerprints[path])
+            E, page = entry["num_experts"], entry["page_bytes"]
             total += page * E
             max_page = max(max_page, page)
             n_exp += E

@@ -39,7 +39,6 @@ import math
 import os
 import shutil
 import time
-import zlib
 from pathlib import Path
 from statistics import NormalDist
 from typing import Callable, Optional
@@ -50,6 +49,7 @@ from mlx.utils import tree_flatten
 
 from rq_core.checkpoint import DEFAULT_MODEL
 from rq_core.errors import RQError
+from rq_core.paging.pack import write_page_file
 from rq_core.quant import recipe as recipe_mod
 from rq_core.quant.quantize import (QuantizeResult, _Job, _ShardWriter, _write_metadata, model_skeleton,
                                    quantizable_modules)
@@ -279,34 +279,6 @@ def _fingerprint(path: str, tensors: list[tuple[str, np.ndarray, str]]) -> str:
     return "tensors:" + h.hexdigest()
 
 
-def _write_page_file(d: Path, path: str, tensors: list[tuple[str, np.ndarray, str]], fingerprint: str) -> dict:
-    """One MoE layer's page file as rq_core.paging.pack.pack writes it; returns its index.json entry."""
-    from rq_core.paging.pack import page_align
-
-    E = tensors[0][1].shape[0]
-    layout, off = [], 0
-    for n, a, dt in tensors:
-        nb = a[0].nbytes
-        layout.append({"name": n, "dtype": dt, "shape": list(a.shape[1:]), "offset": off, "nbytes": nb})
-        off += nb
-    used = off
-    align = page_align(used)
-    page = -(-used // align) * align
-    fname = f"{path}.bin"
-    crcs = []
-    with open(d / fname, "wb") as f:
-        pad = b"\0" * (page - used)
-        for e in range(E):
-            blob = b"".join(a[e].tobytes() for _, a, _ in tensors)
-            crcs.append(zlib.crc32(blob))
-            f.write(blob)
-            f.write(pad)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"file": fname, "num_experts": E, "page_bytes": page, "used_bytes": used, "tensors": layout,
-            "crc32": crcs, "source": fingerprint}
-
-
 class _MovedShardWriter(_ShardWriter):
     """A _ShardWriter whose next shard records, in its metadata, the banks moved out of it (`rq pack --move`'s
     MOVED_KEY entry)."""
@@ -440,7 +412,7 @@ def write(config: dict, recipe_name: str, out: str | Path, *, seed: int = 0, tok
                 names = [f"{proj}.{part}" for proj in _PROJS for part in _PARTS if f"{proj}.{part}" in parts]
                 tensors = [(n, _np_of(parts[n][1]), str(parts[n][1].dtype).split(".")[-1]) for n in names]
                 fp = _fingerprint(bp, tensors)
-                meta = _write_page_file(tmp / PACK_DIR, bp, tensors, fp)
+                meta = write_page_file(tmp / PACK_DIR, bp, tensors, fp)
                 index["layers"][bp] = meta
                 pages_total += meta["page_bytes"] * meta["num_experts"]
                 writer.moved[bp] = {"fingerprint": fp, "tensors": {

@@ -53,7 +53,7 @@ def run_child(cmd: list[str], timeout: float) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe, open(os.devnull, "rb") as devnull:
-        p = subprocess.Popen(cmd, stdin=devnull, stdout=fo, stderr=fe, cwd=ROOT, env=env, start_new_session=True)
+        p = subprocess.Popen(cmd, stdin=devnull, stdout=fo, stderr=fe, cwd=ROOT, env=env, preexec_fn=os.setsid)
         timed_out = False
         while True:
             pid, status, ru = os.wait4(p.pid, os.WNOHANG)

@@ -291,11 +291,13 @@ def shard_checkpoint(ckpt: Any, rank: Rank) -> Any:
 
 # ------------------------------------------------------------------------------------------ agreement
 def fingerprint(ckpt: Any, *extra: Any) -> bytes:
-    """A hash of what every rank must share: config.json, the weight files' headers and sizes, the
-    tokenizer's size, and `extra` (the prompt's ids and the run's flags)."""
+    """A hash of what every rank must share: rq's and MLX's versions, config.json, the weight files' headers and
+    sizes, the tokenizer's size, and `extra` (the prompt's ids and the run's flags)."""
+    from rq_core import __version__
     from rq_core.shards import read_header, weight_files
 
-    h = hashlib.sha256(json.dumps(ckpt.config, sort_keys=True, default=str).encode())
+    h = hashlib.sha256(f"rq {__version__} mlx {mx.__version__}".encode())
+    h.update(json.dumps(ckpt.config, sort_keys=True, default=str).encode())
     for f in weight_files(ckpt.path):
         hdr, _ = read_header(f)
         h.update(json.dumps([f.name, f.stat().st_size, hdr], sort_keys=True).encode())
@@ -345,8 +347,9 @@ def agree(rank: Optional[Rank], fn: Callable[[], T], digest: Optional[Callable[[
     if failed is None:
         r = next((r for r, (dr, _) in enumerate(rows) if dr != rows[0][0]), None)
         if r is not None:
-            failed = (f"rank {r} has another checkpoint or other flags than rank 0 (config, weights, tokenizer, prompt "
-                      "or sampling differ): every rank must run the same model and command")
+            failed = (f"rank {r} has another checkpoint, flags or version than rank 0 (config, weights, tokenizer, "
+                      "prompt, sampling, or the rq / MLX version differ): every rank must run the same model and "
+                      "command with the same install")
     if failed is not None:
         raise RQError(failed)
     return out

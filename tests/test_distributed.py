@@ -187,6 +187,24 @@ def test_a_rank_that_cannot_hold_its_slice(tmp_path):
     assert "rank 1: --memory-budget 10KB is too small" in line
 
 
+def test_the_fingerprint_covers_the_rq_and_mlx_versions(monkeypatch):
+    """Ranks on other installs are refused like other checkpoints: the versions are part of what they compare."""
+    import mlx.core as mx
+
+    import rq_core
+    from rq_core import distributed as dist
+    from rq_core.checkpoint import load
+
+    ck = load(None, tokenizer=False)
+    base = dist.fingerprint(ck, "same flags")
+    assert dist.fingerprint(ck, "same flags") == base
+    monkeypatch.setattr(rq_core, "__version__", rq_core.__version__ + ".dev1")
+    assert dist.fingerprint(ck, "same flags") != base
+    monkeypatch.undo()
+    monkeypatch.setattr(mx, "__version__", "0.0.0")
+    assert dist.fingerprint(ck, "same flags") != base
+
+
 def test_mismatched_checkpoints_are_refused(tmp_path):
     other = tmp_path / "other"
     shutil.copytree(DEFAULT_MODEL, other)

@@ -123,3 +123,14 @@ def test_move_takes_banks_stored_under_mlx_lm_names(tmp_path, family):
         hdr = json.loads(f.read_bytes()[8:8 + int.from_bytes(f.read_bytes()[:8], "little")])
         assert not [k for k in hdr if ".switch_mlp." in k], f
     assert generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=8, prefill_chunk=16).tokens == ref
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_move_of_a_hub_layout_is_one_line(tmp_path, family):
+    """A per-expert hub layout is not stacked banks: --move refuses in one line (the names are mapped through the
+    model's sanitize, which must not turn that into a crash)."""
+    from _tiny_models import make_tiny
+
+    src = make_tiny(family, tmp_path / "src")
+    with pytest.raises(RQError, match="not stored as stacked banks"):
+        pack(src, move=True)

@@ -96,14 +96,24 @@ def _bank_names(banks: dict[str, Any]) -> dict[str, str]:
     return {f"{p}.{n}": p for p, m in banks.items() for n in bank_tensors(m)}
 
 
-def _loaded_names(model: Any, stored: list[str]) -> dict[str, str]:
-    """Stored tensor name -> the name it loads under (the model's `sanitize` of that name alone: mlx-lm's
-    `switch_mlp.fc1` is Nemotron-H's `up_proj` bank, for one); names sanitize drops or merges stay as they are."""
-    out = {}
-    for k in stored:
-        got = model.sanitize({k: mx.zeros((1,))}) if hasattr(model, "sanitize") else {k: None}
-        out[k] = next(iter(got)) if len(got) == 1 else k
-    return out
+def _loaded_names(model: Any, hdr: dict) -> dict[str, str]:
+    """Stored tensor name -> the name it loads under, for one shard's header: the model's `sanitize` of the shard's
+    names at once, on lazy placeholders of their shapes (never evaluated), matched back by identity (mlx-lm's
+    `switch_mlp.fc1` is Nemotron-H's `up_proj` bank, for one). Tensors sanitize stacks, splits or drops, and every
+    name when it fails on a partial layout, keep their stored name: they are not movable banks."""
+    stored = {k: mx.zeros(tuple(v["shape"]), mx.float16) for k, v in hdr.items() if k != "__metadata__"}
+    same = {k: k for k in stored}
+    if not hasattr(model, "sanitize"):
+        return same
+    try:
+        out = model.sanitize(dict(stored))
+    except Exception:  # a per-expert or fused layout split across shards: not stacked banks
+        return same
+    by_id = {id(v): k for k, v in stored.items()}
+    for name, v in out.items():
+        if id(v) in by_id:
+            same[by_id[id(v)]] = name
+    return same
 
 
 def _check_movable(src: Path, model: Any, banks: dict[str, Any]) -> None:
@@ -114,7 +124,7 @@ def _check_movable(src: Path, model: Any, banks: dict[str, Any]) -> None:
         if f.is_symlink():
             raise RQError(f"{f} is a link (a hub cache?): --move rewrites the shards; copy the checkpoint to a "
                           "folder of its own first")
-        found |= set(_loaded_names(model, [k for k in read_header(f)[0] if k != "__metadata__"]).values()) & set(names)
+        found |= set(_loaded_names(model, read_header(f)[0]).values()) & set(names)
     moved = moved_experts(src)
     missing = [n for n in names if n not in found and names[n] not in moved]
     if missing:
@@ -126,6 +136,7 @@ def _move_banks(src: Path, model: Any, banks: dict[str, Any], fps: dict[str, str
     """Rewrite each shard that holds bank tensors without them (atomically: a temp file renamed over it), recording
     what it held in its metadata; then drop them from the shard index. Returns the bytes taken out."""
     names = _bank_names(banks)
+    stored_as: dict[str, str] = {}  # stored name -> loaded name, of every shard read below
     for f in src.iterdir():  # shards a killed move was writing: ours (the name), their writer gone
         m = re.match(r"^\.(.+\.safetensors)\.tmp-(\d+)$", f.name)
         if m and f.is_file() and not f.is_symlink() and not _pid_alive(int(m[2])):
@@ -133,7 +144,8 @@ def _move_banks(src: Path, model: Any, banks: dict[str, Any], fps: dict[str, str
     taken = 0
     for f in weight_files(src):
         hdr, start = read_header(f)
-        loaded = _loaded_names(model, [k for k in hdr if k != "__metadata__"])
+        loaded = _loaded_names(model, hdr)
+        stored_as.update(loaded)
         take = [k for k in loaded if loaded[k] in names]
         if not take:
             continue
@@ -141,9 +153,9 @@ def _move_banks(src: Path, model: Any, banks: dict[str, Any], fps: dict[str, str
                       key=lambda kv: kv[1]["data_offsets"][0])
         meta = dict(hdr.get("__metadata__") or {})
         rec = json.loads(meta.get(MOVED_KEY, "{}"))
-        for k in take:  # recorded as the shard stored it (loading's placeholders go through sanitize too)
+        for k in take:  # recorded under the loaded name: inside the bank's path, as loading checks
             p = names[loaded[k]]
-            rec.setdefault(p, {"fingerprint": fps[p], "tensors": {}})["tensors"][k] = {
+            rec.setdefault(p, {"fingerprint": fps[p], "tensors": {}})["tensors"][loaded[k]] = {
                 "shape": hdr[k]["shape"], "dtype": hdr[k]["dtype"]}
             taken += hdr[k]["data_offsets"][1] - hdr[k]["data_offsets"][0]
         meta[MOVED_KEY] = json.dumps(rec, sort_keys=True)
@@ -180,7 +192,9 @@ def _move_banks(src: Path, model: Any, banks: dict[str, Any], fps: dict[str, str
     if index.is_file():
         d = json.loads(index.read_text())
         wm = d.get("weight_map")
-        gone = {k for k, n in _loaded_names(model, list(wm)).items() if n in names} if isinstance(wm, dict) else set()
+        if isinstance(wm, dict):  # names of shards a killed move rewrote already: mapped by name alone
+            stored_as.update(_loaded_names(model, {k: {"shape": [1]} for k in wm if k not in stored_as}))
+        gone = {k for k in wm if stored_as.get(k, k) in names} if isinstance(wm, dict) else set()
         if gone:
             d["weight_map"] = {k: v for k, v in wm.items() if k not in gone}
             tmp = src / f".{index.name}.tmp-{os.getpid()}"

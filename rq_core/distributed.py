@@ -340,6 +340,8 @@ def agree(rank: Optional[Rank], fn: Callable[[], T], digest: Optional[Callable[[
         error, d = str(e), b""
     except OSError as e:
         error, d = f"{e.strerror or e}: {e.filename}" if e.filename else str(e), b""
+    except Exception as e:  # a bug on one rank must not leave the others waiting for the watchdog
+        error, d = f"internal error: {type(e).__name__}: {e}", b""
     rows = _exchange(rank, d, error)
     rank.watchdog.beat()
     failed = next((f"{err}" if r == rank.rank == 0 else f"rank {r}: {err}" for r, (_, err) in enumerate(rows)

@@ -233,6 +233,7 @@ def prompt_ids_of(body: dict, tokenizer: Any) -> list[int]:
 class Handler(BaseHTTPRequestHandler):
     server: "Server"
     protocol_version = "HTTP/1.1"  # keep-alive for the openai client; a streamed reply closes its connection
+    timeout = 60  # seconds a socket read or write may block: a client that stops reading cannot stall the queue
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (http.server's name)
         if not self.server.quiet:

@@ -134,8 +134,8 @@ class KVCache(Protocol):
         ...
 
     def mark(self) -> Callable[[], None]:
-        """A function that puts the cache back as it is now, valid until a second step has run: how a decode
-        step that must run again (an expert pager's speculation missed) is undone."""
+        """A function that undoes the one decode step run after it, for that same step to run again (an expert
+        pager's speculated step that missed): the cache is then as if the step had run once."""
         ...
 
     @property

@@ -241,7 +241,8 @@ class ExpertPager:
         self._buf: Optional[bytearray] = None
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         self._routing: Optional[list] = None  # while a step speculates: (layer, routing indices) per MoE call
-        # running means of a speculated step's seconds, a layer-by-layer step's, and how often a step missed
+        # running means of a speculated step's seconds, a layer-by-layer step's that read no pages, and how often
+        # a step missed
         self._t_spec: Optional[float] = None
         self._t_sync: Optional[float] = None
         self._miss_rate = 0.0
@@ -250,10 +251,13 @@ class ExpertPager:
     def _speculation_pays(self) -> bool:
         if self.speculate != "auto":
             return self.speculate == "always"
-        if self._t_spec is None or self._t_sync is None:
+        if self._t_spec is None:
             return True
-        # a speculated step costs t_spec, plus a layer-by-layer run when it misses
-        return self._t_spec + self._miss_rate * self._t_sync < self._t_sync
+        if self._t_sync is None:  # no layer-by-layer step without a miss yet: only while steps seldom miss
+            return self._miss_rate < 0.25
+        # a step that misses costs its layer-by-layer run either way, and t_spec more when speculated; one that
+        # hits costs t_spec instead of a layer-by-layer step without misses (t_sync)
+        return self._t_spec < (1 - self._miss_rate) * self._t_sync
 
     def _mean(self, attr: str, seconds: float) -> None:
         old = getattr(self, attr)
@@ -307,7 +311,8 @@ class ExpertPager:
         misses = st.misses
         y, read = build(None)
         mx.eval(read)
-        self._mean("_t_sync", time.perf_counter() - t0)
+        if st.misses == misses:  # the baseline a speculated step competes with: a step that read no pages
+            self._mean("_t_sync", time.perf_counter() - t0)
         self._miss_rate += SMOOTHING * (float(st.misses > misses) - self._miss_rate)
         return y, read
 
@@ -405,11 +410,11 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     if attached is not None and index is None:  # the banks are slot banks now: what the pages hold
         index = {"layers": {p: l.meta for p, l in attached.layers.items()}}
     if index is not None:  # in the dtype the model holds (pages are cast on load)
-        per_expert = max(sum(_nbytes(t, target_dtype(banks[p], t)) for t in meta["tensors"])
-                         for p, meta in index["layers"].items() if p in banks)
-    else:
-        per_expert = max(sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
-                         for m in banks.values())
+        per_expert = max((sum(_nbytes(t, target_dtype(banks[p], t)) for t in meta["tensors"])
+                          for p, meta in index["layers"].items() if p in banks), default=0)
+    else:  # default 0: a model (or a rank's slice of one) without routed experts
+        per_expert = max((sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
+                          for m in banks.values()), default=0)
     # a batch of misses: the staging buffer pages are read into (host memory: min(slots, READ_THREADS) pages of
     # the largest layer) and MLX's copy of it, held until the slot writes run
     used = max((m["used_bytes"] for p, m in index["layers"].items() if p in banks), default=0) if index else per_expert

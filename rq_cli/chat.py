@@ -8,9 +8,9 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, KvAuto, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
-                           ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, console, gpu_first_run_note,
-                           handle_errors, model_arg, print_error)
+from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, KvAuto, KvConfig, MaxKvSize, MaxTokens, MemoryBudget, MinP,
+                           ModelArg, ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, console,
+                           gpu_first_run_note, handle_errors, model_arg, print_error)
 from rq_cli.run import Pages, attach, kv_auto_note, load_model, plan_context, settle_kv
 from rq_core.errors import RQError
 
@@ -18,7 +18,7 @@ HELP = "/reset clears the conversation, /quit (or Ctrl-D) exits"
 
 
 @handle_errors(max_tokens=POSITIVE, temp=Range(min=0), top_p=Range(0, 1, min_open=True), top_k=COUNT, min_p=FRACTION,
-               seed=SEED, prefill_chunk=POSITIVE)
+               seed=SEED, prefill_chunk=POSITIVE, max_kv_size=POSITIVE)
 def chat(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
@@ -32,6 +32,7 @@ def chat(
     seed: Seed = 0,
     kv: KvAuto = None,
     kv_config: KvConfig = None,
+    max_kv_size: MaxKvSize = None,
     memory_budget: MemoryBudget = None,
     pager: Pager = None,
     pages: Pages = None,
@@ -41,7 +42,8 @@ def chat(
     model's chat template, or a plain transcript for a model without one); /reset clears it, /quit or Ctrl-D exits."""
     from rq_core.serve import Engine, Sampling
 
-    m = load_model(model_arg(model, model_opt), kv, kv_config, memory_budget, pager, pages)
+    m = load_model(model_arg(model, model_opt), kv, kv_config, memory_budget, pager, pages,
+                   max_kv_size=max_kv_size)
     m = settle_kv(m, plan_context(m), prefill_chunk)
     if m.kv_auto_reason:
         console.print(kv_auto_note(m), highlight=False, soft_wrap=True)

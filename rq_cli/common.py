@@ -296,6 +296,10 @@ MemoryBudget = Annotated[Optional[str], typer.Option(
 Pager = Annotated[Optional[str], typer.Option(
     "--pager", metavar="POLICY", show_default=False,
     help="Expert paging policy with --memory-budget: lru, the only one (default: the recipe's pager.policy, else lru).")]
+MaxKvSize = Annotated[Optional[int], typer.Option(
+    "--max-kv-size", metavar="N", show_default=False,
+    help="Bound the KV cache as mlx-lm's --max-kv-size: full-attention layers keep only the newest N tokens "
+         "(fp16 K/V; with a compressed --kv it is refused, --kv auto becomes fp16). Default: every token.")]
 PrefillChunk = Annotated[int, typer.Option("--prefill-chunk", metavar="N", help="Prompt tokens per prefill step.")]
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 

@@ -9,10 +9,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, KvAuto, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
-                           ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, check_kv_flags, console,
-                           gpu_first_run_note, handle_errors, kv_settings, memory_budget_of, model_arg, pager_policy,
-                           print_json, recipe_of)
+from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, KvAuto, KvConfig, MaxKvSize, MaxTokens, MemoryBudget, MinP,
+                           ModelArg, ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, check_kv_flags,
+                           console, gpu_first_run_note, handle_errors, kv_settings, memory_budget_of, model_arg,
+                           pager_policy, print_json, recipe_of)
 from rq_core.errors import RQError
 
 
@@ -55,10 +55,13 @@ class Loaded:
 
 
 def load_model(model: Optional[str], kv: Optional[str], kv_config: Optional[list[str]], memory_budget: Optional[str],
-               pager: Optional[str], pages: Optional[str], plan_only: bool = False) -> Loaded:
+               pager: Optional[str], pages: Optional[str], plan_only: bool = False,
+               max_kv_size: Optional[int] = None) -> Loaded:
     """The checkpoint (float32 on the CPU for small models; the pager casts pages to the model's dtype as it loads
     them) with its tokenizer and settings; a bad flag fails before the model loads."""
     check_kv_flags(kv, kv_config, auto=True)
+    if max_kv_size is not None:
+        _bounded_kv(kv, max_kv_size)  # a compressed --kv fails here, before the model loads
     from rq_core.checkpoint import context_length, load
 
     ckpt = load(model, cpu_float32=True)
@@ -67,7 +70,22 @@ def load_model(model: Optional[str], kv: Optional[str], kv_config: Optional[list
         raise RQError(f"{ckpt.path} has no tokenizer.json; generating text needs one")
     if pages is not None and memory_budget is None and not plan_only:
         raise RQError("--pages needs --memory-budget (or a recipe's [pager] memory_budget)")
-    return Loaded(ckpt, settings, memory_budget, pager, pages, source, context_length(ckpt.config))
+    loaded = Loaded(ckpt, settings, memory_budget, pager, pages, source, context_length(ckpt.config))
+    if max_kv_size is None:
+        return loaded
+    return dataclasses.replace(loaded, settings=_bounded_kv(settings.mode, max_kv_size, settings, source),
+                               kv_auto_reason=f"--max-kv-size {max_kv_size} bounds fp16 K/V" if
+                               settings.mode == "auto" else None)
+
+
+def _bounded_kv(mode: Optional[str], n: int, settings: Any = None, source: str = "--kv") -> Any:
+    """`settings` with full-attention layers keeping only their newest `n` tokens (fp16; auto becomes fp16); one
+    line for a compressed mode, which has no bounded form."""
+    if mode not in (None, "auto", "fp16"):
+        where = f"--kv {mode}" if source == "--kv" else f"kv.mode {mode!r} ({source})"
+        raise RQError(f"--max-kv-size bounds an fp16 KV cache; {where} is compressed and has no bounded form "
+                      "(use --kv fp16, or drop --max-kv-size)")
+    return None if settings is None else dataclasses.replace(settings, mode="fp16", max_kv_size=n)
 
 
 def settle_kv(m: Loaded, context: int, prefill_chunk: int) -> Loaded:
@@ -111,7 +129,7 @@ def plan_context(m: Loaded) -> int:
 
 
 @handle_errors(max_tokens=COUNT, temp=Range(min=0), top_p=Range(0, 1, min_open=True), top_k=COUNT, min_p=FRACTION,
-               seed=SEED, prefill_chunk=POSITIVE, ranks=POSITIVE)
+               seed=SEED, prefill_chunk=POSITIVE, ranks=POSITIVE, max_kv_size=POSITIVE)
 def run(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
@@ -120,9 +138,11 @@ def run(
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", metavar="PATH", show_default=False,
                                               help="Read the prompt text from this file (a long prompt)."),
     system: Optional[str] = typer.Option(None, "--system", metavar="TEXT", show_default=False,
-                                         help="A system message before the prompt, with the chat template "
+                                         help="A system message before the prompt, in the chat template "
                                               "(implies --chat)."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (the default when "
+                              "the tokenizer has one; a checkpoint without one gets a plain transcript)."),
+    raw: bool = typer.Option(False, "--raw", help="Send the prompt as plain text, without the chat template."),
     max_tokens: MaxTokens = 256,
     temp: Temp = 0.0,
     top_p: TopP = 1.0,
@@ -131,6 +151,7 @@ def run(
     seed: Seed = 0,
     kv: KvAuto = None,
     kv_config: KvConfig = None,
+    max_kv_size: MaxKvSize = None,
     memory_budget: MemoryBudget = None,
     pager: Pager = None,
     pages: Pages = None,
@@ -148,6 +169,9 @@ def run(
     model = model_arg(model, model_opt)
     if (prompt is None) == (prompt_file is None):
         raise RQError("give the prompt with --prompt TEXT or --prompt-file PATH (one of them)")
+    if raw and (chat or system is not None):
+        raise RQError(f"--raw sends the prompt without the chat template; it does not go with "
+                      f"{'--chat' if chat else '--system'}")
     if prompt_file is not None:
         try:
             prompt = open(prompt_file, encoding="utf-8").read()
@@ -157,7 +181,8 @@ def run(
 
     rank = dist.start() if dist.launched() and not plan_only else None  # None: one process
     m = dist.agree(rank, functools.partial(load_model, model, kv, kv_config, memory_budget, pager, pages,
-                                           plan_only=plan_only), lambda m: dist.fingerprint(m.ckpt))
+                                           plan_only=plan_only, max_kv_size=max_kv_size),
+                   lambda m: dist.fingerprint(m.ckpt))
     if rank is not None:  # this rank's layers only, from here on
         m = dataclasses.replace(m, ckpt=dist.shard_checkpoint(m.ckpt, rank))
     if plan_only and ranks > 1:
@@ -168,7 +193,9 @@ def run(
             console.print(dist.render_split(rows), highlight=False)
         return
     ckpt, tok, ctx = m.ckpt, m.ckpt.tokenizer, m.context
-    if chat or system is not None:
+    # the chat template by default where the tokenizer has one (as mlx-lm); --chat without one: a plain transcript
+    wrapped = not raw and (chat or system is not None or bool(tok.chat_template))
+    if wrapped:
         ids = tok.encode_chat(([{"role": "system", "content": system}] if system is not None else []) +
                               [{"role": "user", "content": prompt}])
     else:
@@ -221,7 +248,8 @@ def run(
                     "kv_pair_points": list(pairs) if pairs else None,
                     "kv_edge_layers": settings.edge_layers if kv != "fp16" else None,
                     "kv_edge_bits": settings.edge_bits if kv != "fp16" and settings.edge_layers else None,
-                    "attention_paths": attention_paths(caches),
+                    "attention_paths": attention_paths(caches), "max_kv_size": settings.max_kv_size,
+                    "chat_template": wrapped and bool(tok.chat_template),
                     "settings_from": m.source, "model_type": ckpt.model_type, "model": str(ckpt.path)})
         return
     tail = stream.flush()

@@ -6,14 +6,14 @@ from typing import Optional
 
 import typer
 
-from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, KvAuto, KvConfig, MaxTokens, MemoryBudget, MinP, ModelArg,
-                           ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, console,
+from rq_cli.common import (COUNT, FRACTION, POSITIVE, SEED, KvAuto, KvConfig, MaxKvSize, MaxTokens, MemoryBudget, MinP,
+                           ModelArg, ModelOpt, Pager, PrefillChunk, Range, Seed, Temp, TopK, TopP, console,
                            gpu_first_run_note, handle_errors, model_arg)
 from rq_cli.run import Pages, attach, kv_auto_note, load_model, plan_context, settle_kv
 
 
 @handle_errors(max_tokens=POSITIVE, temp=Range(min=0), top_p=Range(0, 1, min_open=True), top_k=COUNT, min_p=FRACTION,
-               seed=SEED, prefill_chunk=POSITIVE, port=Range(0, 65535))
+               seed=SEED, prefill_chunk=POSITIVE, max_kv_size=POSITIVE, port=Range(0, 65535))
 def serve(
     model: ModelArg = None,
     model_opt: ModelOpt = None,
@@ -28,6 +28,7 @@ def serve(
                                        help="Random seed for requests without one (default: unseeded)."),
     kv: KvAuto = None,
     kv_config: KvConfig = None,
+    max_kv_size: MaxKvSize = None,
     memory_budget: MemoryBudget = None,
     pager: Pager = None,
     pages: Pages = None,
@@ -39,7 +40,8 @@ def serve(
     The model loads once; requests run one at a time, each in a fresh KV cache."""
     from rq_core.serve import Engine, Sampling, serve as run_server
 
-    m = load_model(model_arg(model, model_opt), kv, kv_config, memory_budget, pager, pages)
+    m = load_model(model_arg(model, model_opt), kv, kv_config, memory_budget, pager, pages,
+                   max_kv_size=max_kv_size)
     m = settle_kv(m, plan_context(m), prefill_chunk)
     if m.kv_auto_reason:
         console.print(kv_auto_note(m), highlight=False, soft_wrap=True)

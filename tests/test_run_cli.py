@@ -36,7 +36,7 @@ def _error_line(result) -> str:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_json_matches_transformers(family: str) -> None:
     g = json.loads((GOLDEN / family / "golden.json").read_text())
-    r = _rq(str(GOLDEN / family / "model"), "--prompt", g["prompt_text"], "--temp", "0", "--kv", "fp16",
+    r = _rq(str(GOLDEN / family / "model"), "--raw", "--prompt", g["prompt_text"], "--temp", "0", "--kv", "fp16",
             "--max-tokens", str(len(g["greedy"])), "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -76,10 +76,35 @@ def test_streams_text_and_stats_line() -> None:
 
 
 def test_chat_template_is_applied() -> None:
-    plain = json.loads(_rq(str(QWEN2), "--prompt", "hi", "--max-tokens", "1", "--json").stdout.splitlines()[-1])
-    chat = json.loads(_rq(str(QWEN2), "--prompt", "hi", "--max-tokens", "1", "--chat", "--json")
-                      .stdout.splitlines()[-1])
-    assert chat["prompt_tokens"] > plain["prompt_tokens"]
+    """The chat template by default where the tokenizer has one (as mlx-lm); --raw sends the bare prompt."""
+    def run(*flags: str) -> dict:
+        r = _rq(str(QWEN2), "--prompt", "hi", "--max-tokens", "1", "--json", *flags)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout.splitlines()[-1])
+
+    plain, default, chat = run("--raw"), run(), run("--chat")
+    assert default["prompt_tokens"] > plain["prompt_tokens"]
+    assert default["prompt_tokens"] == chat["prompt_tokens"] and default["tokens"] == chat["tokens"]
+    assert (plain["chat_template"], default["chat_template"], chat["chat_template"]) == (False, True, True)
+
+
+def test_bundled_model_without_a_template_gets_the_raw_prompt() -> None:
+    """No chat template (the bundled model): the prompt stays raw by default; --chat opts into the plain
+    transcript."""
+    def run(*flags: str) -> dict:
+        r = _rq("--prompt", "ROMEO:", "--max-tokens", "3", "--json", *flags)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout.splitlines()[-1])
+
+    default, raw, chat = run(), run("--raw"), run("--chat")
+    assert default["tokens"] == raw["tokens"] and default["prompt_tokens"] == raw["prompt_tokens"]
+    assert chat["prompt_tokens"] > default["prompt_tokens"]  # "USER:\nROMEO:\n\nASSISTANT:\n"
+    assert not any(d["chat_template"] for d in (default, raw, chat))
+
+
+@pytest.mark.parametrize("flags", [("--system", "x"), ("--chat",)])
+def test_raw_with_chat_or_system_is_one_line(flags: tuple) -> None:
+    assert "--raw" in _error_line(_rq(str(QWEN2), "--prompt", "hi", "--raw", *flags))
 
 
 def test_stops_at_eos(tmp_path: Path) -> None:
@@ -88,7 +113,7 @@ def test_stops_at_eos(tmp_path: Path) -> None:
     shutil.copytree(QWEN2, model)
     # Declare the 4th greedy token an EOS: generation must stop before it.
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, g["greedy"][3]]}))
-    out = json.loads(_rq(str(model), "--prompt", g["prompt_text"], "--max-tokens", "16", "--json")
+    out = json.loads(_rq(str(model), "--raw", "--prompt", g["prompt_text"], "--max-tokens", "16", "--json")
                      .stdout.splitlines()[-1])
     assert out["tokens"] == g["greedy"][:3] and out["stop_reason"] == "eos"
 

@@ -10,7 +10,7 @@ what generation evaluates between steps.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 import mlx.core as mx
@@ -94,6 +94,10 @@ class KVSettings:
     # (the dataclass default is the bare cache; recipes, `rq run` and `rq eval` default to DEFAULT_EDGE_LAYERS)
     edge_layers: int = 0
     edge_bits: int = 4
+    # full-attention layers keep only the newest max_kv_size tokens, in an fp16 ring (rq_core.models.base.
+    # SlidingWindowCache; mlx-lm's --max-kv-size); None: every token. fp16 only (a compressed cache has no bounded
+    # form). A run's setting (`rq run --max-kv-size`), not a recipe key.
+    max_kv_size: int | None = field(default=None, metadata={"recipe": False})
 
     def edge_settings(self) -> "KVSettings":
         """The settings of an edge layer's cache: this mode, rotation, window and gain at edge_bits, scalar codebooks."""

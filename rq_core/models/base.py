@@ -662,9 +662,15 @@ def attention_mask(L: int) -> Mask:
 
 def attention_cache(attn: Any, kv: KVSettings, layer: int) -> Any:
     """The cache of attention layer `layer` (`attn` has window, n_kv_heads, head_dim): an fp16 window cache
-    for a sliding layer, else one of the KV mode `kv` chooses."""
+    for a sliding layer, or, with kv.max_kv_size, one of that many tokens; else one of the KV mode `kv` chooses."""
     if attn.window is not None:
         return SlidingWindowCache(attn.window)
+    if kv.max_kv_size is not None:
+        if kv.mode != "fp16" or kv.max_kv_size < 1:
+            from rq_core.errors import RQError
+
+            raise RQError(f"max_kv_size = {kv.max_kv_size} bounds an fp16 KV cache of >= 1 token (KV mode {kv.mode})")
+        return SlidingWindowCache(kv.max_kv_size)
     return make_kv_cache(kv, layer=layer, n_kv_heads=attn.n_kv_heads, head_dim=attn.head_dim)
 
 

@@ -42,7 +42,7 @@ POLICIES = ("lru",)  # the pager's policies
 # Policies that existed once, with why they are gone (a recipe or --pager naming one gets this line).
 GONE_POLICIES = {"mmap": "pager policy 'mmap' is gone: it copied every expert a step uses on every step, so it "
                           "never read or held less than lru, which reads only the misses; use lru"}
-KV_KEYS = tuple(f.name for f in dataclasses.fields(KVSettings))
+KV_KEYS = tuple(f.name for f in dataclasses.fields(KVSettings) if f.metadata.get("recipe", True))  # less run-only ones
 # recipes/ at the repo root; an installed wheel carries it as rq_core/_recipes (pyproject.toml).
 _HERE = Path(__file__).resolve().parents[1]  # rq_core/
 RECIPES_DIR = _HERE / "_recipes" if (_HERE / "_recipes").is_dir() else _HERE.parent / "recipes"
@@ -260,7 +260,8 @@ def _parse_kv(src: str, table: Any) -> KVSettings:
 def kv_table(kv: KVSettings) -> dict:
     """KVSettings as a recipe's [kv] table (TOML has no null: an unset pair_points is left out; "all" for an
     unbounded prefill_fp16; [] for scalar codebooks)."""
-    d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(kv).items() if v is not None}
+    d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(kv).items()
+         if v is not None and k in KV_KEYS}
     if kv.prefill_fp16 is None:
         d["prefill_fp16"] = "all"  # absent would read back as the default bound
     return d

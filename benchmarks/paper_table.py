@@ -133,7 +133,7 @@ PLAN_KEYS = ("planned_peak_bytes", "min_budget_bytes", "slots_per_layer", "exper
 
 
 def plan_cell(ckpt: Path, budget: str, kv: str, pf: Path, tokens: int, timeout: float) -> dict:
-    r = run_child(rq_cmd("run", str(ckpt), "--memory-budget", budget, "--kv", kv, "--prompt-file", str(pf),
+    r = run_child(rq_cmd("run", str(ckpt), "--raw", "--memory-budget", budget, "--kv", kv, "--prompt-file", str(pf),
                          "--max-tokens", str(tokens), "--plan", "--json"), timeout)
     d = parse_json(r["stdout"])
     if d is None or "plan" not in d:
@@ -142,7 +142,7 @@ def plan_cell(ckpt: Path, budget: str, kv: str, pf: Path, tokens: int, timeout: 
 
 
 def run_cell(ckpt: Path, budget: str, kv: str, pf: Path, tokens: int, timeout: float) -> dict:
-    r = run_child(rq_cmd("run", str(ckpt), "--memory-budget", budget, "--kv", kv, "--prompt-file", str(pf),
+    r = run_child(rq_cmd("run", str(ckpt), "--raw", "--memory-budget", budget, "--kv", kv, "--prompt-file", str(pf),
                          "--max-tokens", str(tokens), "--temp", "0", "--json"), timeout)
     d = parse_json(r["stdout"]) if r["rc"] == 0 else None
     if d is None or "peak_memory_bytes" not in d:

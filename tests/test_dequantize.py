@@ -55,3 +55,12 @@ def test_bad_sources_and_outputs(f16: Path, tmp_path: Path):
     q = CliRunner().invoke(app, ["quantize", str(DEFAULT_MODEL), "-r", "shakespeare-moe-rtn",
                                  "-o", str(tmp_path / "q")])
     assert q.exit_code == 2 and "already quantized" in q.output
+
+
+def test_an_output_that_cannot_be_made_is_one_line(tmp_path: Path):
+    """An output under a regular file: one error line naming the output, nothing written beside it."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    r = CliRunner().invoke(app, ["dequantize", "-o", str(blocker / "copy")])
+    assert r.exit_code == 2 and "cannot write" in r.output and str(blocker / "copy") in r.output
+    assert "Traceback" not in r.output and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

@@ -616,11 +616,14 @@ def _staged(out: Path, out_was_empty_dir: bool, what: str, doing: str) -> Iterat
     """A marked temp folder `.OUT.tmp-PID` to write into, published as `out` when the block ends (only if nothing
     appeared at `out` meanwhile) and removed if anything fails; `what` names the output and `doing` the work in the
     error lines."""
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists() and not _remove_if_ours(tmp):  # a killed run whose PID this process got again
-        raise RQError(f"{tmp} is in the way and was not made by rq (move it)")
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists() and not _remove_if_ours(tmp):  # a killed run whose PID this process got again
+            raise RQError(f"{tmp} is in the way and was not made by rq (move it)")
+        tmp.mkdir()
+    except OSError as e:  # the output's folder: read-only, not a folder, a pseudo file system
+        raise RQError(f"cannot write {what} to {out}: {e.strerror or e}") from None
     try:
         (tmp / TMP_MARK).touch()
         yield tmp

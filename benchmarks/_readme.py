@@ -67,12 +67,6 @@ def save(name: str, data: dict, table: str, path: Path | None = None) -> Path:
     return path
 
 
-def write_section(name: str, body: str) -> None:
-    """benchmarks/results/<name>.json with this run's metadata and `body` as its table only (for a script that keeps
-    its data elsewhere)."""
-    save(name, {}, body)
-
-
 def block(name: str) -> str:
     """README block of one results file: its table, then where and how it was measured."""
     d = json.loads((RESULTS / f"{name}.json").read_text())

@@ -1,6 +1,6 @@
 """Expert pager: decode tok/s and hit rate with 100%, 50% and 25% of experts resident (LRU),
 on a scaled-down Qwen3-MoE-shaped checkpoint with random weights (CPU). Writes
-benchmarks/results/pager-<date>.json and the `pager` section of benchmarks/README.md.
+benchmarks/results/pager.json (its rows and the `pager` section of benchmarks/README.md).
 
     python benchmarks/pager.py [--layers 8] [--hidden 512] [--experts 32] [--top-k 4] [--tokens 64]
 
@@ -363,8 +363,6 @@ def main() -> None:
                 "recipe": "qwen3-16gb (RTN)", "temp": a.temp, "quantized_bytes": q.bytes_out, "page_bytes": pk.page_bytes,
                 "prompt_tokens": a.prompt, "decode_tokens": a.tokens, "repeats": a.repeats,
                 "load_average_1min": os.getloadavg()[0], "cpus": os.cpu_count()}
-        out = ROOT / "benchmarks" / "results" / f"pager-{dt.date.today().isoformat()}.json"
-        out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -398,9 +396,9 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not a.no_readme:
-        from _readme import write_section
+        from _readme import save
 
-        write_section("pager", body)
+        save("pager", {"meta": meta, "rows": rows}, body)  # one file, overwritten by a rerun
 
 
 if __name__ == "__main__":

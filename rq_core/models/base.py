@@ -6,7 +6,9 @@ Names follow mlx-lm (`switch_mlp.{gate,up,down}_proj`, `to_quantized`) so checkp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import typing
@@ -331,6 +333,11 @@ class Attention(nn.Module):
         self.window = window
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
+        q, k, v = self.project(x, cache_offset(cache))
+        return self.output(attend(cache, q, k, v, scale=self.scale, window=self.window))
+
+    def project(self, x: mx.array, offset: int | mx.array = 0) -> tuple[mx.array, mx.array, mx.array]:
+        """x [B, L, dims] → (q, k, v) [B, heads, L, head_dim], q and k normed and rotated for positions offset..."""
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
@@ -339,10 +346,75 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
         if self.rope is not None:
-            offset = cache.offset if cache is not None else 0
             q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-        o = attend(cache, q, k, v, scale=self.scale, window=self.window)
+        return q, k, v
+
+    def output(self, o: mx.array) -> mx.array:
+        """The attention's output [B, heads, L, head_dim] through o_proj → [B, L, dims]."""
+        B, _, L, _ = o.shape
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def cache_offset(cache: Any) -> int:
+    """Positions the layer's cache has seen (0 without a cache): where the new tokens' RoPE starts."""
+    return cache.offset if cache is not None else 0
+
+
+# ------------------------------------------------------------------------------------ decode graphs
+def decode_graph(method: Callable) -> Callable:
+    """A module method f(self, x, *args) that runs through mx.compile when x holds one token (x.shape[1] == 1: a
+    decode step, whose shapes repeat, so one trace per module serves every step).
+
+    On a GPU a decode step is bound by host time: MLX spends microseconds on each op it builds and launches, a
+    48-layer MoE builds ~2,000 of them a token. A traced graph is replayed without Python and its elementwise
+    chains become one kernel each. Longer inputs (a prompt) run the method as written. The trace holds the
+    module's weights as constants: code that swaps weights after decoding (the expert pager) turns the graphs off
+    first (`set_decode_graphs`). Int arguments are passed as int32 scalars, so a RoPE offset does not retrace.
+    """
+    name = method.__name__
+
+    @functools.wraps(method)
+    def run(self: nn.Module, x: mx.array, *args: Any) -> Any:
+        graphs = self.__dict__.get("_decode_graphs")
+        if x.ndim < 2 or x.shape[1] != 1 or graphs is False:
+            return method(self, x, *args)
+        if graphs is None:
+            graphs = self.__dict__["_decode_graphs"] = {}
+        fn = graphs.get(name)
+        if fn is None:
+            fn = graphs[name] = mx.compile(functools.partial(method, self))
+        return fn(x, *(_scalar(a) if isinstance(a, int) else a for a in args))
+
+    return run
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar(n: int) -> mx.array:
+    # one array a value: every layer of a decode step passes the same offset
+    a = mx.array(n, mx.int32)
+    mx.eval(a)
+    return a
+
+
+def set_decode_graphs(model: nn.Module, on: bool) -> None:
+    """Turn `decode_graph` methods on or off for every module of `model`, dropping graphs already traced (they hold
+    the weights they were traced with)."""
+    for m in model.modules():
+        m.__dict__["_decode_graphs"] = None if on else False
+
+
+@contextlib.contextmanager
+def layers_as_written(model: nn.Module):
+    """Within, one-token inputs run every module's Python too (code that hooks a module's calls sees each of them,
+    or reads arrays inside them); the traced graphs and their setting come back after."""
+    saved = [(m, m.__dict__.get("_decode_graphs")) for m in model.modules()]
+    for m, _ in saved:
+        m.__dict__["_decode_graphs"] = False
+    try:
+        yield
+    finally:
+        for m, g in saved:
+            m.__dict__["_decode_graphs"] = g
 
 
 LayerCall = Callable[[int, nn.Module, mx.array, Any], mx.array]

@@ -28,7 +28,9 @@ from rq_core.models.base import (
     SwitchGLU,
     attend,
     attention_cache,
+    cache_offset,
     combine_experts,
+    decode_graph,
     lm_logits,
     make_rope,
     rope_params,
@@ -168,19 +170,25 @@ class Attention(nn.Module):
                  shared_kv: Optional[tuple[mx.array, mx.array]] = None) -> tuple[mx.array, tuple[mx.array, mx.array]]:
         """→ (output, (k, v) of the new tokens). A KV-sharing layer takes (k, v) from its source layer and
         appends them to its own cache (the same K/V, so the same attention as transformers' reuse)."""
+        offset = cache_offset(cache)
+        q, (k, v) = self.query(x, offset), shared_kv if self.shared else self.keys_values(x, offset)
+        return self.output(attend(cache, q, k, v, scale=1.0, window=self.window)), (k, v)
+
+    def query(self, x: mx.array, offset: int | mx.array) -> mx.array:
         B, L, _ = x.shape
-        offset = cache.offset if cache is not None else 0
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=offset)
-        if self.shared:
-            k, v = shared_kv
-        else:
-            k_raw = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
-            v = k_raw if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
-            k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset=offset)
-            v = _rms(v, self.eps).transpose(0, 2, 1, 3)
-        o = attend(cache, q, k, v, scale=1.0, window=self.window)
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1)), (k, v)
+        return self.rope(q, offset=offset)
+
+    def keys_values(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+        B, L, _ = x.shape
+        k_raw = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        v = k_raw if self.k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset=offset)
+        return k, _rms(v, self.eps).transpose(0, 2, 1, 3)
+
+    def output(self, o: mx.array) -> mx.array:
+        B, _, L, _ = o.shape
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class Router(nn.Module):
@@ -238,8 +246,28 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x: mx.array, cache: Any = None, per_layer_input: Optional[mx.array] = None,
                  shared_kv: Optional[tuple] = None) -> tuple[mx.array, tuple[mx.array, mx.array]]:
-        a, kv = self.self_attn(self.input_layernorm(x), cache, shared_kv)
-        h = x + self.post_attention_layernorm(a)
+        a, offset = self.self_attn, cache_offset(cache)
+        if a.shared:
+            q, (k, v) = self.attention_query(x, offset), shared_kv
+        else:
+            q, k, v = self.attention_inputs(x, offset)
+        o = attend(cache, q, k, v, scale=1.0, window=a.window)
+        rest = (per_layer_input,) if self.ple else ()  # decode_graph takes arrays, not None
+        return self.attention_output_and_mlp(x, o, *rest), (k, v)
+
+    # the cache's attention between traced graphs (decode_graph): everything before it, everything after
+    @decode_graph
+    def attention_query(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        return self.self_attn.query(self.input_layernorm(x), offset)
+
+    @decode_graph
+    def attention_inputs(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        h = self.input_layernorm(x)
+        return (self.self_attn.query(h, offset), *self.self_attn.keys_values(h, offset))
+
+    @decode_graph
+    def attention_output_and_mlp(self, x: mx.array, o: mx.array, per_layer_input: Optional[mx.array] = None) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn.output(o))
         y = self.mlp(self.pre_feedforward_layernorm(h))
         if self.enable_moe:  # experts in parallel with the dense MLP, both fed the residual stream
             inds, w = self.router(h)
@@ -249,7 +277,7 @@ class DecoderLayer(nn.Module):
         if self.ple:
             g = nn.gelu_approx(self.per_layer_input_gate(h)) * per_layer_input
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
-        return h * self.layer_scalar.astype(h.dtype), kv
+        return h * self.layer_scalar.astype(h.dtype)
 
 
 class TextModel(nn.Module):

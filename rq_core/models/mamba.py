@@ -119,20 +119,18 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedRMSNorm(self.intermediate_size, self.intermediate_size // n_groups, eps)
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=proj_bias)
 
-    def _conv(self, u: mx.array, cache: Optional[MambaCache]) -> mx.array:
+    def _conv(self, u: mx.array, prev: Optional[mx.array]) -> tuple[mx.array, mx.array]:
+        """(silu(conv) of u after the carried window `prev` (None: zeros), the window carried on)."""
         B, L, _ = u.shape
         K = self.conv_kernel
-        if cache is not None and cache.conv_state is not None:
-            prev = cache.conv_state.astype(u.dtype)
-        else:
-            prev = mx.zeros((B, K - 1, self.conv_dim), dtype=u.dtype)
+        prev = mx.zeros((B, K - 1, self.conv_dim), dtype=u.dtype) if prev is None else prev.astype(u.dtype)
         padded = mx.concatenate([prev, u], axis=1)
-        if cache is not None:
-            cache.conv_state = padded[:, -(K - 1):, :] if K > 1 else padded[:, :0, :]
-        return nn.silu(self.conv1d(padded))
+        carried = padded[:, -(K - 1):, :] if K > 1 else padded[:, :0, :]
+        return nn.silu(self.conv1d(padded)), carried
 
     def _ssm(self, x: mx.array, Bm: mx.array, Cm: mx.array, dt: mx.array,
-             cache: Optional[MambaCache]) -> mx.array:
+             state: Optional[mx.array]) -> tuple[mx.array, mx.array]:
+        """(y, the SSM state after these tokens) from the state before them (None: zeros)."""
         b, L, _ = x.shape
         H, P, N, G = self.num_heads, self.head_dim, self.state_size, self.n_groups
         f32 = mx.float32
@@ -145,7 +143,7 @@ class Mamba2Mixer(nn.Module):
         # its one-token update; we clamp in both so the function does not depend on how the prompt is split.
         dt = mx.clip(dt, self.dt_min, self.dt_max).transpose(0, 2, 1)  # [b, H, L]
         A = -mx.exp(self.A_log.astype(f32))
-        state = cache.ssm_state if cache is not None and cache.ssm_state is not None else mx.zeros((b, H, P, N), f32)
+        state = mx.zeros((b, H, P, N), f32) if state is None else state
         if L == 1:  # decode: h ← exp(dt·A)·h + dt·x⊗B; y = h·C
             dt1 = dt[..., 0]  # [b, H]
             state = state * mx.exp(dt1 * A)[..., None, None] + (dt1[..., None] * x[:, :, 0])[..., None] * Bm
@@ -157,19 +155,24 @@ class Mamba2Mixer(nn.Module):
                 y_c, state = ssd_chunk(x[:, :, s:e], dt[:, :, s:e], A, Bm[:, :, s:e], Cm[:, :, s:e], state)
                 ys.append(y_c)
             y = ys[0] if len(ys) == 1 else mx.concatenate(ys, axis=2)
-        if cache is not None:
-            cache.ssm_state = state
         y = y + self.D.astype(f32)[:, None, None] * x
-        return y.transpose(0, 2, 1, 3).reshape(b, L, H * P)
+        return y.transpose(0, 2, 1, 3).reshape(b, L, H * P), state
 
-    def __call__(self, h: mx.array, cache: Optional[MambaCache] = None) -> mx.array:
+    def mix(self, h: mx.array, conv_state: Optional[mx.array] = None,
+            ssm_state: Optional[mx.array] = None) -> tuple[mx.array, mx.array, mx.array]:
+        """h [B, L, hidden] after the carried states (None: a fresh sequence) → (output, conv state, SSM state)."""
         I, N, G = self.intermediate_size, self.state_size, self.n_groups
         zxbcdt = self.in_proj(h)
         gate, xBC, dt = mx.split(zxbcdt, [I, I + self.conv_dim], axis=-1)
-        xBC = self._conv(xBC, cache)
+        xBC, conv_state = self._conv(xBC, conv_state)
         x, Bm, Cm = mx.split(xBC, [I, I + G * N], axis=-1)
-        y = self._ssm(x, Bm, Cm, dt, cache)
-        if cache is not None:
-            cache.offset += h.shape[1]
+        y, ssm_state = self._ssm(x, Bm, Cm, dt, ssm_state)
         y = self.norm(y, gate)
-        return self.out_proj(y.astype(h.dtype))
+        return self.out_proj(y.astype(h.dtype)), conv_state, ssm_state
+
+    def __call__(self, h: mx.array, cache: Optional[MambaCache] = None) -> mx.array:
+        if cache is None:
+            return self.mix(h)[0]
+        y, cache.conv_state, cache.ssm_state = self.mix(h, cache.conv_state, cache.ssm_state)
+        cache.offset += h.shape[1]
+        return y

@@ -21,8 +21,10 @@ from rq_core.models.base import (
     Attention,
     BaseModelArgs,
     SwitchGLU,
+    attend,
     attention_cache,
     combine_experts,
+    decode_graph,
     lm_logits,
     relu2,
     route_sigmoid_group_topk,
@@ -199,14 +201,36 @@ class Block(nn.Module):
             self.mixer = MLP(args.hidden_size, args.intermediate_size, bias=args.mlp_bias, gated=False)
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        h = self.norm(x)
-        if self.block_type in ("M", "*"):
-            h = self.mixer(h, cache)
-        else:
-            h = self.mixer(h)
-            if cache is not None:
-                cache.offset += x.shape[1]
-        return x + h
+        if self.block_type == "*":
+            q, k, v = self.attention_inputs(x)
+            return self.attention_output(x, attend(cache, q, k, v, scale=self.mixer.scale))
+        if self.block_type == "M":
+            if cache is None or cache.conv_state is None:  # no state yet: a fresh sequence
+                return x + self.mixer(self.norm(x), cache)
+            y, cache.conv_state, cache.ssm_state = self.mamba_step(x, cache.conv_state, cache.ssm_state)
+            cache.offset += x.shape[1]
+            return y
+        if cache is not None:
+            cache.offset += x.shape[1]
+        return self.feed_forward(x)
+
+    # each block's work around its cache as traced graphs (decode_graph)
+    @decode_graph
+    def attention_inputs(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.mixer.project(self.norm(x))  # no positional encoding: no offset
+
+    @decode_graph
+    def attention_output(self, x: mx.array, o: mx.array) -> mx.array:
+        return x + self.mixer.output(o)
+
+    @decode_graph
+    def mamba_step(self, x: mx.array, conv_state: mx.array, ssm_state: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        y, conv_state, ssm_state = self.mixer.mix(self.norm(x), conv_state, ssm_state)
+        return x + y, conv_state, ssm_state
+
+    @decode_graph
+    def feed_forward(self, x: mx.array) -> mx.array:
+        return x + self.mixer(self.norm(x))
 
 
 class Backbone(nn.Module):

@@ -14,8 +14,9 @@ import mlx.nn as nn
 
 from rq_core.errors import RQError
 from rq_core.cache.kv_cache import KVSettings, with_edge_layers
-from rq_core.models.base import (MLP, Attention, BaseModelArgs, SwitchGLU, attention_cache, combine_experts,
-                                 lm_logits, make_rope, rope_params, route_softmax_topk, run_layers, stack_experts)
+from rq_core.models.base import (MLP, Attention, BaseModelArgs, SwitchGLU, attend, attention_cache, cache_offset,
+                                 combine_experts, decode_graph, lm_logits, make_rope, rope_params, route_softmax_topk,
+                                 run_layers, stack_experts)
 
 
 @dataclass
@@ -118,7 +119,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
+        q, k, v = self.attention_inputs(x, cache_offset(cache))
+        a = self.self_attn
+        return self.attention_output_and_mlp(x, attend(cache, q, k, v, scale=a.scale, window=a.window))
+
+    # the cache's attention between two traced graphs (decode_graph): everything before it, everything after
+    @decode_graph
+    def attention_inputs(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project(self.input_layernorm(x), offset)
+
+    @decode_graph
+    def attention_output_and_mlp(self, x: mx.array, o: mx.array) -> mx.array:
+        h = x + self.self_attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

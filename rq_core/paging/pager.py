@@ -36,6 +36,7 @@ import numpy as np
 
 from rq_core.errors import RQError
 from rq_core.paging.pack import _NP, expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
+from rq_core.models.base import set_decode_graphs
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
@@ -232,6 +233,8 @@ class ExpertPager:
             self.layers[path] = _Layer(self, path, mod, index["layers"][path], slots, fds[path])
         for path, mod in banks.items():
             _patch(mod, self.layers[path])
+        # a traced decode graph would hold the banks as they were and skip the routing read the slots depend on
+        set_decode_graphs(model, False)
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
         # one staging buffer for every layer (layers run one after another), made at the first call, when top-k

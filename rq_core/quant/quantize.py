@@ -30,6 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from rq_core.errors import RQError
+from rq_core.models.base import layers_as_written
 from rq_core.quant.recipe import Recipe, RoleSpec, check_against
 from rq_core.quant.roles import NEVER, ROLES, role_of
 from rq_core.textio import dumps_strict, read_utf8
@@ -396,7 +397,8 @@ def _calibrated_pass(job: _Job, tokens: mx.array, *, on_layer: Callable[[int, st
 
         layer.__class__ = type(f"Streamed{old_cls.__name__}", (old_cls,), {"__call__": call})
     try:
-        model(tokens)
+        with layers_as_written(model):  # each layer's weights are loaded as it runs: never a traced graph
+            model(tokens)
     except _StopForward:
         pass
     finally:

@@ -32,6 +32,7 @@ import mlx.nn as nn
 
 from rq_core.attention.dispatch import attention_paths
 from rq_core.errors import RQError
+from rq_core.models.base import layers_as_written
 
 STAGES = ("rotation", "A_fused_qk_dot", "B_softmax", "C_fused_value_accum", "D_rotate_inverse")
 DEFAULT_THRESHOLD = 0.20  # the paper's break-even share of decode time for KV attention
@@ -194,7 +195,7 @@ def find_components(model: nn.Module, caches: list) -> list[tuple[str, Any, str]
             targets.append(("experts", m, "__call__"))
         elif "mamba" in type(m).__name__.lower() and not any(name.startswith(p + ".") for p in seen_ssm):
             seen_ssm.append(name)  # the outermost Mamba module (the mixer), not its parts
-            targets.append(("ssm", m, "__call__"))
+            targets.append(("ssm", m, "mix"))  # states in, states out: a replay leaves the cache as it is
     return targets
 
 
@@ -467,7 +468,7 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
     targets = find_components(model, caches)
     if layer_scale != 1:  # whole decoder layers too: what is per-layer in "rest" must scale as well
         targets += [("layer", layer, "__call__") for layer in model.layers]
-    with Recorder(targets) as rec:
+    with layers_as_written(model), Recorder(targets) as rec:  # traced graphs would hide the calls inside them
         out = step()
         sync(out, *rec.inputs())
     undo()

@@ -49,6 +49,7 @@ from mlx.utils import tree_flatten
 
 from rq_core.checkpoint import DEFAULT_MODEL
 from rq_core.errors import RQError
+from rq_core.models.base import layers_as_written
 from rq_core.paging.pack import write_page_file
 from rq_core.quant import recipe as recipe_mod
 from rq_core.quant.quantize import (QuantizeResult, _Job, _ShardWriter, _write_metadata, model_skeleton,
@@ -505,8 +506,9 @@ def expert_selections(model, ids: list[int], chunk: int = 128) -> dict[str, np.n
     try:
         cache = model.make_cache()
         x = mx.array(ids, dtype=mx.int32)[None]
-        for i in range(0, len(ids), chunk):
-            mx.eval(model(x[:, i:i + chunk], cache=cache))
+        with layers_as_written(model):  # the hook reads the routing: a one-token chunk must not run traced
+            for i in range(0, len(ids), chunk):
+                mx.eval(model(x[:, i:i + chunk], cache=cache))
     finally:
         for p, m in banks.items():
             m.__class__ = cls[p]

@@ -36,7 +36,8 @@ def test_packed_equals_dequantized(bits, L, Hq, causal):
     kw = dict(bits=bits, scale=1 / math.sqrt(d), offset=T - L, causal=causal, valid_len=T)
     out, lse = packed_attention(q_rot, kc, kn, vc, vn, levels, chunk=16, **kw)
     want = dequantized_attention(q_rot, kc, kn, vc, vn, levels, **kw)
-    np.testing.assert_allclose(np.array(out), np.array(want), atol=1e-5)
+    # float32, |out| < 2.6: measured <= 2.4e-6 over 8 seeds and the 9 parameter sets; 2.5x margin
+    np.testing.assert_allclose(np.array(out), np.array(want), atol=6e-6)
     assert lse.shape == (B, Hq, L)
 
 
@@ -47,16 +48,18 @@ def test_causal_offset_and_bool_mask():
     # Queries at positions 10..15 of a 40-token buffer: later keys must not be seen.
     kw = dict(bits=3, scale=0.3, offset=10, causal=True, valid_len=T)
     out, _ = packed_attention(q_rot, kc, kn, vc, vn, levels, chunk=8, **kw)
+    # measured <= 9.5e-7 (causal) and 1.0e-6 (mask) over 8 seeds; 3x margin
     np.testing.assert_allclose(np.array(out), np.array(dequantized_attention(q_rot, kc, kn, vc, vn, levels, **kw)),
-                               atol=1e-5)
+                               atol=3e-6)
     short = dict(kw, valid_len=16)  # keys beyond 15 are invisible anyway
     out16, _ = packed_attention(q_rot, kc, kn, vc, vn, levels, chunk=8, **short)
-    np.testing.assert_allclose(np.array(out), np.array(out16), atol=1e-6)
+    # exact (measured 0.0 over 8 seeds): a chunk no query sees adds exp(-inf) = 0 to every running sum
+    np.testing.assert_array_equal(np.array(out), np.array(out16))
     keep = mx.array(np.random.default_rng(0).random((L, T)) > 0.3)
     kw2 = dict(kw, causal=False, mask=keep)
     out_m, _ = packed_attention(q_rot, kc, kn, vc, vn, levels, chunk=8, **kw2)
     np.testing.assert_allclose(np.array(out_m),
-                               np.array(dequantized_attention(q_rot, kc, kn, vc, vn, levels, **kw2)), atol=1e-5)
+                               np.array(dequantized_attention(q_rot, kc, kn, vc, vn, levels, **kw2)), atol=3e-6)
 
 
 def test_memory_is_chunked(monkeypatch):
@@ -104,11 +107,12 @@ def test_segments_merge_to_full_attention():
     want = reference_attention(q, k, v, scale=0.25, offset=47, causal=True)
     a = dense_attention(q, k[:, :, :30], v[:, :, :30], scale=0.25, offset=47, causal=True, chunk=7)
     b = dense_attention(q, k[:, :, 30:], v[:, :, 30:], scale=0.25, offset=47, key_offset=30, causal=True)
-    np.testing.assert_allclose(np.array(merge([a, b])), np.array(want), atol=1e-5)
+    # float32: measured <= 3.0e-7 over 8 seeds (both merges); 3.4x margin
+    np.testing.assert_allclose(np.array(merge([a, b])), np.array(want), atol=1e-6)
     # A segment no query can see (all keys in the future) contributes nothing.
     c = dense_attention(q, k[:, :, :5], v[:, :, :5], scale=0.25, offset=0, key_offset=100, causal=True)
     assert np.all(np.isneginf(np.array(c[1])))
-    np.testing.assert_allclose(np.array(merge([a, b, c])), np.array(want), atol=1e-5)
+    np.testing.assert_allclose(np.array(merge([a, b, c])), np.array(want), atol=1e-6)
 
 
 def _outlier_keys(rng, H, T, d):

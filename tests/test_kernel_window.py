@@ -104,6 +104,9 @@ METAL_WINDOW = {1, 2, 4, 8, 12, 13, 15}
 def test_fused_window_matches_float64(backend, case):
     r = run_window(np.random.default_rng(11), backend=backend, **case)
     assert r["nan"] == 0 and r["counters"] == 0
-    # f32 queries: fp32 accumulation level; f16 / bf16: the output's own rounding
-    assert r["err"] < {"bf16": 8e-3, "f16": 5e-4}.get(case.get("qdtype", "f32"), 1e-5), r
-    assert r["lse_err"] < 1e-4, r
+    # Measured over 8 seeds, every case and backend. f32 queries: fp32 accumulation, <= 4.4e-7 (3.4x margin); f16 / bf16:
+    # the output's own rounding, at most 2^-11 / 2^-8 of its norm (measured <= 2.1e-4 / 1.7e-3).
+    # lse: f32 <= 1.5e-6 (3.4x margin); half queries (the rotated query rounded to half) <= 4.6e-5 (2.2x)
+    q = case.get("qdtype", "f32")
+    assert r["err"] < {"bf16": 4e-3, "f16": 5e-4}.get(q, 1.5e-6), r
+    assert r["lse_err"] < (1e-4 if q != "f32" else 5e-6), r

@@ -254,10 +254,11 @@ def test_reference_matches_project_oracle():
     theirs = dequantized_attention(mx.array(qt.astype(np.float32)), mx.array(KC.pack64(c["kidx"], 3)),
                                    mx.array(c["knorm"]), mx.array(KC.pack64(c["vidx"], 3)), mx.array(c["vnorm"]),
                                    mx.array(c["levels"]), bits=3, valid_len=50, **args)
-    assert np.linalg.norm(np.array(theirs) - ours) / np.linalg.norm(ours) < 1e-5
-    # forward then inverse rotation is the identity
+    # float32 MLX against float64: measured <= 2.5e-7 over 10 seeds; 4x margin
+    assert np.linalg.norm(np.array(theirs) - ours) / np.linalg.norm(ours) < 1e-6
+    # forward then inverse rotation is the identity (float64 throughout, |q| < 8: measured <= 2.7e-15; 3.7x)
     back = KC.rotate64(KC.rotate64(c["q"], c["mats"], hk, 3, False), c["mats"], hk, 3, True)
-    assert np.abs(back - c["q"]).max() < 1e-5
+    assert np.abs(back - c["q"]).max() < 1e-14
 
 
 def _kc():
@@ -293,7 +294,9 @@ def test_rotation_args():
         x = np.random.default_rng(1).standard_normal((1, 2, 3, 64)).astype(np.float32)
         ours = KC.rotate64(x, np.array(m), np.arange(2), rot, False)
         theirs = np.array(r.forward(K.mx.array(x)))
-        assert np.abs(ours - theirs).max() < 1e-5, variant
+        # float32 forward against float64 of the same parameters: measured <= 9.5e-7 (dense, 2 float32 ulps at
+        # |y| ~ 4) over 8 seeds; 2.6x margin
+        assert np.abs(ours - theirs).max() < 2.5e-6, variant
 
 
 # attn_fused shape classes on the executor: (case, which renderings run it). The Metal rendering runs a subset that
@@ -363,10 +366,14 @@ def test_fused_source_runs_on_cpu_executor(backend, case):
 
     r = EK.run_fused(np.random.default_rng(13), seed=5, backend=backend, **case)
     assert r["ns"] >= 3 and r["nan"] == 0 and r["counters"] == 0
-    # f32 queries: fp32 accumulation level (~2e-7 here); dropping one of SACC 4's chains gives 2e-5. f16: the output's
-    # own rounding (~2e-4, the same with the hi / lo split); bf16 likewise (~1.6e-3)
-    tol = {"bf16": 8e-3, "f16": 5e-4}.get(case.get("qdtype", "f32"), 2e-6)
-    assert r["err_half"] < tol and r["lse_err"] < 1e-3
+    # Measured over 8 seeds, every case and backend. f32 queries: fp32 accumulation, <= 5.9e-7 (3.4x margin); dropping
+    # one of SACC 4's chains gives 2e-5. f16 / bf16: the output's own rounding, at most 2^-11 / 2^-8 of its norm (4.9e-4 /
+    # 3.9e-3; measured <= 3.0e-4 / 1.7e-3, the same with the hi / lo split).
+    # lse against the half-rounded key levels: f32 <= 1.0e-6; half queries (the rotated query rounded to half for the
+    # matrix units) <= 1.4e-4; 3x margin. Against the exact levels it is the levels' rounding (up to 3.1e-4) instead.
+    half = case.get("qdtype", "f32") != "f32"
+    tol = {"bf16": 4e-3, "f16": 5e-4}.get(case.get("qdtype", "f32"), 2e-6)
+    assert r["err_half"] < tol and r["lse_err_half"] < (4e-4 if half else 3e-6)
     if case["d"] == 512:  # the launch plan's threadgroup bytes are the body's arena
         R = case["G"] // K.row_blocks(case["G"], case.get("L", 1)) * case.get("L", 1)
         assert r["smem_bytes"] == K._fused_smem(512, case.get("bits", 3), R, case["nth"], backend, case["stage"],
@@ -383,7 +390,7 @@ def test_pair_decode_table_alignment():
     from kernel_emu import emulate as EK
 
     r = EK.run_fused(np.random.default_rng(23), G=8, d=128, T=200, nth=256, pf=1, stage=2, vdec=2)
-    assert r["nan"] == 0 and r["err_half"] < 5e-5
+    assert r["nan"] == 0 and r["err_half"] < 2e-6  # f32 queries: measured <= 4.8e-7 over 8 seeds; 4x margin
     assert r["smem_bytes"] == K._fused_smem(128, 3, 8, 256, "cuda", 2, vdec=2) == 48136
     r = EK.run_fused(np.random.default_rng(23), G=8, d=128, T=200, nth=256, pf=1, stage=2, vdec=2, layout="worst")
     assert r["nan"] == 2 * 8 * 128  # every output element: 2 kv heads x 8 rows x d
@@ -401,7 +408,8 @@ def test_copy_ring_is_16_byte_aligned(layout):
     from kernel_emu import emulate as EK
 
     r = EK.run_fused(np.random.default_rng(17), G=8, d=128, T=200, nth=128, pf=1, stage=4, layout=layout)
-    assert r["nan"] == 0 and r["counters"] == 0 and r["err_half"] < 5e-5
+    # f32 queries: measured <= 4.8e-7 over 8 seeds (both layouts); 4x margin
+    assert r["nan"] == 0 and r["counters"] == 0 and r["err_half"] < 2e-6
     if layout == "decl":
         assert r["smem_bytes"] == K._fused_smem(128, 3, 8, 128, "cuda", 4) == 45384
 
@@ -605,7 +613,7 @@ def test_four_kernels_metal_rendering_on_cpu_executor(strategy, case, monkeypatc
                      key_bits=case["key_bits"], pair_points=case["pair"])
     err, nan, _ = KC.run_case(K, mx, c, T=case["T"], bits=case["bits"], path="four", strategy=strategy, causal=True,
                               offset=case["T"] - L, rot=3, key_bits=case["key_bits"])
-    assert nan == 0 and err < 2e-6, err
+    assert nan == 0 and err < 6e-7, err  # fp32 throughout: measured <= 2.1e-7 over 8 seeds; 3x margin
     assert {"rotate_query", "qk_dot", "softmax", "rotate_inverse", f"value_{strategy}"} <= set(stand)
     assert all(s.backend == "metal" and s.calls for s in stand.values())
 
@@ -636,4 +644,6 @@ def test_executor_catches_planted_bugs(backend, file, old, new, tmp_path, monkey
         r = EK.run_fused(np.random.default_rng(13), seed=5, backend=backend, **FUSED_CASES[5])
     finally:
         K._read.cache_clear()
+    # not a tolerance: the planted bugs measured 0.064-0.24 (mma B swapped) and > 100 (fragment rows) over 4 seeds, the
+    # real code <= 5.9e-7; 1e-3 says the kernel is far off, not just past the passing bound
     assert r["nan"] > 0 or not r["err_half"] < 1e-3

@@ -89,9 +89,13 @@ def test_source_matches_quantize_kv(case, backend):
     rng = np.random.default_rng(len(str(case)) * 7 + case["d"])
     s = AC.summarize(AC.check_case(rng, case, "emu" if backend == "cuda" else "emu-metal"))
     assert s["ok"], s
+    # norms: one fp16 ulp from quantize_kv's (two float32 sums in different orders can round to neighbouring halves),
+    # half an ulp plus float32 error from float64's (rounding); measured 0.0 and 0.499 over 8 seeds
     assert s["ops_far"] == 0 and s["f64_far"] == 0 and s["norm_ulp_max"] <= 1.0 and s["norm_f64_ulp_max"] <= 0.51
     if case.get("boundary"):
-        assert s["f64_boundary"] > 0 and s["gap_max"] < 1e-6  # the tolerance path is exercised, and tight
+        # the tolerance path is exercised, and tight: mismatches within float32 error of a threshold (measured gap
+        # <= 1.6e-7 over 8 seeds; 3x margin)
+        assert s["f64_boundary"] > 0 and s["gap_max"] < 5e-7
     else:
         assert s["ops_boundary"] == 0 and s["norm_unequal"] == 0  # random rows: identical to the reference
 

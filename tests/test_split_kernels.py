@@ -78,7 +78,8 @@ def test_split_widths_through_the_kernels(monkeypatch):
         assert mx.array_equal(a[:, :, :n], b[:, :, :n])  # random rows: no coordinate on a boundary
     for g, r in zip(got, ref):
         assert np.isfinite(g).all()
-        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's levels are fp16
+        # the kernel's levels are fp16: measured <= 5.4e-4 over 8 seeds (the three cache tests); 2.8x margin
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1.5e-3
 
 
 @needs_emu
@@ -128,7 +129,8 @@ def test_pair_codebooks_through_the_kernels(monkeypatch):
         assert mx.array_equal(a[:, :, :n], b[:, :, :n])
     for g, r in zip(got, ref):
         assert np.isfinite(g).all()
-        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's points are fp16
+        # the kernel's points are fp16: measured <= 5.4e-4 over 8 seeds (the three cache tests); 2.8x margin
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1.5e-3
 
 
 @needs_emu
@@ -145,7 +147,8 @@ def test_row_blocks_through_the_kernels(monkeypatch):
     assert gpu_cache.attention_path == ("fused", None) and gpu_cache.packed_len == ref_cache.packed_len > 256
     for g, r in zip(got, ref):
         assert np.isfinite(g).all()
-        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's points are fp16
+        # the kernel's points are fp16: measured <= 5.4e-4 over 8 seeds (the three cache tests); 2.8x margin
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1.5e-3
 
 
 @needs_emu
@@ -167,7 +170,7 @@ def test_four_kernels_take_pair_codebooks_and_key_widths(case, strategy, monkeyp
                      key_bits=case["key_bits"], pair_points=case["pair"])
     err, nan, _ = KC.run_case(K, mx, c, T=case["T"], bits=case["bits"], path="four", strategy=strategy, causal=True,
                               offset=case["T"] - L, rot=3, key_bits=case["key_bits"])
-    assert nan == 0 and err < 2e-6, err
+    assert nan == 0 and err < 6e-7, err  # fp32 throughout: measured <= 2.1e-7 over 8 seeds; 3x margin
 
 
 @needs_emu
@@ -185,4 +188,6 @@ def test_head_dim_512_through_the_kernels(monkeypatch):
     assert gpu_cache.attention_path == ("fused", None) and gpu_cache.packed_len == ref_cache.packed_len > 256
     for g, r in zip(got, ref):
         assert np.isfinite(g).all()
-        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3  # the kernel's points are fp16
+        # the kernel's points are fp16: measured <= 8.6e-4 over 8 seeds, where a near-tie gives the kernel and the ops a
+        # different pair code (2 of 8 seeds at head dim 512), else <= 5.6e-4; kept, 2.3x margin
+        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-3

@@ -404,7 +404,7 @@ def run_fused(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B
               nth=None, pf=2, vdec=1, stage=0, offsets=None, layout="decl", sacc=2, merge=None,
               key_bits=None, pair_points=None, backend="cuda"):
     """attn_fused's CUDA rendering on the executor, against float64 (an attn_reference case): relative errors against
-    the exact and the half-rounded levels, lse error, NaN left from the poison, counters left set, splits, threadgroup
+    the exact and the half-rounded levels, lse errors (likewise: lse_err, lse_err_half), NaN left from the poison, counters left set, splits, threadgroup
     bytes. nth / pf / vdec / stage / sacc / merge: the template's; blocks: the grid's block target.
     offsets / layout: emulate's (inputs placed off their buffers' aligned start; threadgroup layout).
     pair_points (PK, PV): pair codebooks (bits / key_bits their fields' widths, log2 PV / log2 PK).
@@ -454,8 +454,16 @@ def run_fused(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B
     top = s.max(-1)
     ref_lse = top + np.log(np.exp(s - top[..., None]).sum(-1))
     lse_err = float(np.abs(outs["lse"] - ref_lse).max())
+    # and against the same math with the keys' levels rounded to half (the scores the matrix units form): the
+    # kernel's own error, without the levels' rounding that dominates lse_err
+    Kh = KC.half_levels(c["klevels"]).astype(np.float64)[c["kidx"][:, :, :T]] * c["knorm"][:, :, :T, None] / math.sqrt(d)
+    s = np.einsum("bhld,bhtd->bhlt", qt, Kh[:, hk]) * scale
+    if causal:
+        s = np.where(np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None], s, -np.inf)
+    top = s.max(-1)
+    lse_err_half = float(np.abs(outs["lse"] - (top + np.log(np.exp(s - top[..., None]).sum(-1)))).max())
     # every output written (no NaN left from the poison), and the counters left zeroed for the next launch
-    return dict(err=err, err_half=err_half, lse_err=lse_err, nan=int(np.isnan(got).sum()), ns=ns,
+    return dict(err=err, err_half=err_half, lse_err=lse_err, lse_err_half=lse_err_half, nan=int(np.isnan(got).sum()), ns=ns,
                 counters=int(outs["counter_after"].sum()), smem_bytes=outs["smem_bytes"])
 
 

@@ -230,6 +230,9 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
     rows = build_rows(runs, contexts, cfg, label)
     # the same check in float32, after timing (casting copies the scales, biases and norms): rounding apart, the two
     # models should compute the same function
+    from rq_core.models.base import set_decode_graphs
+
+    set_decode_graphs(rq.model, True)  # drops the traced graphs, which hold the stored-dtype weights
     rq.model.set_dtype(mx.float32)
     theirs.set_dtype(mx.float32)
     info["logits_check_float32"] = logits_diff(rq.model, theirs, vocab, seed=a.seed)

@@ -27,12 +27,13 @@ def _table(report: dict) -> None:
         a = r["attribution"]
         fp16 = "-" if r["fp16_step_ms"] is None else f"{r['fp16_step_ms']:.2f}"
         vs = "-" if r["step_vs_fp16"] is None else f"{r['step_vs_fp16']:.2f}x"
-        t.add_row(str(r["context"]), f"{r['decode_step_ms']:.2f}", f"{r['decode_tok_per_s']:.1f}",
+        t.add_row(str(r["context"]), f"{r['measured_step_ms']:.2f}", f"{1e3 / r['measured_step_ms']:.1f}",
                   *[f"{a[p]:.2f}" for p in parts], f"{r['kv_attention_share']:.1%}", fp16, vs,
                   "[green]go[/]" if r["verdict"] == "go" else "[yellow]no-go[/]")
     console.print(t)
     console.print("step, fp16 step: measured whole decode steps of the compressed and the fp16 cache; vs fp16: "
-                  "their ratio", highlight=False)
+                  "their ratio; the parts and KV share: each component timed alone, op by op, against the step run "
+                  "op by op (no traced graphs)", highlight=False)
     console.print(f"attention paths (compressed layers): {format_paths(report['attention_paths'])}", highlight=False)
     staged = [r for r in report["results"] if r["kernels"]]
     if staged:
@@ -119,7 +120,7 @@ def profile(
     def progress(r: dict) -> None:
         if not json_out:
             fp16 = f", fp16 step {r['fp16_step_ms']:.3f} ms" if r["fp16_step_ms"] is not None else ""
-            console.print(f"  context {r['context']}: step {r['decode_step_ms']:.3f} ms{fp16}, "
+            console.print(f"  context {r['context']}: step {r['measured_step_ms']:.3f} ms{fp16}, "
                           f"KV attention {r['kv_attention_share']:.1%}", highlight=False)
 
     report = profile_model(ckpt.model, contexts, kv=settings, fill=fill,

@@ -12,6 +12,7 @@ import functools
 import inspect
 import math
 import typing
+import weakref
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -369,7 +370,7 @@ def decode_graph(method: Callable) -> Callable:
     48-layer MoE builds ~2,000 of them a token. A traced graph is replayed without Python and its elementwise
     chains become one kernel each. Longer inputs (a prompt) run the method as written. The trace holds the
     module's weights as constants: code that swaps weights after decoding (the expert pager) turns the graphs off
-    first (`set_decode_graphs`). Int arguments are passed as int32 scalars, so a RoPE offset does not retrace.
+    first (`set_decode_graphs`; so does a change of the weights or their dtype). Int arguments are passed as int32 scalars, so a RoPE offset does not retrace.
     """
     name = method.__name__
 
@@ -382,7 +383,14 @@ def decode_graph(method: Callable) -> Callable:
             graphs = self.__dict__["_decode_graphs"] = {}
         fn = graphs.get(name)
         if fn is None:
-            fn = graphs[name] = mx.compile(functools.partial(method, self))
+            # the first one-token call runs as written: whatever a module does once on its first call (experts
+            # read from their pages, a lazy weight cast) happens outside the trace instead of in every replay
+            if name not in graphs:
+                graphs[name] = None
+                return method(self, x, *args)
+            # self weakly: the graph lives in self's __dict__, and a cycle would keep a dropped model's weights
+            # alive until the cyclic collector runs
+            fn = graphs[name] = mx.compile(functools.partial(method, weakref.proxy(self)))
         return fn(x, *(_scalar(a) if isinstance(a, int) else a for a in args))
 
     return run
@@ -399,6 +407,7 @@ def _scalar(n: int) -> mx.array:
 def set_decode_graphs(model: nn.Module, on: bool) -> None:
     """Turn `decode_graph` methods on or off for every module of `model`, dropping graphs already traced (they hold
     the weights they were traced with)."""
+    on = on and getattr(model, "expert_pager", None) is None  # the pager's banks change under it: never traced
     for m in model.modules():
         m.__dict__["_decode_graphs"] = None if on else False
 

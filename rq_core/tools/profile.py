@@ -472,8 +472,18 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         out = step()
         sync(out, *rec.inputs())
     undo()
+    paths = attention_paths(caches)  # the step's own: the timed replays below include the four-kernel pipeline's
 
-    measures: dict[str, tuple[Callable[[], Any], Optional[Callable[[], None]]]] = {"step": (step, undo)}
+    def as_written(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            with layers_as_written(model):
+                return fn()
+        return run
+
+    # The step as decode runs it (traced graphs: the verdict's) and op by op, as the parts below are timed (the
+    # attribution's: parts timed alone are op by op, so a traced whole would leave them more than all of it)
+    measures: dict[str, tuple[Callable[[], Any], Optional[Callable[[], None]]]] = {
+        "step": (step, undo), "step_as_written": (as_written(step), undo)}
     if fp16_caches is not None:
         measures["fp16_step"] = (lambda: model(tok, cache=fp16_caches), lambda: _trim(fp16_caches))
     counts: dict[str, int] = {}
@@ -510,18 +520,19 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
 
     layer_calls = [c for c in rec.calls if c.kind == "layer"]
     if layer_calls:
-        measures["layers"] = (lambda: [c.replay() for c in layer_calls], undo)
+        measures["layers"] = (as_written(lambda: [c.replay() for c in layer_calls]), undo)
 
     t = time_round_robin(measures, warmup=warmup, repeats=repeats)
 
-    # Per-layer parts scale with the layer count; the rest is what is left of the whole step.
+    # Per-layer parts scale with the layer count; the rest is what is left of the whole step (op by op).
     full_ms = t["step"].ms
+    written_ms = t["step_as_written"].ms
     parts = {k: (t[k].ms if k in t else 0.0) for k in KINDS}
-    rest_raw = full_ms - sum(parts.values())
+    rest_raw = written_ms - sum(parts.values())
     scaled = {k: v * layer_scale for k, v in parts.items()}
     rest = max(rest_raw, 0.0)
     if "layers" in t:  # rest = outside the layers (embedding, head) + layer_scale × the layers' own rest
-        rest = max(full_ms - t["layers"].ms, 0.0) + layer_scale * max(t["layers"].ms - sum(parts.values()), 0.0)
+        rest = max(written_ms - t["layers"].ms, 0.0) + layer_scale * max(t["layers"].ms - sum(parts.values()), 0.0)
     step_ms = sum(scaled.values()) + rest
     attribution = {**scaled, "rest": rest}
     share = attribution["kv_attention"] / step_ms if step_ms > 0 else 0.0
@@ -539,6 +550,7 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         "measured_step_ms": full_ms,
         "measured_step_p10_ms": t["step"].p10 * 1e3,
         "measured_step_p90_ms": t["step"].p90 * 1e3,
+        "measured_step_as_written_ms": written_ms,  # op by op, no traced graphs: what the attribution divides
         "measured_parts_ms": parts,  # per component, before layer_scale
         "measured_layers_ms": t["layers"].ms if "layers" in t else None,  # all decoder layers, replayed
         "rest_raw_ms": rest_raw,  # negative when the parts timed alone exceed the whole step (noise)
@@ -549,7 +561,7 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         "strategy": staged[0]["strategy"] if have_stages else None,
         "attention_path": staged[0]["path"] if have_stages else ("sdpa" if kv_calls else None),
         # the path each compressed layer's decode attention took (rq_core.attention.dispatch), e.g. {"fused": 48}
-        "attention_paths": attention_paths(caches),
+        "attention_paths": paths,
         "kv_attention_share": share,
         "threshold": threshold,
         # fp16's measured step at this context (None: fp16 profiled, or its K/V does not fit the budget)

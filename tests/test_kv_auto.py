@@ -42,6 +42,26 @@ def test_choose(backend, context, fit, declined, mode, why):
     assert got == mode and why in reason, reason
 
 
+def test_row_blocked_shapes_keep_fp16_unless_the_budget_forces():
+    slow = auto.slower_shapes([(128, 32, 2), (128, 32, 4)])  # Nemotron's 16 query heads a kv head; Qwen3's 8
+    assert len(slow) == 1 and slow[0].startswith("head_dim 128, 32/2 heads: 16")
+    assert auto.choose(backend="cuda", context=4 * LONG, slower=slow)[0] == "fp16"
+    assert auto.choose(backend="cuda", context=4 * LONG, fit=NO_FP16, slower=slow)[0] == "isoquant3"
+    assert auto.choose(backend="cuda", context=4 * LONG)[0] == "isoquant3"
+
+
+@pytest.mark.parametrize("name,rows", [("qwen3-30b-a3b", []), ("gemma4-26b-a4b", []),
+                                       ("nemotron3-nano-30b-a3b", [16]), ("nemotron3-super-120b-a12b", [16])])
+def test_real_configs_row_blocks(name, rows):
+    cfg = json.loads((Path(__file__).parent / "data" / "configs" / f"{name}.json").read_text())
+    from rq_core.models import get_model_module
+
+    module = get_model_module(cfg.get("model_type"))
+    shapes = auto.attention_shapes(module.Model(module.ModelArgs.from_dict(cfg)))  # lazy: no weights made
+    assert [hq // hkv for _, hq, hkv in shapes if hq // hkv > auto.ROWS_PER_KV_HEAD] == rows
+    assert len(auto.slower_shapes(shapes)) == len(rows)
+
+
 @pytest.fixture(scope="module")
 def bundled():
     return load(None, cpu_float32=True)

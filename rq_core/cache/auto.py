@@ -7,7 +7,8 @@ slower on this backend at this context; isoquant3 otherwise.
   unless the budget forces compression.
 - GPU: isoquant3 from LONG_CONTEXT tokens when the fused attention kernel takes every compressed layer's shape
   (rq_core.attention.dispatch.fused_declines), fp16 below; where the kernel declines a shape the compressed layers
-  would take the reference path, so fp16 unless the budget forces compression.
+  would take the reference path, so fp16 unless the budget forces compression. So also where a shape has more query
+  heads a kv head than one matrix fragment holds (the kernel runs it in row blocks, `slower_shapes`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 AUTO = "auto"
 COMPRESSED = "isoquant3"  # what auto compresses with
 # From this many tokens of context a GPU with the fused kernel runs the compressed cache rather than fp16. The
-# decode benchmark (benchmarks/decode_vs_mlxlm.py, benchmarks/results/decode_vs_mlxlm.json) has the compressed
-# whole-model step slower than fp16's at 2K and at 32K on an H200; the attention benchmark (benchmarks/attention.py,
-# benchmarks/results/attention.json) has the fused kernel faster than fp16 attention first at 128K of the 4K, 32K and
-# 128K it measures. Below that fp16 is taken as the faster cache wherever it fits.
+# decode benchmark (benchmarks/decode_vs_mlxlm.py, benchmarks/results/decode_vs_mlxlm.json, H200) has the compressed
+# whole-model step slower than fp16's at 2K, and at 32K faster on Qwen3-30B-A3B (1.19x) but level on Gemma 4 (0.985x);
+# the attention benchmark (benchmarks/attention.py) has the fused kernel faster than fp16 attention first at 128K of
+# the 4K, 32K and 128K it measures. Below that fp16 is taken as the faster cache wherever it fits.
 LONG_CONTEXT = 131072
+# More query heads per kv head than this (the fused kernel's MMA_ROWS) run in row blocks, each re-reading the codes:
+# Nemotron 3 Nano's 32 over 2 decoded at 0.94x fp16's tok/s at 32K and 0.74x at 128K (H200, decode_vs_mlxlm.json),
+# where Qwen3-30B-A3B's 32 over 4 ran at 1.21x at 32K.
+ROWS_PER_KV_HEAD = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +50,11 @@ class AutoChoice:
 
 
 def choose(*, backend: Optional[str], context: int, fit: Fit = Fit(),
-           declined: Sequence[str] = ()) -> tuple[str, str]:
+           declined: Sequence[str] = (), slower: Sequence[str] = ()) -> tuple[str, str]:
     """(mode, reason) for a run of `context` tokens. backend: 'cuda' or 'metal' where the GPU kernels run, None on
     the CPU; fit: what fits the memory budget at this context; declined: why the fused kernel declines a compressed
-    layer's shape on `backend` (empty: it takes every one). Where neither cache fits, the one needing less (the run
-    then fails naming the least budget)."""
+    layer's shape on `backend` (empty: it takes every one); slower: shapes it takes but decodes slower than fp16
+    (`slower_shapes`). Where neither cache fits, the one needing less (the run then fails naming the least budget)."""
     if not fit.fp16:
         if fit.compressed:
             return COMPRESSED, f"fp16 KV for {context} tokens does not fit the memory budget"
@@ -61,6 +66,8 @@ def choose(*, backend: Optional[str], context: int, fit: Fit = Fit(),
         return "fp16", "on the CPU the compressed cache decodes slower than fp16 (no GPU kernels)"
     if declined:
         return "fp16", f"the fused {backend} kernel declines this model's attention ({declined[0]})"
+    if slower:
+        return "fp16", f"the compressed cache decodes slower than fp16 on this model's attention ({slower[0]})"
     if context >= LONG_CONTEXT:
         return COMPRESSED, f"{context} tokens of context on {backend}: from {LONG_CONTEXT} the compressed cache " \
                            "decodes at least as fast as fp16"
@@ -109,6 +116,13 @@ def declined_shapes(backend: str, shapes: Iterable[tuple[int, int, int]], settin
     return out
 
 
+def slower_shapes(shapes: Iterable[tuple[int, int, int]]) -> list[str]:
+    """The shapes (head_dim, query heads, kv heads) the fused kernel takes in row blocks (more than ROWS_PER_KV_HEAD
+    query heads a kv head), where the compressed cache was measured slower than fp16 at every context."""
+    return [f"head_dim {d}, {hq}/{hkv} heads: {hq // hkv} query heads a kv head, in blocks of {ROWS_PER_KV_HEAD}"
+            for d, hq, hkv in shapes if hq // hkv > ROWS_PER_KV_HEAD]
+
+
 def budget_fit(model: Any, config: dict, budget: Optional[int], settings: Any, *, context: int,
                prefill_chunk: int = 512, index: Optional[dict] = None) -> Fit:
     """What fits `budget` bytes beside the loaded model's weights at `context` tokens: fp16 K/V, and the compressed
@@ -147,5 +161,6 @@ def decide_unloaded(config: dict, settings: Any, *, context: int, fit: Fit) -> A
 
 def _choice(model: Callable[[], Any], settings: Any, context: int, fit: Fit) -> AutoChoice:
     be = kernel_backend()
-    declined = declined_shapes(be, attention_shapes(model()), settings) if be is not None else []
-    return AutoChoice(*choose(backend=be, context=context, fit=fit, declined=declined))
+    shapes = attention_shapes(model())
+    declined = declined_shapes(be, shapes, settings) if be is not None else []
+    return AutoChoice(*choose(backend=be, context=context, fit=fit, declined=declined, slower=slower_shapes(shapes)))

@@ -299,6 +299,7 @@ class IsoQuantCache:
 
     step = 256  # packed buffer growth, tokens
     compress_chunk = 4096  # tokens compressed per graph in end_prefill (bounds temporaries)
+    compress_chunk_ops = 64  # the same without the GPU kernels: quantize_kv's MLX ops hold ~90x the tokens' bytes
     # a bounded prefill's decoded attention: layers queued ahead of the one waited for (0: wait for each). H200, Qwen3-
     # 30B-A3B shape, 48 layers x 32K: 0 50.2 s, 1 38.3 s (whole prompt in fp16 39.5 s), same peak +2,534 MiB; 8 layers x
     # 128K: 0 +920 MiB, 1 +1,365 (one more layer's decoded K/V), 2 +1,809, times within run-to-run spread
@@ -464,12 +465,17 @@ class IsoQuantCache:
         if n <= 0:
             return
         if self._coded < self.packed_len + n:
+            from rq_core.kernels import launch as kernels
+
             a0, m = self._coded - self.packed_len, self.fp16_len - (self._coded - self.packed_len)
-            for a in range(0, m, self.compress_chunk):
-                b = min(m, a + self.compress_chunk)
+            # MLX ops (no kernels) hold float32 temporaries of the tokens they code, several times their fp16 bytes:
+            # coded in small graphs, they stay below what the prompt's prefill needed
+            chunk = self.compress_chunk if kernels.available() else self.compress_chunk_ops
+            for a in range(0, m, chunk):
+                b = min(m, a + chunk)
                 kc, kn, vc, vn = self.compress_kv(*self._fp16(a0 + a, a0 + b))
                 self._append_packed(kc, kn, vc, vn)
-                if m > self.compress_chunk:
+                if m > chunk:
                     mx.eval(self.k_codes, self.k_norms, self.v_codes, self.v_norms)
         self.packed_len += n
         self._f0 += n

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+from rq_core.kernels.launch import MMA_ROWS
+
 AUTO = "auto"
 COMPRESSED = "isoquant3"  # what auto compresses with
 # From this many tokens of context a GPU with the fused kernel runs the compressed cache rather than fp16. The
@@ -24,10 +26,10 @@ COMPRESSED = "isoquant3"  # what auto compresses with
 # the attention benchmark (benchmarks/attention.py) has the fused kernel faster than fp16 attention first at 128K of
 # the 4K, 32K and 128K it measures. Below that fp16 is taken as the faster cache wherever it fits.
 LONG_CONTEXT = 131072
-# More query heads per kv head than this (the fused kernel's MMA_ROWS) run in row blocks, each re-reading the codes:
-# Nemotron 3 Nano's 32 over 2 decoded at 0.94x fp16's tok/s at 32K and 0.74x at 128K (H200, decode_vs_mlxlm.json),
-# where Qwen3-30B-A3B's 32 over 4 ran at 1.21x at 32K.
-ROWS_PER_KV_HEAD = 8
+# More query heads per kv head than one matrix fragment holds run in the fused kernel's row blocks, each re-reading
+# the codes: Nemotron 3 Nano's 32 over 2 decoded at 0.94x fp16's tok/s at 32K and 0.74x at 128K (H200,
+# decode_vs_mlxlm.json, one repetition), where Qwen3-30B-A3B's 32 over 4 ran at 1.19x at 32K.
+ROWS_PER_KV_HEAD = MMA_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +120,7 @@ def declined_shapes(backend: str, shapes: Iterable[tuple[int, int, int]], settin
 
 def slower_shapes(shapes: Iterable[tuple[int, int, int]]) -> list[str]:
     """The shapes (head_dim, query heads, kv heads) the fused kernel takes in row blocks (more than ROWS_PER_KV_HEAD
-    query heads a kv head), where the compressed cache was measured slower than fp16 at every context."""
+    query heads a kv head), where the compressed cache was measured slower than fp16 at 32K and 128K."""
     return [f"head_dim {d}, {hq}/{hkv} heads: {hq // hkv} query heads a kv head, in blocks of {ROWS_PER_KV_HEAD}"
             for d, hq, hkv in shapes if hq // hkv > ROWS_PER_KV_HEAD]
 

@@ -368,9 +368,10 @@ def decode_graph(method: Callable) -> Callable:
 
     On a GPU a decode step is bound by host time: MLX spends microseconds on each op it builds and launches, a
     48-layer MoE builds ~2,000 of them a token. A traced graph is replayed without Python and its elementwise
-    chains become one kernel each. Longer inputs (a prompt) run the method as written. The trace holds the
-    module's weights as constants: code that swaps weights after decoding (the expert pager) turns the graphs off
-    first (`set_decode_graphs`; so does a change of the weights or their dtype). Int arguments are passed as int32 scalars, so a RoPE offset does not retrace.
+    chains become one kernel each. Longer inputs (a prompt) run the method as written, and so does a module's first
+    one-token call. The trace holds the module's weights as constants: code that changes weights or their dtype
+    after decoding calls `set_decode_graphs` (the expert pager keeps them off). Int arguments are passed as int32
+    scalars, so a RoPE offset does not retrace.
     """
     name = method.__name__
 

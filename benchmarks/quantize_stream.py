@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="a real config (name in tests/data/configs): its shapes, --layers of them")
     ap.add_argument("--dir", default=None, help="folder for the temporary checkpoints (default: the system's temp)")
     a = ap.parse_args()
+    configs = ROOT / "tests/data/configs"
+    if a.config and not (configs / f"{a.config}.json").is_file():
+        ap.error(f"--config {a.config!r}: not one of {', '.join(sorted(f.stem for f in configs.glob('*.json')))}")
     import mlx.core as mx
 
     tmp = Path(tempfile.mkdtemp(prefix="rq-qstream-", dir=a.dir))

@@ -1,5 +1,5 @@
 """Traced decode graphs (rq_core.models.base.decode_graph): a decode step through them computes exactly what the
-layers compute op by op, for every family and cache kind, and the expert pager turns them off."""
+layers compute op by op, for every family and cache kind (with the expert pager: tests/test_pager.py)."""
 
 from __future__ import annotations
 
@@ -93,16 +93,3 @@ def test_a_dropped_model_frees_its_weights_without_the_cycle_collector(tmp_path)
         assert mx.get_active_memory() - base < held / 10  # the graphs hold their module weakly
     finally:
         gc.enable()
-
-
-def test_the_pager_keeps_graphs_off():
-    class Fake:
-        expert_pager = object()
-
-        def modules(self):
-            return [self.m]
-
-    f = Fake()
-    f.m = type("M", (), {})()
-    set_decode_graphs(f, True)
-    assert f.m.__dict__["_decode_graphs"] is False

@@ -1,6 +1,7 @@
 """The expert pager: exact tokens with a quarter of the experts resident, peak memory under the budget,
 hit rate reported; the mmap policy refused in one line; prefill with more distinct experts than slots."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -51,6 +52,45 @@ def test_quarter_of_experts_gives_identical_tokens(packed, family):
     # a layer's misses are read in one batch: fewer batches than misses
     assert 0 < st.read_batches < st.misses and st.host_syncs > 0
     pager.close()
+
+
+def _paged_logits(model, graphs: bool) -> list:
+    from rq_core.models.base import layers_as_written
+
+    cache = model.make_cache(KVSettings(mode="fp16"))
+    model(mx.array([PROMPT[:12]]), cache=cache)
+    for c in cache:
+        c.end_prefill()
+    out = []
+    with contextlib.nullcontext() if graphs else layers_as_written(model):
+        for t in (5, 11, 17, 23, 29, 31, 37, 41, 43, 47):
+            out.append(model(mx.array([[t]]), cache=cache))
+            mx.eval(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_paged_decode_steps_replay_graphs_that_read_the_slots_as_they_are_now(packed, family):
+    """A paged decode step runs each MoE layer as two traced graphs with the routing read between them; the second
+    reads the banks as inputs, so experts written into slots after the trace are the ones it uses: its logits equal
+    those of the layers run op by op, paged, and those of the all-resident model."""
+    if family not in packed:
+        pytest.skip(f"model family {family} not in this build yet")
+    ck = packed[family]
+    resident = _paged_logits(load(ck, tokenizer=False).model, graphs=True)
+    runs = {}
+    for graphs in (False, True):
+        model = load(ck, tokenizer=False).model
+        pager = ExpertPager(model, ck, slots=2)
+        runs[graphs] = _paged_logits(model, graphs)
+        traced = [n for m in model.modules() for n, f in (m.__dict__.get("_decode_graphs") or {}).items() if f]
+        assert bool(traced) == graphs
+        if graphs:
+            assert {"moe_output", "mlp_output"} & set(traced), traced
+            assert pager.report().evictions > 0  # slots rewritten while the graphs replay
+        pager.close()
+    for a, b, c in zip(resident, runs[False], runs[True]):
+        assert mx.array_equal(a, b) and mx.array_equal(b, c), (float(mx.abs(a - b).max()), float(mx.abs(b - c).max()))
 
 
 SPEC_SLOTS = {"nemotron_h": 6}  # slots a layer at which some speculated steps hit and some miss
@@ -196,7 +236,7 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     d = json.loads(r.stdout)
     assert d["tokens"] == full["tokens"]
     assert set(d["pager"]) == {"hits", "misses", "hit_rate", "bytes_read", "evictions", "resident_bytes",
-                               "slots", "policy", "host_syncs", "read_batches", "staging_bytes", "sync_s", "host_s",
+                               "slots", "policy", "host_syncs", "read_batches", "read_s", "staging_bytes", "sync_s", "host_s",
                                "speculated", "respun"}
     # no slack: the plan counts KV room in the caches' 256-token steps (measured 0.66 of the budget here;
     # 1.02 before, when it counted only the tokens)

@@ -362,7 +362,7 @@ def cache_offset(cache: Any) -> int:
 
 
 # ------------------------------------------------------------------------------------ decode graphs
-def decode_graph(method: Callable) -> Callable:
+def decode_graph(method: Optional[Callable] = None, *, reads_banks: bool = False) -> Callable:
     """A module method f(self, x, *args) that runs through mx.compile when x holds one token (x.shape[1] == 1: a
     decode step, whose shapes repeat, so one trace per module serves every step).
 
@@ -370,9 +370,13 @@ def decode_graph(method: Callable) -> Callable:
     48-layer MoE builds ~2,000 of them a token. A traced graph is replayed without Python and its elementwise
     chains become one kernel each. Longer inputs (a prompt) run the method as written, and so does a module's first
     one-token call. The trace holds the module's weights as constants: code that changes weights or their dtype
-    after decoding calls `set_decode_graphs` (the expert pager keeps them off). Int arguments are passed as int32
+    after decoding calls `set_decode_graphs`. `reads_banks=True` (`@decode_graph(reads_banks=True)`): the expert
+    banks the expert pager registered on the module (`set_bank_inputs`) are inputs of the graph instead, read anew at
+    each replay, since the pager writes experts into their slots between steps. Int arguments are passed as int32
     scalars, so a RoPE offset does not retrace.
     """
+    if method is None:
+        return functools.partial(decode_graph, reads_banks=reads_banks)
     name = method.__name__
 
     @functools.wraps(method)
@@ -390,11 +394,20 @@ def decode_graph(method: Callable) -> Callable:
                 graphs[name] = None
                 return method(self, x, *args)
             # self weakly: the graph lives in self's __dict__, and a cycle would keep a dropped model's weights
-            # alive until the cyclic collector runs
-            fn = graphs[name] = mx.compile(functools.partial(method, weakref.proxy(self)))
+            # alive until the cyclic collector runs (the bank inputs are modules below self: no cycle)
+            banks = self.__dict__.get("_bank_inputs") if reads_banks else None
+            fn = graphs[name] = mx.compile(functools.partial(method, weakref.proxy(self)), inputs=banks)
         return fn(x, *(_scalar(a) if isinstance(a, int) else a for a in args))
 
     return run
+
+
+def set_bank_inputs(module: nn.Module, banks: list) -> None:
+    """The expert banks (modules whose arrays the pager rewrites) that `module`'s `reads_banks` graphs take as inputs;
+    graphs already traced are dropped."""
+    module.__dict__["_bank_inputs"] = list(banks)
+    if module.__dict__.get("_decode_graphs"):
+        module.__dict__["_decode_graphs"] = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -408,7 +421,6 @@ def _scalar(n: int) -> mx.array:
 def set_decode_graphs(model: nn.Module, on: bool) -> None:
     """Turn `decode_graph` methods on or off for every module of `model`, dropping graphs already traced (they hold
     the weights they were traced with)."""
-    on = on and getattr(model, "expert_pager", None) is None  # the pager's banks change under it: never traced
     for m in model.modules():
         m.__dict__["_decode_graphs"] = None if on else False
 
@@ -579,6 +591,11 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """x [..., D], indices [..., k] → [..., k, D] (one output per selected expert)."""
+        return self.compute(x, indices)
+
+    def compute(self, x: mx.array, indices: mx.array) -> mx.array:
+        """What __call__ computes, with `indices` into the banks as they are (the expert pager's slots, once it has
+        made the experts resident; the pager takes over __call__)."""
         x = mx.expand_dims(x, (-2, -3))
         indices = mx.stop_gradient(indices)
         do_sort = indices.size >= 64
@@ -594,6 +611,14 @@ class SwitchGLU(nn.Module):
         if do_sort:
             x = mx.unflatten(x[inv_order], 0, indices.shape)
         return x.squeeze(-2)
+
+
+def paged_experts(switch: nn.Module, x: mx.array) -> Any:
+    """The expert pager's layer serving `switch`'s banks when x [B, L, D] is one token, else None. A paged decode
+    step runs a MoE layer as two graphs, the routing read between them: `serve(indices)` makes the chosen experts
+    resident (the layer's one host sync) and maps them to their slots, which the second graph's `compute` reads."""
+    layer = switch.__dict__.get("pager_layer")
+    return layer if layer is not None and x.shape[1] == 1 else None
 
 
 # ------------------------------------------------------------------------------------------ routing

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +33,7 @@ from rq_core.models.base import (
     decode_graph,
     lm_logits,
     make_rope,
+    paged_experts,
     rope_params,
     route_softmax_topk,
     run_layers,
@@ -214,8 +215,9 @@ class Experts(nn.Module):
         self.switch_glu = SwitchGLU(args.hidden_size, args.moe_intermediate_size, args.num_experts,
                                     activation=geglu)
 
-    def __call__(self, x: mx.array, inds: mx.array, w: mx.array) -> mx.array:
-        return combine_experts(self.switch_glu(x, inds), w)
+    def __call__(self, x: mx.array, inds: mx.array, w: mx.array, experts: Optional[Callable] = None) -> mx.array:
+        """`experts(x, inds)`: the routed experts (default switch_glu; a paged step: its banks' slots)."""
+        return combine_experts((experts or self.switch_glu)(x, inds), w)
 
 
 class DecoderLayer(nn.Module):
@@ -253,7 +255,11 @@ class DecoderLayer(nn.Module):
             q, k, v = self.attention_inputs(x, offset)
         o = attend(cache, q, k, v, scale=1.0, window=a.window)
         rest = (per_layer_input,) if self.ple else ()  # decode_graph takes arrays, not None
-        return self.attention_output_and_mlp(x, o, *rest), (k, v)
+        pager = paged_experts(self.experts.switch_glu, x) if self.enable_moe else None
+        if pager is None:
+            return self.attention_output_and_mlp(x, o, *rest), (k, v)
+        h, inds, w = self.attention_output_and_routing(x, o)
+        return self.mlp_output(h, pager.serve(inds), w, *rest), (k, v)
 
     # the cache's attention between traced graphs (decode_graph): everything before it, everything after
     @decode_graph
@@ -268,10 +274,24 @@ class DecoderLayer(nn.Module):
     @decode_graph
     def attention_output_and_mlp(self, x: mx.array, o: mx.array, per_layer_input: Optional[mx.array] = None) -> mx.array:
         h = x + self.post_attention_layernorm(self.self_attn.output(o))
+        inds, w = self.router(h) if self.enable_moe else (None, None)
+        return self._feed_forward(h, inds, w, per_layer_input)
+
+    # a paged decode step: the same, its routing read between two graphs (base.paged_experts)
+    @decode_graph
+    def attention_output_and_routing(self, x: mx.array, o: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        h = x + self.post_attention_layernorm(self.self_attn.output(o))
+        return (h, *self.router(h))
+
+    @decode_graph(reads_banks=True)
+    def mlp_output(self, h: mx.array, slots: mx.array, w: mx.array, per_layer_input: Optional[mx.array] = None) -> mx.array:
+        return self._feed_forward(h, slots, w, per_layer_input, self.experts.switch_glu.compute)
+
+    def _feed_forward(self, h: mx.array, inds: Optional[mx.array], w: Optional[mx.array],
+                      per_layer_input: Optional[mx.array], experts: Optional[Callable] = None) -> mx.array:
         y = self.mlp(self.pre_feedforward_layernorm(h))
         if self.enable_moe:  # experts in parallel with the dense MLP, both fed the residual stream
-            inds, w = self.router(h)
-            y2 = self.experts(self.pre_feedforward_layernorm_2(h), inds, w)
+            y2 = self.experts(self.pre_feedforward_layernorm_2(h), inds, w, experts)
             y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(y2)
         h = h + self.post_feedforward_layernorm(y)
         if self.ple:

@@ -26,6 +26,7 @@ from rq_core.models.base import (
     combine_experts,
     decode_graph,
     lm_logits,
+    paged_experts,
     relu2,
     route_sigmoid_group_topk,
     run_layers,
@@ -173,9 +174,12 @@ class MoE(nn.Module):
             self.fc2_latent_proj = nn.Linear(args.moe_latent_size, args.hidden_size, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        inds, w = self.gate(x)
+        return self.output(x, *self.gate(x))
+
+    def output(self, x: mx.array, inds: mx.array, w: mx.array, experts: Optional[Callable] = None) -> mx.array:
+        """The block's output for routing (inds, w); `experts(h, inds)`: the routed experts (default switch_mlp)."""
         h = self.fc1_latent_proj(x) if self.latent else x
-        y = combine_experts(self.switch_mlp(h, inds), w)
+        y = combine_experts((experts or self.switch_mlp)(h, inds), w)
         if self.latent:
             y = self.fc2_latent_proj(y)
         return y + self.shared_experts(x)
@@ -212,7 +216,11 @@ class Block(nn.Module):
             return y
         if cache is not None:
             cache.offset += x.shape[1]
-        return self.feed_forward(x)
+        pager = paged_experts(self.mixer.switch_mlp, x) if self.block_type == "E" else None
+        if pager is None:
+            return self.feed_forward(x)
+        inds, w = self.moe_routing(x)
+        return self.moe_output(x, pager.serve(inds), w)
 
     # each block's work around its cache as traced graphs (decode_graph)
     @decode_graph
@@ -231,6 +239,15 @@ class Block(nn.Module):
     @decode_graph
     def feed_forward(self, x: mx.array) -> mx.array:
         return x + self.mixer(self.norm(x))
+
+    # a paged decode step of a MoE block: its routing read between two graphs (base.paged_experts)
+    @decode_graph
+    def moe_routing(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return self.mixer.gate(self.norm(x))
+
+    @decode_graph(reads_banks=True)
+    def moe_output(self, x: mx.array, slots: mx.array, w: mx.array) -> mx.array:
+        return x + self.mixer.output(self.norm(x), slots, w, self.mixer.switch_mlp.compute)
 
 
 class Backbone(nn.Module):

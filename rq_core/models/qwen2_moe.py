@@ -7,7 +7,7 @@ this file, its ModelArgs saying which parts it has.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,8 +15,8 @@ import mlx.nn as nn
 from rq_core.errors import RQError
 from rq_core.cache.kv_cache import KVSettings, with_edge_layers
 from rq_core.models.base import (MLP, Attention, BaseModelArgs, SwitchGLU, attend, attention_cache, cache_offset,
-                                 combine_experts, decode_graph, lm_logits, make_rope, rope_params, route_softmax_topk,
-                                 run_layers, stack_experts)
+                                 combine_experts, decode_graph, lm_logits, make_rope, paged_experts, rope_params,
+                                 route_softmax_topk, run_layers, stack_experts)
 
 
 @dataclass
@@ -101,8 +101,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(D, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        inds, w = route_softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
-        y = combine_experts(self.switch_mlp(x, inds), w)
+        return self.output(x, *self.route(x))
+
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        return route_softmax_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+
+    def output(self, x: mx.array, inds: mx.array, w: mx.array, experts: Optional[Callable] = None) -> mx.array:
+        """The block's output for routing (inds, w); `experts(x, inds)`: the routed experts (default switch_mlp)."""
+        y = combine_experts((experts or self.switch_mlp)(x, inds), w)
         if self.has_shared_expert:
             y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
@@ -121,7 +127,12 @@ class DecoderLayer(nn.Module):
     def __call__(self, x: mx.array, cache: Any = None) -> mx.array:
         q, k, v = self.attention_inputs(x, cache_offset(cache))
         a = self.self_attn
-        return self.attention_output_and_mlp(x, attend(cache, q, k, v, scale=a.scale, window=a.window))
+        o = attend(cache, q, k, v, scale=a.scale, window=a.window)
+        pager = paged_experts(self.mlp.switch_mlp, x) if isinstance(self.mlp, SparseMoeBlock) else None
+        if pager is None:
+            return self.attention_output_and_mlp(x, o)
+        h, inds, w = self.attention_output_and_routing(x, o)
+        return self.moe_output(h, pager.serve(inds), w)
 
     # the cache's attention between two traced graphs (decode_graph): everything before it, everything after
     @decode_graph
@@ -132,6 +143,16 @@ class DecoderLayer(nn.Module):
     def attention_output_and_mlp(self, x: mx.array, o: mx.array) -> mx.array:
         h = x + self.self_attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    # a paged decode step: the same, its routing read between two graphs (base.paged_experts)
+    @decode_graph
+    def attention_output_and_routing(self, x: mx.array, o: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        h = x + self.self_attn.output(o)
+        return (h, *self.mlp.route(self.post_attention_layernorm(h)))
+
+    @decode_graph(reads_banks=True)
+    def moe_output(self, h: mx.array, slots: mx.array, w: mx.array) -> mx.array:
+        return h + self.mlp.output(self.post_attention_layernorm(h), slots, w, self.mlp.switch_mlp.compute)
 
 
 class QwenMoeModel(nn.Module):

@@ -4,7 +4,9 @@ expert slots (stacked arrays, so one gather_qmm per projection still serves the 
 
 A decode step runs layer by layer: one host sync per MoE layer to read its routing (the expert -> slot table
 is an mx.array that remaps the routing on the device), its misses read together, in parallel (os.preadv into
-one preallocated staging buffer, a thread each), and written into the slots with one scatter per tensor.
+one preallocated staging buffer, a thread each), and written into the slots with one scatter per tensor. The layer's
+work before and after that sync replays as two traced graphs (rq_core.models.base.paged_experts), the second taking
+the banks as inputs, so it reads the slots as they are.
 With speculation (`speculate=`), a step first runs on the experts already resident, every layer's routing read
 with the sampled token in one sync; if one expert was missing, the caches and the random key are put back
 (`mark()` of each cache) and the step runs again layer by layer. Either way the step computes what an
@@ -36,7 +38,7 @@ import numpy as np
 
 from rq_core.errors import RQError
 from rq_core.paging.pack import _NP, expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
-from rq_core.models.base import set_decode_graphs
+from rq_core.models.base import set_bank_inputs, set_decode_graphs
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
@@ -66,6 +68,7 @@ class PagerStats:
     sync_s: float = 0.0  # seconds waiting for the routing reads
     host_s: float = 0.0  # seconds of the pager's own host work (LRU, reads, building the slot writes)
     read_batches: int = 0  # layer calls that read pages (all of their misses at once)
+    read_s: float = 0.0  # seconds reading pages (in parallel within a batch) and checking them: bytes_read / read_s
     speculated: int = 0  # decode steps run first on the resident experts (speculate="auto" | "always")
     respun: int = 0  # of those, steps that missed an expert: undone and run again layer by layer
     staging_bytes: int = 0  # host memory of the staging buffer the pages are read into
@@ -134,6 +137,7 @@ class _Layer:
         stage = self.pager._stage(n * used)
         views = [memoryview(stage)[i * used:(i + 1) * used] for i in range(n)]
         pool = self.pager._pool
+        t0 = time.perf_counter()
         if pool is not None and n > 1:
             for f in [pool.submit(self._read_one, e, v) for e, v in zip(experts, views)]:
                 f.result()
@@ -141,6 +145,7 @@ class _Layer:
             for e, v in zip(experts, views):
                 self._read_one(e, v)
         st = self.pager.stats
+        st.read_s += time.perf_counter() - t0
         st.bytes_read += n * used
         st.read_batches += 1
         rows = np.frombuffer(stage, np.uint8, count=n * used).reshape(n, used)
@@ -190,6 +195,35 @@ class _Layer:
             self.lut_dev = mx.array(self.lut)
         return self.lut_dev
 
+    def routing(self, indices: mx.array) -> tuple[np.ndarray, np.ndarray]:
+        """(indices on the host, the distinct experts among them): the one host sync routing needs."""
+        st = self.pager.stats
+        st.host_syncs += 1
+        t0 = time.perf_counter()
+        idx = np.array(indices)
+        st.sync_s += time.perf_counter() - t0
+        return idx, np.unique(idx)
+
+    def resident(self, needed: np.ndarray) -> mx.array:
+        """Make `needed` (at most `slots` experts) resident; the expert -> slot table on the device."""
+        t0 = time.perf_counter()
+        self.acquire(needed)
+        table = self.table()
+        self.pager.stats.host_s += time.perf_counter() - t0
+        return table
+
+    def serve(self, indices: mx.array) -> mx.array:
+        """The slots of the experts `indices` [..., k] names, made resident: what a decode step's second graph reads
+        (a speculated step: the slots as they are, its routing read with the step's token)."""
+        self.pager._ready(indices.shape[-1])
+        if self.pager._routing is not None:
+            self.pager._routing.append((self, indices))
+            return self.table()[indices]
+        _, needed = self.routing(indices)
+        if len(needed) > self.slots:  # cannot happen: one token's top-k, and a pager needs slots >= top-k
+            raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
+        return self.resident(needed)[indices]
+
     def close(self) -> None:
         os.close(self.fd)
 
@@ -233,8 +267,14 @@ class ExpertPager:
             self.layers[path] = _Layer(self, path, mod, index["layers"][path], slots, fds[path])
         for path, mod in banks.items():
             _patch(mod, self.layers[path])
-        # a traced decode graph would hold the banks as they were and skip the routing read the slots depend on
-        set_decode_graphs(model, False)
+        # a decode step's graphs read the banks as inputs (the pager rewrites their slots between steps): registered
+        # on every module above a bank, and graphs traced before (holding the full banks) dropped
+        set_decode_graphs(model, True)
+        for name, m in model.named_modules():
+            held = [mod for path, mod in banks.items() if not name or path.startswith(name + ".")]
+            if held:
+                set_bank_inputs(m, [getattr(mod, p) for mod in held for p in ("gate_proj", "up_proj", "down_proj")
+                                    if p in mod])
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
         # one staging buffer for every layer (layers run one after another), made at the first call, when top-k
@@ -352,26 +392,17 @@ def staging_bytes(index: dict, banks: dict[str, Any], slots: int, threads: int =
 
 
 def _patch(module: Any, layer: _Layer) -> None:
-    """Route the SwitchGLU's calls through the pager (class swap on this one instance)."""
+    """Route the SwitchGLU's calls through the pager (class swap on this one instance); a decode step's layers call
+    `layer.serve` themselves, between two graphs (rq_core.models.base.paged_experts)."""
     old = getattr(type(module), "_rq_base", type(module))  # a bank served from the pages: the pager takes over
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:  # noqa: N807
-        st = layer.pager.stats
         layer.pager._ready(indices.shape[-1])
         if layer.pager._routing is not None:  # a speculated step: the slots as they are, routing read later
-            layer.pager._routing.append((layer, indices))
-            return old.__call__(self, x, layer.table()[indices])
-        st.host_syncs += 1
-        t0 = time.perf_counter()
-        idx = np.array(indices)  # the one sync routing needs: which experts to fetch
-        t1 = time.perf_counter()
-        st.sync_s += t1 - t0
-        needed = np.unique(idx)
+            return old.compute(self, x, layer.serve(indices))
+        idx, needed = layer.routing(indices)
         if len(needed) <= layer.slots:
-            layer.acquire(needed)
-            table = layer.table()
-            st.host_s += time.perf_counter() - t1
-            return old.__call__(self, x, table[indices])  # remapped on the device
+            return old.compute(self, x, layer.resident(needed)[indices])  # remapped on the device
         # More distinct experts than slots (a long prefill chunk): serve them in passes of `slots`
         # experts; each (token, k) output comes from exactly one pass.
         y = None
@@ -380,14 +411,15 @@ def _patch(module: Any, layer: _Layer) -> None:
             layer.acquire(part)
             lut = np.full(layer.E, layer.lut[int(part[0])], np.int32)
             lut[part] = layer.lut[part]
-            yp = old.__call__(self, x, mx.array(lut[idx]))
+            yp = old.compute(self, x, mx.array(lut[idx]))
             mask = mx.array(np.isin(idx, part))[..., None]
             y = mx.where(mask, yp, 0) if y is None else mx.where(mask, yp, y)
-            st.host_syncs += 1
+            layer.pager.stats.host_syncs += 1
             mx.eval(y)  # the next pass overwrites slots this one reads
         return y
 
     module.__class__ = type(f"Paged{old.__name__}", (old,), {"__call__": __call__})
+    module.__dict__["pager_layer"] = layer
 
 
 def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, prefill_chunk: int,

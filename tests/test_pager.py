@@ -54,43 +54,106 @@ def test_quarter_of_experts_gives_identical_tokens(packed, family):
     pager.close()
 
 
-def _paged_logits(model, graphs: bool) -> list:
+def _buffer(a: mx.array) -> int:
+    """Where an array's bytes are (a slot write that copied its bank would move them)."""
+    import numpy as np
+
+    return np.frombuffer(memoryview(a), np.uint8).ctypes.data
+
+
+def _paged_logits(model, graphs: bool, pager=None) -> tuple[list, int, int]:
+    """Logits of 10 decode steps after a 12-token prompt; with `pager`: (its misses in steps 3-10, bank tensors whose
+    buffer moved in a step that missed)."""
     from rq_core.models.base import layers_as_written
 
     cache = model.make_cache(KVSettings(mode="fp16"))
     model(mx.array([PROMPT[:12]]), cache=cache)
     for c in cache:
         c.end_prefill()
-    out = []
+    out, misses, moved = [], 0, 0
+
+    def banks() -> list:
+        return [_buffer(l.module[t["name"].split(".")[0]][t["name"].split(".")[1]])
+                for l in pager.layers.values() for t in l.meta["tensors"]]
+
     with contextlib.nullcontext() if graphs else layers_as_written(model):
-        for t in (5, 11, 17, 23, 29, 31, 37, 41, 43, 47):
+        for n, t in enumerate((5, 11, 17, 23, 29, 31, 37, 41, 43, 47)):
+            before = (pager.stats.misses, banks()) if pager is not None else None
             out.append(model(mx.array([[t]]), cache=cache))
             mx.eval(out[-1])
-    return out
+            if pager is not None and n >= 2 and pager.stats.misses > before[0]:  # the graphs are traced by now
+                misses += pager.stats.misses - before[0]
+                moved += sum(a != b for a, b in zip(before[1], banks()))
+    return out, misses, moved
 
 
-@pytest.mark.parametrize("family", list(TINY))
-def test_paged_decode_steps_replay_graphs_that_read_the_slots_as_they_are_now(packed, family):
+@pytest.fixture(scope="module")
+def gemma_ple_packed(tmp_path_factory):
+    """Gemma 4 with per-layer inputs and a KV-sharing layer (what the plain tiny config leaves out), packed."""
+    import copy
+
+    cfg = copy.deepcopy(TINY["gemma4"])
+    cfg["text_config"].update({"hidden_size_per_layer_input": 32, "vocab_size_per_layer_input": 320,
+                               "num_kv_shared_layers": 1, "num_hidden_layers": 4,
+                               "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                               "full_attention"]})
+    root = tmp_path_factory.mktemp("gemma_ple")
+    quantize(make_tiny("gemma4", root / "src", config=cfg), recipe.load(RECIPE), root / "q")
+    pack(root / "q")
+    return root / "q"
+
+
+@pytest.mark.parametrize("family", [*TINY, "gemma4-ple-shared"])
+def test_paged_decode_steps_replay_graphs_that_read_the_slots_as_they_are_now(packed, gemma_ple_packed, family):
     """A paged decode step runs each MoE layer as two traced graphs with the routing read between them; the second
     reads the banks as inputs, so experts written into slots after the trace are the ones it uses: its logits equal
-    those of the layers run op by op, paged, and those of the all-resident model."""
-    if family not in packed:
+    those of the layers run op by op, paged, and those of the all-resident model. The slot writes stay in place (a
+    copied bank would cost its whole size in memory)."""
+    ck = gemma_ple_packed if family == "gemma4-ple-shared" else packed.get(family)
+    if ck is None:
         pytest.skip(f"model family {family} not in this build yet")
-    ck = packed[family]
-    resident = _paged_logits(load(ck, tokenizer=False).model, graphs=True)
+    resident, _, _ = _paged_logits(load(ck, tokenizer=False).model, graphs=True)
     runs = {}
     for graphs in (False, True):
         model = load(ck, tokenizer=False).model
         pager = ExpertPager(model, ck, slots=2)
-        runs[graphs] = _paged_logits(model, graphs)
+        runs[graphs], misses, moved = _paged_logits(model, graphs, pager)
         traced = [n for m in model.modules() for n, f in (m.__dict__.get("_decode_graphs") or {}).items() if f]
         assert bool(traced) == graphs
         if graphs:
             assert {"moe_output", "mlp_output"} & set(traced), traced
-            assert pager.report().evictions > 0  # slots rewritten while the graphs replay
+            assert "attention_output_and_mlp" not in traced and "feed_forward" not in traced or family == "nemotron_h"
+        assert misses > 0 and moved == 0, (misses, moved)  # slots rewritten while the graphs replay, in place
         pager.close()
     for a, b, c in zip(resident, runs[False], runs[True]):
         assert mx.array_equal(a, b) and mx.array_equal(b, c), (float(mx.abs(a - b).max()), float(mx.abs(b - c).max()))
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_fewer_slots_than_a_tokens_experts_and_batches_run_as_written(packed, family):
+    """One slot for a top-2 router, and two sequences in one call: a decode step's experts do not fit the slots at
+    once, so the layer runs as written (the pager serves them in passes): the logits of the all-resident model."""
+    if family not in packed:
+        pytest.skip(f"model family {family} not in this build yet")
+    ck = packed[family]
+    steps = ([[5], [9]], [[11], [3]], [[17], [23]])
+    for slots, rows in ((1, 1), (2, 2)):
+        want, got = [], []
+        for out, paged in ((want, False), (got, True)):
+            model = load(ck, tokenizer=False).model
+            pager = ExpertPager(model, ck, slots=slots) if paged else None
+            cache = model.make_cache(KVSettings(mode="fp16"))
+            model(mx.array([PROMPT[:12]] * rows), cache=cache)
+            for c in cache:
+                c.end_prefill()
+            for t in steps:
+                out.append(model(mx.array(t[:rows]), cache=cache))
+                mx.eval(out[-1])
+            if pager is not None:
+                assert pager.stats.misses > 0
+                pager.close()
+        for a, b in zip(want, got):
+            assert mx.array_equal(a, b), (slots, rows, float(mx.abs(a - b).max()))
 
 
 SPEC_SLOTS = {"nemotron_h": 6}  # slots a layer at which some speculated steps hit and some miss
@@ -272,3 +335,28 @@ def test_a_recipe_asking_for_mmap_gets_the_same_line(tmp_path):
     f.write_text(src.replace('policy = "lru"', 'policy = "mmap"'))
     with pytest.raises(RQError, match="mmap.*is gone"):
         recipe.load(f)
+
+
+def test_a_dropped_paged_model_frees_its_banks_without_the_cycle_collector(packed):
+    """Nothing in the pager points back at the banks it serves: a dropped model's slot banks are freed at once, not when
+    Python's cycle collector next runs (a server that loads a model again would hold both until then)."""
+    import gc
+
+    ck = packed["qwen3_moe"]
+    gc.collect()
+    base = mx.get_active_memory()
+    gc.disable()
+    try:
+        model = load(ck, tokenizer=False).model
+        pager = ExpertPager(model, ck, slots=4)
+        cache = model.make_cache(KVSettings(mode="fp16"))
+        for t in ([PROMPT[:12]], [[5]], [[7]], [[9]]):
+            mx.eval(model(mx.array(t), cache=cache))
+        assert pager.report().resident_bytes > 0
+        pager.close()
+        del model, pager, cache
+        left = mx.get_active_memory() - base
+        gc.collect()
+        assert left - (mx.get_active_memory() - base) < 1024  # what only the collector would have freed
+    finally:
+        gc.enable()

@@ -252,3 +252,6 @@ def test_cli_takes_the_recipes_kv_and_budget(tmp_path: Path) -> None:
     rep = json.loads(res.stdout)
     assert (rep["kv_mode"], rep["fp16_window"]) == ("turbo3", 2)
     assert rep["pager"] is not None and rep["pager"]["policy"] == "lru"
+    # the paged experts are measured too (a paged decode step calls the pager's serve, not the experts' __call__)
+    res0 = rep["results"][0]
+    assert res0["layers"]["experts"] > 0 and res0["measured_parts_ms"]["experts"] > 0, res0["measured_parts_ms"]

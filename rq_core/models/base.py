@@ -362,7 +362,7 @@ def cache_offset(cache: Any) -> int:
 
 
 # ------------------------------------------------------------------------------------ decode graphs
-def decode_graph(method: Optional[Callable] = None, *, reads_banks: bool = False) -> Callable:
+def decode_graph(method: Optional[Callable] = None, *, reads_banks: bool = False, calls_experts: bool = False) -> Callable:
     """A module method f(self, x, *args) that runs through mx.compile when x holds one token (x.shape[1] == 1: a
     decode step, whose shapes repeat, so one trace per module serves every step).
 
@@ -370,19 +370,20 @@ def decode_graph(method: Optional[Callable] = None, *, reads_banks: bool = False
     48-layer MoE builds ~2,000 of them a token. A traced graph is replayed without Python and its elementwise
     chains become one kernel each. Longer inputs (a prompt) run the method as written, and so does a module's first
     one-token call. The trace holds the module's weights as constants: code that changes weights or their dtype
-    after decoding calls `set_decode_graphs`. `reads_banks=True` (`@decode_graph(reads_banks=True)`): the expert
-    banks the expert pager registered on the module (`set_bank_inputs`) are inputs of the graph instead, read anew at
-    each replay, since the pager writes experts into their slots between steps. Int arguments are passed as int32
-    scalars, so a RoPE offset does not retrace.
+    after decoding calls `set_decode_graphs`. With the expert pager (`set_bank_inputs` registered its banks on the
+    module): `reads_banks=True` methods take the banks as inputs of the graph, read anew at each replay, since the
+    pager writes experts into their slots between steps; `calls_experts=True` methods, which call the routed experts
+    (whose routing a paged call reads on the host), run as written. Int arguments are passed as int32 scalars, so a
+    RoPE offset does not retrace.
     """
     if method is None:
-        return functools.partial(decode_graph, reads_banks=reads_banks)
+        return functools.partial(decode_graph, reads_banks=reads_banks, calls_experts=calls_experts)
     name = method.__name__
 
     @functools.wraps(method)
     def run(self: nn.Module, x: mx.array, *args: Any) -> Any:
         graphs = self.__dict__.get("_decode_graphs")
-        if x.ndim < 2 or x.shape[1] != 1 or graphs is False:
+        if x.ndim < 2 or x.shape[1] != 1 or graphs is False or (calls_experts and "_bank_inputs" in self.__dict__):
             return method(self, x, *args)
         if graphs is None:
             graphs = self.__dict__["_decode_graphs"] = {}
@@ -428,7 +429,8 @@ def set_decode_graphs(model: nn.Module, on: bool) -> None:
 @contextlib.contextmanager
 def layers_as_written(model: nn.Module):
     """Within, one-token inputs run every module's Python too (code that hooks a module's calls sees each of them,
-    or reads arrays inside them); the traced graphs and their setting come back after."""
+    or reads arrays inside them; a paged MoE layer calls its experts' __call__, not the pager's serve/compute); the
+    traced graphs and their setting come back after."""
     saved = [(m, m.__dict__.get("_decode_graphs")) for m in model.modules()]
     for m, _ in saved:
         m.__dict__["_decode_graphs"] = False
@@ -614,11 +616,15 @@ class SwitchGLU(nn.Module):
 
 
 def paged_experts(switch: nn.Module, x: mx.array) -> Any:
-    """The expert pager's layer serving `switch`'s banks when x [B, L, D] is one token, else None. A paged decode
+    """The expert pager's layer serving `switch`'s banks when x [B, L, D] is one token of one sequence and the layer
+    can serve a token's experts at once, with decode graphs on; else None (the layer runs as written: a paged
+    `switch` call reads its routing itself, in passes where it has fewer slots than experts to serve). A paged decode
     step runs a MoE layer as two graphs, the routing read between them: `serve(indices)` makes the chosen experts
     resident (the layer's one host sync) and maps them to their slots, which the second graph's `compute` reads."""
     layer = switch.__dict__.get("pager_layer")
-    return layer if layer is not None and x.shape[1] == 1 else None
+    if layer is None or x.shape[0] != 1 or x.shape[1] != 1 or switch.__dict__.get("_decode_graphs") is False:
+        return None
+    return layer if layer.serves_a_token() else None
 
 
 # ------------------------------------------------------------------------------------------ routing

@@ -271,7 +271,7 @@ class DecoderLayer(nn.Module):
         h = self.input_layernorm(x)
         return (self.self_attn.query(h, offset), *self.self_attn.keys_values(h, offset))
 
-    @decode_graph
+    @decode_graph(calls_experts=True)
     def attention_output_and_mlp(self, x: mx.array, o: mx.array, per_layer_input: Optional[mx.array] = None) -> mx.array:
         h = x + self.post_attention_layernorm(self.self_attn.output(o))
         inds, w = self.router(h) if self.enable_moe else (None, None)

@@ -236,7 +236,7 @@ class Block(nn.Module):
         y, conv_state, ssm_state = self.mixer.mix(self.norm(x), conv_state, ssm_state)
         return x + y, conv_state, ssm_state
 
-    @decode_graph
+    @decode_graph(calls_experts=True)
     def feed_forward(self, x: mx.array) -> mx.array:
         return x + self.mixer(self.norm(x))
 

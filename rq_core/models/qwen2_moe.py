@@ -139,7 +139,7 @@ class DecoderLayer(nn.Module):
     def attention_inputs(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(self.input_layernorm(x), offset)
 
-    @decode_graph
+    @decode_graph(calls_experts=True)
     def attention_output_and_mlp(self, x: mx.array, o: mx.array) -> mx.array:
         h = x + self.self_attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -31,14 +31,14 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from rq_core.errors import RQError
 from rq_core.paging.pack import _NP, expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
-from rq_core.models.base import set_bank_inputs, set_decode_graphs
+from rq_core.models.base import set_bank_inputs
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
@@ -215,14 +215,17 @@ class _Layer:
     def serve(self, indices: mx.array) -> mx.array:
         """The slots of the experts `indices` [..., k] names, made resident: what a decode step's second graph reads
         (a speculated step: the slots as they are, its routing read with the step's token)."""
-        self.pager._ready(indices.shape[-1])
         if self.pager._routing is not None:
             self.pager._routing.append((self, indices))
             return self.table()[indices]
         _, needed = self.routing(indices)
-        if len(needed) > self.slots:  # cannot happen: one token's top-k, and a pager needs slots >= top-k
+        if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
             raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
         return self.resident(needed)[indices]
+
+    def serves_a_token(self) -> bool:
+        """Whether one token's experts fit the slots at once (top-k is known once a call has been seen)."""
+        return self.pager.top_k is not None and self.pager.top_k <= self.slots
 
     def close(self) -> None:
         os.close(self.fd)
@@ -235,8 +238,9 @@ class ExpertPager:
     read (off only to measure what it costs). `threads`: parallel reads of one layer's misses, and the pages
     the staging buffer holds. `speculate`: "auto" runs a decode step first on the resident experts, with one host
     sync for the whole step, while the measured times say that pays (see the module's text); "always" on every
-    step; "off" (the default: a step that misses one expert of its 8 x layers pays for both runs, and on random
-    routing at real size most steps miss: benchmarks/pager.py --pager-cost) never."""
+    step; "off" (the default: a step that misses one expert of its top-k x layers pays for both runs; on a
+    Qwen3-30B-A3B-shaped checkpoint with random routing, half its experts resident, most decode steps miss one:
+    `benchmarks/pager.py --synthetic DIR --speculate off,auto` measures it) never."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
@@ -268,8 +272,7 @@ class ExpertPager:
         for path, mod in banks.items():
             _patch(mod, self.layers[path])
         # a decode step's graphs read the banks as inputs (the pager rewrites their slots between steps): registered
-        # on every module above a bank, and graphs traced before (holding the full banks) dropped
-        set_decode_graphs(model, True)
+        # on every module above a bank, whose graphs traced before (holding the full banks) are dropped
         for name, m in model.named_modules():
             held = [mod for path, mod in banks.items() if not name or path.startswith(name + ".")]
             if held:
@@ -279,7 +282,9 @@ class ExpertPager:
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
         # one staging buffer for every layer (layers run one after another), made at the first call, when top-k
         # is known: room for min(slots, threads, top-k) pages (a decode step's misses of one layer, up to 8)
-        self._index, self._banks, self._slots, self._threads = index, banks, slots, threads
+        # bank paths, not the modules: a module -> pager reference cycle would keep a dropped model's banks alive
+        self._index, self._bank_paths, self._slots, self._threads = index, set(banks), slots, threads
+        self.top_k: Optional[int] = None  # experts a token takes, from the first call
         self.stage_experts = 0
         self._buf: Optional[bytearray] = None
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
@@ -362,7 +367,8 @@ class ExpertPager:
     def _ready(self, top_k: int) -> None:
         if self._buf is None:
             self.stage_experts = max(1, min(self._slots, self._threads, top_k))
-            self.stats.staging_bytes = staging_bytes(self._index, self._banks, self._slots, self._threads, top_k)
+            self.top_k = top_k
+            self.stats.staging_bytes = staging_bytes(self._index, self._bank_paths, self._slots, self._threads, top_k)
             self._buf = bytearray(self.stats.staging_bytes)
 
     def _stage(self, n: int) -> bytearray:
@@ -379,13 +385,15 @@ class ExpertPager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._buf = None
         for l in self.layers.values():
             l.close()
 
 
-def staging_bytes(index: dict, banks: dict[str, Any], slots: int, threads: int = READ_THREADS,
+def staging_bytes(index: dict, banks: Iterable[str], slots: int, threads: int = READ_THREADS,
                   top_k: int = READ_THREADS) -> int:
-    """Host bytes of the pager's staging buffer: min(slots, threads, top_k) pages (used bytes) of the largest layer."""
+    """Host bytes of the pager's staging buffer: min(slots, threads, top_k) pages (used bytes) of the largest layer of
+    `banks` (their paths)."""
     n = max(1, min(slots, threads, top_k))
     return max((min(n, m["num_experts"]) * m["used_bytes"] for p, m in index["layers"].items() if p in banks),
                default=0)
@@ -408,14 +416,18 @@ def _patch(module: Any, layer: _Layer) -> None:
         y = None
         for i in range(0, len(needed), layer.slots):
             part = needed[i:i + layer.slots]
+            t0 = time.perf_counter()
             layer.acquire(part)
+            layer.pager.stats.host_s += time.perf_counter() - t0
             lut = np.full(layer.E, layer.lut[int(part[0])], np.int32)
             lut[part] = layer.lut[part]
             yp = old.compute(self, x, mx.array(lut[idx]))
             mask = mx.array(np.isin(idx, part))[..., None]
             y = mx.where(mask, yp, 0) if y is None else mx.where(mask, yp, y)
             layer.pager.stats.host_syncs += 1
+            t0 = time.perf_counter()
             mx.eval(y)  # the next pass overwrites slots this one reads
+            layer.pager.stats.sync_s += time.perf_counter() - t0
         return y
 
     module.__class__ = type(f"Paged{old.__name__}", (old,), {"__call__": __call__})

@@ -292,6 +292,7 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
     s["measured_peak_bytes"] = max(r["measured_peak_bytes"] for r in runs)
     for k in ("slots", "budget_bytes", "planned_peak_bytes"):
         s[k] = runs[0].get(k)
+    s["staging_bytes"] = runs[0]["pager"]["staging_bytes"] if runs[0].get("pager") else None
     for k in ("hit_rate", "misses", "evictions", "hits", "speculated", "respun"):
         xs = [r["pager"][k] for r in runs if r.get("pager") and r["pager"].get(k) is not None]
         s[k] = statistics.median(xs) if xs else None
@@ -303,6 +304,19 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
     drops = [r["cached_after_drop"] for r in runs if r.get("cached_after_drop") is not None]
     s["cached_after_drop_max"] = max(drops) if drops else None
     return s
+
+
+RUN_KEYS = ("repeat", "decode_tok_per_s", "steady_decode_tok_per_s", "prefill_tok_per_s", "wall_s",
+            "measured_peak_bytes", "cached_after_drop")
+PAGER_KEYS = ("hits", "misses", "evictions", "bytes_read", "read_s", "sync_s", "host_s", "host_syncs", "speculated",
+              "respun")
+
+
+def compact(x: dict) -> dict:
+    """A run as the results file keeps it: its times and peak, and the pager's counters (floats to 4 digits)."""
+    out = {k: x[k] for k in RUN_KEYS if x.get(k) is not None}
+    out.update({k: x["pager"][k] for k in PAGER_KEYS if x.get("pager") and x["pager"].get(k) is not None})
+    return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in out.items()}
 
 
 def _mm(s: dict | None, f: str = "{:.1f}") -> str:
@@ -439,8 +453,7 @@ def main() -> None:
         ref = runs[0][0]["tokens"]
         full = summarize(todo[0], runs[0], ref, None)
         rows = [{"cell": c, "summary": full if i == 0 else summarize(c, runs[i], ref, full),
-                 "runs": [{k: v for k, v in x.items() if k != "tokens"} for x in runs[i]]}
-                for i, c in enumerate(todo)]
+                 "runs": [compact(x) for x in runs[i]]} for i, c in enumerate(todo)]
         meta = {**setup, "model": {k: cfg[k] for k in MODEL_KEYS}, "prompt_tokens": a.prompt,
                 "decode_tokens": a.tokens, "temp": a.temp, "repeats": a.repeats, "cpus": os.cpu_count(),
                 "load_average_start": load_start, "load_average_end": os.getloadavg()[0]}

@@ -239,6 +239,7 @@ def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespa
         run["cached_after_drop"] = cached_share(files)
     elif c["cache"] == "warm":
         warm_page_cache(files)
+        run["cached_after_warm"] = cached_share(files)
     baseline = mx.get_active_memory()
     mx.reset_peak_memory()
     model = load(ck, tokenizer=False).model
@@ -303,11 +304,13 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
         s["steady_share"] = s["steady_decode_tok_per_s"]["median"] / full["steady_decode_tok_per_s"]["median"]
     drops = [r["cached_after_drop"] for r in runs if r.get("cached_after_drop") is not None]
     s["cached_after_drop_max"] = max(drops) if drops else None
+    warm = [r["cached_after_warm"] for r in runs if r.get("cached_after_warm") is not None]
+    s["cached_after_warm_min"] = min(warm) if warm else None
     return s
 
 
 RUN_KEYS = ("repeat", "decode_tok_per_s", "steady_decode_tok_per_s", "prefill_tok_per_s", "wall_s",
-            "measured_peak_bytes", "cached_after_drop")
+            "measured_peak_bytes", "cached_after_drop", "cached_after_warm")
 PAGER_KEYS = ("hits", "misses", "evictions", "bytes_read", "read_s", "sync_s", "host_s", "host_syncs", "speculated",
               "respun")
 
@@ -375,15 +378,20 @@ def note(meta: dict, rows: list[dict], a: argparse.Namespace) -> str:
             "pages. sync and host ms: per MoE layer and forward pass, waiting for the routing read and in the "
             "pager's host work. Budget: the least `--memory-budget` the planner gives these slots for; measured "
             "peak: MLX's peak less what it held before the model loaded, plus the pager's staging buffer.")
+    def share(key: str, pick) -> float | None:
+        xs = [r["summary"][key] for r in rows if r["summary"].get(key) is not None]
+        return pick(xs) if xs else None
+
+    warm = share("cached_after_warm_min", min)
+    warm = f" (mincore: at least {warm:.1%} of it cached)" if warm is not None else ""
     if a.cold:
-        drops = [r["summary"]["cached_after_drop_max"] for r in rows if r["summary"].get("cached_after_drop_max")
-                 is not None]
+        drop = share("cached_after_drop_max", max)
         text += (" Cold: before each run the pack's files were dropped from the OS page cache with "
                  "posix_fadvise(POSIX_FADV_DONTNEED), without root, which is best-effort"
-                 + (f" (mincore: at most {max(drops):.1%} of the pack still cached after a drop)" if drops else "")
-                 + "; warm: the pack was read once before each run.")
+                 + (f" (mincore: at most {drop:.1%} of the pack still cached after a drop)" if drop is not None
+                    else "") + f"; warm: the pack was read once before each run{warm}.")
     else:
-        text += " The pack was read once before each run: pages come from the OS page cache, not the disk."
+        text += f" The pack was read once before each run{warm}: pages come from the OS page cache, not the disk."
     text += (" Routers are random, so the hit rates show how the pager behaves, not what a trained model's routing "
              f"gets. The machine ({meta['cpus']} cores) was shared with other jobs (1-min load average "
              f"{meta['load_average_start']:.1f} at the start, {meta['load_average_end']:.1f} at the end), so speeds "

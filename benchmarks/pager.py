@@ -1,5 +1,6 @@
-"""Expert pager: what `--memory-budget` costs. Greedy or seeded decode with every expert resident (no pager), then
-with the expert pager (LRU) holding `--fractions` of each MoE layer's experts, a fresh model and pager every run:
+"""Expert pager: what `--memory-budget` costs. Decode (seeded sampling; `--temp 0`: greedy) with every expert resident
+(no pager), then with the expert pager (LRU) holding `--fractions` of each MoE layer's experts, a fresh model and
+pager every run:
 
 - decode tok/s and steady decode tok/s (without the first step; rq_core.generate.GenerationResult), as a share of
   the all-resident run's;
@@ -15,18 +16,20 @@ Options add rows: `--speculate off,auto` (ExpertPager(speculate="auto") beside "
 with the page files dropped from the OS page cache before every run: os.posix_fadvise(POSIX_FADV_DONTNEED) on every
 file of the pack folder, without root, so best-effort; the share of the pack still cached after the drop is
 measured with mincore and printed), `--verify-cost` (a row at 50% of experts without the pages' CRC32 checks,
-verify=False, beside the verify=True one). Warm rows read the pack folder once before each run. Every cell runs
+verify=False, beside the verify=True one). Warm rows read the pack folder once before each run (mincore checks that
+it is cached). Every cell runs
 `--repeats` times, interleaved, the cells' order rotating each repetition; the table gives medians (min-max).
 Writes benchmarks/results/pager.json (overwritten by a rerun; the README's `pager` table).
 
 Default: a scaled-down Qwen3-MoE-shaped checkpoint with random weights, quantized (qwen3-16gb, round-to-nearest)
-and packed in a temporary folder; a minute or two on a CPU:
+and packed in a temporary folder; a minute or two on a CPU (a few with --cold --verify-cost):
 
     python3 benchmarks/pager.py [--layers 8] [--hidden 512] [--experts 32] [--top-k 4] [--tokens 64] [--cold]
 
 Real size: `--synthetic DIR` writes a Qwen3-30B-A3B-shaped checkpoint there (rq_core/tools/synth.py: random codes
 of tests/data/configs/qwen3-30b-a3b.json at the bits and group sizes of the qwen3-16gb recipe, one shard a layer,
-about 10 GB; reused when DIR has it) and packs it; `--ckpt DIR` pages an existing quantized checkpoint:
+so the whole model is never held; reused when DIR has it) and packs it (the pages are a second copy of the routed
+experts on disk); `--ckpt DIR` pages an existing quantized checkpoint:
 
     python3 benchmarks/pager.py --synthetic /tmp/rq-q3-30b --speculate off,auto --cold --verify-cost
 """

@@ -299,7 +299,7 @@ class IsoQuantCache:
 
     step = 256  # packed buffer growth, tokens
     compress_chunk = 4096  # tokens compressed per graph in end_prefill (bounds temporaries)
-    compress_chunk_ops = 64  # the same without the GPU kernels: quantize_kv's MLX ops hold ~90x the tokens' bytes
+    compress_chunk_ops = 16  # the same without the GPU kernels: quantize_kv's MLX ops hold ~90x the tokens' bytes
     # a bounded prefill's decoded attention: layers queued ahead of the one waited for (0: wait for each). H200, Qwen3-
     # 30B-A3B shape, 48 layers x 32K: 0 50.2 s, 1 38.3 s (whole prompt in fp16 39.5 s), same peak +2,534 MiB; 8 layers x
     # 128K: 0 +920 MiB, 1 +1,365 (one more layer's decoded K/V), 2 +1,809, times within run-to-run spread
@@ -388,11 +388,13 @@ class IsoQuantCache:
                 if a is not None]
 
     def _rebuffer(self, need: int, like: tuple[mx.array, mx.array] | None = None) -> None:
-        """New fp16 buffers for `need` tokens and a quarter step more (rounded up to `step`), the segment copied to
-        their front (`like`: the new keys and values, when there are no buffers yet)."""
+        """New fp16 buffers for `need` tokens (rounded up to `step`, as FP16Cache grows; while decoding a quarter step
+        more, so a window that slides along does not rebuffer every few steps), the segment copied to their front
+        (`like`: the new keys and values, when there are no buffers yet)."""
         lk, lv = (self._fk, self._fv) if like is None else like
         B, H, _, D = lk.shape
-        cap = ((need + self.step // 4 + self.step - 1) // self.step) * self.step
+        margin = 0 if self.prefilling else self.step // 4
+        cap = ((need + margin + self.step - 1) // self.step) * self.step
         new_k = mx.zeros((B, H, cap, D), lk.dtype)
         new_v = mx.zeros((B, H, cap, lv.shape[3]), lv.dtype)
         if self.fp16_len:

@@ -232,7 +232,7 @@ def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespa
     from rq_core.checkpoint import load
     from rq_core.generate import generate
     from rq_core.paging.pack import expert_banks, load_index
-    from rq_core.paging.pager import READ_THREADS, ExpertPager, slots_for_budget
+    from rq_core.paging.pager import ExpertPager, budget_for_slots, slots_for_budget
 
     gc.collect()  # the paged modules form reference cycles: the last run's model goes first
     mx.clear_cache()
@@ -253,9 +253,7 @@ def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespa
         index = load_index(ck, banks=expert_banks(model))
         ctx = a.prompt + a.tokens
         probe = slots_for_budget(model, cfg, 1 << 62, context=ctx, prefill_chunk=a.prompt, index=index)
-        budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["prefill_fp16_bytes"]
-                  + probe["activation_bytes"] + slots * probe["moe_layers"] * probe["bytes_per_expert"]
-                  + min(slots, READ_THREADS, probe["top_k"]) * probe["staging_bytes_per_expert"])
+        budget = budget_for_slots(probe, slots)
         plan = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=a.prompt, index=index)
         if plan["slots_per_layer"] != slots:
             print(f"  the plan for {slots} slots' budget gives {plan['slots_per_layer']} slots", flush=True)

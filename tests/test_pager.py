@@ -16,7 +16,7 @@ from rq_core.checkpoint import load
 from rq_core.errors import RQError
 from rq_core.generate import generate
 from rq_core.paging.pack import pack
-from rq_core.paging.pager import ExpertPager, slots_for_budget
+from rq_core.paging.pager import ExpertPager, budget_for_slots, slots_for_budget
 from rq_core.quant.quantize import quantize
 
 RECIPE = Path(__file__).parent / "data" / "tiny-rtn.toml"
@@ -252,9 +252,7 @@ def test_peak_memory_stays_under_the_budget(packed):
     ctx = len(PROMPT) + 24
     probe = slots_for_budget(model, cfg, 1 << 40, context=ctx, prefill_chunk=16)
     # a budget that holds exactly a quarter of the experts
-    budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
-              + 2 * probe["moe_layers"] * probe["bytes_per_expert"]
-              + min(2, probe["top_k"]) * probe["staging_bytes_per_expert"])
+    budget = budget_for_slots(probe, 2)
     p = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=16)
     assert p["slots_per_layer"] == 2 and p["fits"]
     pager = ExpertPager(model, ck, slots=p["slots_per_layer"])
@@ -287,9 +285,7 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     base = ["run", str(ck), "-p", "to be or not to be", "-n", "8", "--temp", "0", "--seed", "0", "--json"]
     full = json.loads(runner.invoke(app, base).stdout)
     probe = json.loads(runner.invoke(app, base + ["--memory-budget", "1GB", "--plan"]).stdout)["plan"]
-    budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]  # room for 2 of 8 experts a layer
-              + 2 * probe["moe_layers"] * probe["bytes_per_expert"]
-              + min(2, probe["top_k"]) * probe["staging_bytes_per_expert"])
+    budget = budget_for_slots(probe, 2)  # room for 2 of 8 experts a layer
     import gc
 
     gc.collect()

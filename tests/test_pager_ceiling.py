@@ -10,7 +10,7 @@ import pytest
 from rq_core.checkpoint import DEFAULT_MODEL, load
 from rq_core.generate import generate
 from rq_core.paging.pack import expert_banks, load_index, pack
-from rq_core.paging.pager import ExpertPager, slots_for_budget
+from rq_core.paging.pager import ExpertPager, budget_for_slots, slots_for_budget
 
 PROMPT = list(range(3, 43))
 N = 24
@@ -32,9 +32,7 @@ def test_measured_peak_is_within_the_budget(pages, slots, speculate):
     index = load_index(DEFAULT_MODEL, pages=out, banks=expert_banks(ck.model))
     ctx = len(PROMPT) + N
     probe = slots_for_budget(ck.model, ck.config, 1 << 40, context=ctx, prefill_chunk=16, index=index)
-    budget = (probe["resident_bytes"] + probe["kv_bytes"] + probe["activation_bytes"]
-              + slots * probe["moe_layers"] * probe["bytes_per_expert"]
-              + min(slots, probe["top_k"]) * probe["staging_bytes_per_expert"])
+    budget = budget_for_slots(probe, slots)
     plan = slots_for_budget(ck.model, ck.config, budget, context=ctx, prefill_chunk=16, index=index)
     assert plan["slots_per_layer"] == slots and plan["planned_peak_bytes"] <= budget
     gc.collect()
@@ -65,9 +63,7 @@ def test_rq_run_with_room_for_3_experts_stays_within_the_budget(pages):
     base = ["run", "-p", "to be or not to be, that is the question", "-n", "24", "--temp", "0", "--json"]
     full = json.loads(runner.invoke(app, base).stdout)
     plan = json.loads(runner.invoke(app, base + ["--pages", str(out), "--memory-budget", "1GB", "--plan"]).stdout)["plan"]
-    budget = (plan["resident_bytes"] + plan["kv_bytes"] + plan["activation_bytes"]
-              + 3 * plan["moe_layers"] * plan["bytes_per_expert"]
-              + min(3, plan["top_k"]) * plan["staging_bytes_per_expert"])
+    budget = budget_for_slots(plan, 3)
     gc.collect()
     mx.clear_cache()
     baseline = mx.get_active_memory()

@@ -17,7 +17,7 @@ from rq_core.checkpoint import DEFAULT_MODEL, load
 from rq_core.errors import RQError
 from rq_core.generate import generate
 from rq_core.paging.pack import pack
-from rq_core.paging.pager import ExpertPager
+from rq_core.paging.pager import ExpertPager, budget_for_slots
 
 PROMPT = "to be or not to be, that is the question: whether 'tis nobler in the mind to suffer"
 BANK = "model.layers.0.mlp.switch_mlp"
@@ -46,9 +46,7 @@ def bundled(tmp_path_factory):
     base = ["run", ck, "-p", PROMPT, "-n", "8", "--temp", "0", "--json"]
     full = json.loads(_invoke(*base).stdout)["tokens"]
     plan = json.loads(_invoke(*base, "--memory-budget", "1GB", "--plan").stdout)["plan"]
-    budget = (plan["resident_bytes"] + plan["kv_bytes"] + plan["activation_bytes"]
-              + 2 * plan["moe_layers"] * plan["bytes_per_expert"]
-              + min(2, plan["top_k"]) * plan["staging_bytes_per_expert"])
+    budget = budget_for_slots(plan, 2)
     r = _invoke(*base, "--memory-budget", budget)
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)

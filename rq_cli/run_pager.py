@@ -41,6 +41,8 @@ def table_plan(ckpt: Any, p: dict, context: int, prefill_chunk: int, **kv: Any) 
         planned_peak_bytes=p["planned_peak_bytes"],
         notes=([f"planned peak includes {fmt_bytes(p['staging_bytes'])} of staging for page reads"]
                if p["staging_bytes"] else []) +
+              ([f"{fmt_bytes(p['reserve_bytes'])} of the budget (1%) left free for what the parts do not count"]
+               if p.get("reserve_bytes") else []) +
               ([] if p["fits"] else [f"the smallest budget that runs: {fmt_bytes(p['min_budget_bytes'])}"]))
 
 

@@ -168,10 +168,12 @@ SOAK_KEYS = ("samples", "generations", "tokens_generated", "peak_rss_bytes", "pe
              "memory_growth_bytes_per_hour", "decode_tok_per_s_mean", "throughput_drift", "passed", "failures")
 
 
-def soak_cell(ckpt: Path, budget: str, kv: str, minutes: float, report: Path, timeout: float) -> dict:
+def soak_cell(ckpt: Path, budget: str, kv: str, minutes: float, report: Path, timeout: float, *,
+              max_prompt: int = 256, max_tokens: int = 64) -> dict:
     """`rq soak CKPT --minutes M --memory-budget B --kv KV --json` in its own process: the summary's memory CV,
     growth slope (MLX active memory, bytes an hour), throughput drift (start to end) and peaks."""
     r = run_child(rq_cmd("soak", str(ckpt), "--minutes", f"{minutes:g}", "--memory-budget", budget, "--kv", kv,
+                         "--max-prompt", str(max_prompt), "--max-tokens", str(max_tokens),
                          "--report", str(report), "--json"), timeout)
     d = parse_json(r["stdout"])
     if d is None or "summary" not in d:
@@ -180,7 +182,8 @@ def soak_cell(ckpt: Path, budget: str, kv: str, minutes: float, report: Path, ti
     out = {k: sm.get(k) for k in SOAK_KEYS}
     out.update(rss_growth_bytes_per_hour=(sm.get("rss_growth") or {}).get("slope_bytes_per_hour"),
                status=d.get("status"), elapsed_s=d.get("elapsed_s"), rc=r["rc"], wall_s=r["wall_s"],
-               child_peak_rss_bytes=r["child_peak_rss_bytes"], kv=kv, budget=budget, minutes=minutes)
+               child_peak_rss_bytes=r["child_peak_rss_bytes"], kv=kv, budget=budget, minutes=minutes,
+               max_prompt=max_prompt, max_tokens=max_tokens)
     return out
 
 
@@ -254,6 +257,10 @@ def table(res: dict) -> str:
               f"{res['tokens']} greedy tokens after a prompt of the context's length; every cell one `rq run` "
               "process. Decode tok/s: steady (first step apart). TTFT: the prefill. The paper's numbers: Apple M4 Max, "
               "its own checkpoints."]
+    cmds = {m.get("command") for m in res["models"] if m.get("command")}
+    if len(cmds) > 1:  # rows of several runs (--merge)
+        lines += ["", "Measured by: " + "; ".join(f"{m['config']} `{m['command']}` ({m.get('measured')})"
+                                                  for m in res["models"] if m.get("command")) + "."]
     h = res.get("host")
     if h:
         mem = f", {h['memory_bytes'] / 2 ** 30:.0f} GiB of memory" if h.get("memory_bytes") else ""
@@ -334,6 +341,10 @@ def main() -> None:
     ap.add_argument("--soak-minutes", type=float, default=0, metavar="M",
                     help="then `rq soak` each model for M minutes at its budget (first KV mode)")
     ap.add_argument("--soak-models", default=None, help="the families to soak (default: all of --models)")
+    ap.add_argument("--soak-prompt", type=int, default=256, metavar="N", help="rq soak's --max-prompt")
+    ap.add_argument("--soak-tokens", type=int, default=64, metavar="N", help="rq soak's --max-tokens")
+    ap.add_argument("--merge", action="store_true", help="keep the results file's models that this run does not "
+                                                         "measure (one model a run, rows of the others kept)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="results JSON (default benchmarks/results/paper_table.json)")
     a = ap.parse_args()
@@ -358,8 +369,21 @@ def main() -> None:
            "models": []}
     out_path = Path(a.out) if a.out else None
 
+    kept = []
+    if a.merge:  # the results file's other models, in MODELS' order with this run's
+        old_path = out_path or _readme.RESULTS / "paper_table.json"
+        if old_path.is_file():
+            old = json.loads(old_path.read_text())
+            if bool(old.get("tiny")) == a.tiny:
+                kept = [m for m in old.get("models", []) if m.get("model") in MODELS and m.get("model") not in names]
+
+    def merged() -> dict:
+        ms = kept + res["models"]
+        return {**res, "models": sorted(ms, key=lambda m: list(MODELS).index(m["model"]))}
+
     def save() -> None:
-        _readme.save("paper_table", res, table(res), out_path)
+        full = merged()
+        _readme.save("paper_table", full, table(full), out_path)
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -372,6 +396,7 @@ def main() -> None:
         if a.tiny:
             cfg = synth.truncate(cfg, 2)
         m = {"model": fam, "config": cfg_name, "recipe": rec_name, "budget": budget, "paper_budget": paper_budget,
+             "measured": _readme.meta()["date"], "command": _readme.meta()["command"],
              "budget_source": "--budget" if fam in budgets else "tiny" if a.tiny else "paper", "cells": [],
              "paper": None if a.tiny else {"peak_gb": paper[0], "tok_s": paper[1], "budget": paper_budget,
                                            "machine": "Apple M4 Max"}}
@@ -439,7 +464,8 @@ def main() -> None:
         if fam in soak_models:
             say(f"[{fam}] rq soak {a.soak_minutes:g} min at {budget} ...")
             m["soak"] = soak_cell(ckpt, budget, kvs[0], a.soak_minutes, d / f"soak-{fam}.json",
-                                  max(a.timeout, a.soak_minutes * 60 * 3))
+                                  max(a.timeout, a.soak_minutes * 60 * 3), max_prompt=a.soak_prompt,
+                                  max_tokens=a.soak_tokens)
             save()
             k = m["soak"]
             say(f"[{fam}] soak: " + (f"error {k['error']}" if "error" in k else
@@ -449,7 +475,7 @@ def main() -> None:
             shutil.rmtree(ckpt, ignore_errors=True)
             say(f"[{fam}] removed {ckpt}")
     save()
-    print(table(res))
+    print(table(merged()))
 
 
 if __name__ == "__main__":

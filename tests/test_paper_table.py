@@ -13,6 +13,7 @@ def test_tiny_table_end_to_end(tmp_path):
     out = tmp_path / "paper_table.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paper_table.py"), "--tiny", "--models", "qwen3_moe",
                         "--contexts", "16", "--kv", "isoquant3", "--tokens", "2", "--no-min-budget", "--timeout", "300",
+                        "--soak-minutes", "0.1", "--soak-prompt", "8", "--soak-tokens", "2",
                         "--dir", str(tmp_path / "d"), "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -34,6 +35,12 @@ def test_tiny_table_end_to_end(tmp_path):
     assert run["pager"]["misses"] > 0 and run["pager"]["hit_rate"] is not None
     assert 0.5 < c["measured_over_planned"] < 1.5
     assert "| qwen3-30b-a3b |" in d["table"]
+    assert d["host"]["cpu_cores"] >= 1 and d["host"]["accelerator"]
+    assert m["checkpoint"]["disk_over_planned"] > 0 and "experts_stored_once" in m["checkpoint"]
+    k = m["soak"]  # rq soak at the same budget
+    assert "error" not in k, k["error"]
+    assert k["budget"] == m["budget"] and k["samples"] >= 1 and "memory_cv" in k and "throughput_drift" in k
+    assert "| `rq soak` |" in d["table"]
 
 
 def _module():

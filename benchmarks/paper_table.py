@@ -299,7 +299,8 @@ def table(res: dict) -> str:
                 f"{k['tokens_generated']} | {f(k['decode_tok_per_s_mean'], '.2f')} | {f(k['memory_cv'], '.2%')} | "
                 f"{f(k['memory_growth_bytes_per_hour'], '+.1f', 2 ** -20)} | "
                 f"{f(k['rss_growth_bytes_per_hour'], '+.1f', 2 ** -20)} | {f(k['throughput_drift'], '+.1%')} | "
-                f"{gb(k['peak_memory_bytes'])} | {gb(k['peak_rss_bytes'])} | {k['passed']} |")
+                f"{gb(k['peak_memory_bytes'])} | {gb(k['peak_rss_bytes'])} | "
+                f"{k['passed'] if k['tokens_generated'] else 'not judged: no token in the time'} |")
     return "\n".join(lines) + "\n"
 
 

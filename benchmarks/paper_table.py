@@ -233,12 +233,20 @@ def table(res: dict) -> str:
     for m in res["models"]:
         paper = f"{m['paper']['peak_gb']}, {m['paper']['tok_s']}" if m["paper"] else "-"
         rows = [(m["budget"], c) for c in m["cells"]]
+        done = {(c.get("context"), c.get("kv")) for c in m["cells"]}
+        rows += [(m["budget"], {"context": ctx, "kv": kv, "run": {"skipped": "not measured: the run stopped "
+                                                                             "before this cell"}})
+                 for ctx, kv in planned_cells(m) if (ctx, kv) not in done and not m.get("error")]
         if m.get("min_budget"):
             rows.append((f"min {gb(m['min_budget'].get('budget_bytes'))} GB", m["min_budget"]))
         if m.get("error"):
             lines.append(f"| {m['config']} | {m['budget']} | - | - | - | error: {m['error']} | | | | | | | | {paper} |")
         for budget, c in rows:
             r, p = c.get("run") or {}, c.get("plan") or {}
+            if r.get("skipped"):
+                lines.append(f"| {m['config']} | {budget} | {c.get('kv')} | {c.get('context')} | - | - | "
+                             f"{r['skipped']} | | | | | | | {paper} |")
+                continue
             if "error" in r or "error" in p or not r:
                 err = r.get("error") or p.get("error") or "not run"
                 lines.append(f"| {m['config']} | {budget} | {c.get('kv')} | {c.get('context')} | {slots(p)} | "
@@ -250,7 +258,7 @@ def table(res: dict) -> str:
             lines.append(
                 f"| {m['config']} | {budget} | {c['kv']} | {r['prompt_tokens']:,} | {slots(p)} | {gb(pk)} | "
                 f"{gb(r['peak_memory_bytes'])} | {gb(r['peak_rss_bytes'])} | "
-                f"{ratio} | {r['steady_decode_tok_per_s']:.2f} | "
+                f"{ratio} | {rate(r['steady_decode_tok_per_s'])} | "
                 f"{r['prefill_s']:.2f} | {'-' if hr is None else f'{100 * hr:.1f}%'} | {r['kv_bytes'] / 1e6:.1f} | "
                 f"{paper} |")
     lines += ["", f"Synthetic checkpoints (random weights at the recipe's bits, routing {res['routing']}), "
@@ -304,6 +312,24 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rate(x: float) -> str:
+    """tok/s: two decimals, three below 1 (a CPU's 0.020 is not 0.02's 0.015-0.025)."""
+    return f"{x:.2f}" if x >= 1 else f"{x:.3f}"
+
+
+def planned_cells(m: dict) -> list[tuple[int, str]]:
+    """(context, KV mode) of each cell the model's run was asked for (its recorded lists, else its command's)."""
+    import shlex
+
+    ctxs, kvs = m.get("contexts"), m.get("kv")
+    if (ctxs is None or kvs is None) and m.get("command"):
+        argv = shlex.split(m["command"])
+        opt = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--contexts", "--kv")}
+        ctxs = ctxs or [int(x) for x in opt.get("--contexts", "2048,32768").split(",")]
+        kvs = kvs or opt.get("--kv", "isoquant3,fp16").split(",")
+    return [(c, k) for c in ctxs or [] for k in kvs or []]
+
+
 def budget_note(m: dict, h: dict | None) -> str:
     """' (set by --budget; ...)' for a budget other than the paper's, saying when the paper's exceeds the machine's
     memory; '' for the paper's own."""
@@ -330,7 +356,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="greedy decode tokens a run")
     ap.add_argument("--kv", default="isoquant3,fp16")
     ap.add_argument("--routing", default="uniform", help="uniform | zipf[:S] (the synthetic routers, see synth.py)")
-    ap.add_argument("--dir", required=True, help="where the checkpoints and prompts live (reused when complete)")
+    ap.add_argument("--dir", help="where the checkpoints and prompts live (reused when complete); required but "
+                                  "with --render")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds a subprocess may run")
     ap.add_argument("--no-min-budget", action="store_true", help="skip the run at the plan's smallest budget")
     ap.add_argument("--delete-after", action="store_true", help="remove each checkpoint after its cells (disk)")
@@ -344,6 +371,8 @@ def main() -> None:
     ap.add_argument("--soak-models", default=None, help="the families to soak (default: all of --models)")
     ap.add_argument("--soak-prompt", type=int, default=256, metavar="N", help="rq soak's --max-prompt")
     ap.add_argument("--soak-tokens", type=int, default=64, metavar="N", help="rq soak's --max-tokens")
+    ap.add_argument("--render", action="store_true", help="rewrite the results file's table from its data and exit "
+                                                          "(no runs; its date and command stay)")
     ap.add_argument("--merge", action="store_true", help="keep the results file's models that this run does not "
                                                          "measure (one model a run, rows of the others kept)")
     ap.add_argument("--seed", type=int, default=0)
@@ -354,6 +383,14 @@ def main() -> None:
     from rq_core.quant import recipe as recipe_mod
     from rq_core.tools import synth
 
+    if a.render:
+        path = Path(a.out) if a.out else _readme.RESULTS / "paper_table.json"
+        data = {k: v for k, v in json.loads(path.read_text()).items() if k != "table"}
+        _readme.save("paper_table", data, table(data), path)
+        print(table(data))
+        return
+    if not a.dir:
+        ap.error("--dir is required")
     routing = a.routing
     synth.parse_routing(routing)  # a bad value fails before any work
     budgets = parse_budgets(a.budget)
@@ -397,7 +434,8 @@ def main() -> None:
         if a.tiny:
             cfg = synth.truncate(cfg, 2)
         m = {"model": fam, "config": cfg_name, "recipe": rec_name, "budget": budget, "paper_budget": paper_budget,
-             "measured": _readme.meta()["date"], "command": _readme.meta()["command"],
+             "measured": _readme.meta()["date"], "command": _readme.meta()["command"], "contexts": contexts,
+             "kv": kvs,
              "budget_source": "--budget" if fam in budgets else "tiny" if a.tiny else "paper", "cells": [],
              "paper": None if a.tiny else {"peak_gb": paper[0], "tok_s": paper[1], "budget": paper_budget,
                                            "machine": "Apple M4 Max"}}

@@ -82,13 +82,29 @@ def test_table_names_the_machine_the_budgets_and_the_disk():
            "models": [{"config": "nemotron3-super-120b-a12b", "budget": "19GB", "paper_budget": "32GB",
                        "budget_source": "--budget", "paper": {"peak_gb": 17.2, "tok_s": 14.85},
                        "checkpoint": {"planned_bytes": 40.94e9, "disk_bytes": 41.0e9, "write_s": 500.0},
+                       "command": "python3 benchmarks/paper_table.py --contexts 64 --kv isoquant3,fp16",
                        "cells": [{"kv": "isoquant3", "context": 64, "plan": plan, "run": run}], "soak": soak},
                       {"config": "qwen3-30b-a3b", "budget": "16GB", "paper_budget": "16GB",
                        "budget_source": "paper", "paper": {"peak_gb": 6.8, "tok_s": 15.6}, "cells": []}]}
     t = pt.table(res)
-    assert "| nemotron3-super-120b-a12b | 19GB | isoquant3 | 64 | 190 / 512 | 18.00 | 17.00 | 18.50 | 0.94, 1.03 |" in t
+    assert ("| nemotron3-super-120b-a12b | 19GB | isoquant3 | 64 | 190 / 512 | 18.00 | 17.00 | 18.50 | 0.94, 1.03 "
+            "| 0.500 |") in t
+    # the cell its command asked for that the run did not reach
+    assert "| nemotron3-super-120b-a12b | 19GB | fp16 | 64 | - | - | not measured: the run stopped before" in t
     assert "Measured on the CPU (2 cores, 24 GiB of memory)" in t and "not comparable" in t
     assert "nemotron3-super-120b-a12b 19GB (set by --budget: the paper's 32GB is more than this machine's 24 GiB)" in t
     assert "qwen3-30b-a3b 16GB (the paper's)" in t
     assert "| nemotron3-super-120b-a12b | 40.94 | 41.00 | 1.001 | 500.0 |" in t
     assert "| nemotron3-super-120b-a12b | 19GB | isoquant3 | 5.0 | 40 | 0.40 | 1.00% | +1.0 | - | -5.0% |" in t
+
+
+def test_render_rewrites_the_table_and_keeps_the_runs_metadata(tmp_path):
+    f = tmp_path / "pt.json"
+    f.write_text(json.dumps({"date": "2000-01-01 00:00 UTC", "machine": "m", "mlx": "0", "command": "cmd",
+                             "routing": "uniform", "tokens": 4, "models": [], "table": "stale"}))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paper_table.py"), "--render", "--out", str(f)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(f.read_text())
+    assert d["table"] != "stale" and "| model | budget |" in d["table"]
+    assert (d["date"], d["command"]) == ("2000-01-01 00:00 UTC", "cmd")

@@ -4,14 +4,24 @@ Nemotron 3 Super 120B-A12B (nemotron-32gb, 32 GB), Qwen3-30B-A3B (qwen3-16gb, 16
 
     python3 benchmarks/paper_table.py --dir /data/rq-paper                      # GPU, see benchmarks/README.md
     python3 benchmarks/paper_table.py --tiny --dir /tmp/rq-paper-tiny           # 2-layer slices, CPU check
+    python3 benchmarks/paper_table.py --dir /tmp/rq-paper --delete-after \
+        --budget nemotron_h=19GB --contexts 64 --tokens 4 --timeout 3600        # real size on a CPU machine
 
 Per model: the checkpoint (rq_core.tools.synth: random codes at the recipe's bits in rq quantize's layout, written
-packed: the routed experts once, in CKPT/experts, as `rq pack --move` leaves them), reused from --dir when complete.
-Per context and KV mode: `rq run --plan --json` (the planner's peak and smallest budget), then the run: MLX peak
-and peak RSS (the JSON's, and the child's from wait4), steady decode tok/s, time to first token (the prefill),
-pager hit rate, KV bytes; measured / planned peak. Then one run at the smallest budget the plan names. A cell that
+packed: the routed experts once, in CKPT/experts, as `rq pack --move` leaves them), reused from --dir when complete;
+its bytes on disk against the planner's weight bytes (at most DISK_MARGIN times: each expert stored once).
+Per context and KV mode: `rq run --plan --json` (the planner's peak, expert slots a layer and smallest budget), then
+the run: MLX peak and peak RSS (the JSON's, and the child's from wait4), steady decode tok/s, time to first token
+(the prefill), pager hit rate, KV bytes; measured / planned peak. Then one run at the smallest budget the plan
+names. With --soak-minutes, `rq soak` at the model's budget (memory CV, growth slope, throughput drift). A cell that
 fails or passes --timeout is recorded with its error; the others' results are kept. Writes
 benchmarks/results/paper_table.json (or --out) after every cell.
+
+Budgets: the paper's (the recipe's: 32 GB for Nemotron, 16 GB for the others) unless `--budget FAMILY=SIZE` sets
+one; a budget larger than this machine's memory cannot be honoured (a machine of 24 GiB runs the 120B at ~19 GB:
+fewer experts a layer stay resident, the plan says how many). The results file and its table name the machine
+(accelerator, CPU cores, memory) and each model's budget and where it came from; decode speeds measured on a CPU are
+not comparable with the paper's Apple M4 Max numbers.
 """
 
 from __future__ import annotations
@@ -154,41 +164,189 @@ def run_cell(ckpt: Path, budget: str, kv: str, pf: Path, tokens: int, timeout: f
     return out
 
 
+SOAK_KEYS = ("samples", "generations", "tokens_generated", "peak_rss_bytes", "peak_memory_bytes", "memory_cv",
+             "memory_growth_bytes_per_hour", "decode_tok_per_s_mean", "throughput_drift", "passed", "failures")
+
+
+def soak_cell(ckpt: Path, budget: str, kv: str, minutes: float, report: Path, timeout: float, *,
+              max_prompt: int = 256, max_tokens: int = 64) -> dict:
+    """`rq soak CKPT --minutes M --memory-budget B --kv KV --json` in its own process: the summary's memory CV,
+    growth slope (MLX active memory, bytes an hour), throughput drift (start to end) and peaks."""
+    r = run_child(rq_cmd("soak", str(ckpt), "--minutes", f"{minutes:g}", "--memory-budget", budget, "--kv", kv,
+                         "--max-prompt", str(max_prompt), "--max-tokens", str(max_tokens),
+                         "--report", str(report), "--json"), timeout)
+    d = parse_json(r["stdout"])
+    if d is None or "summary" not in d:
+        return {"error": error_line(r), "wall_s": r["wall_s"], "child_peak_rss_bytes": r["child_peak_rss_bytes"]}
+    sm = d["summary"]
+    out = {k: sm.get(k) for k in SOAK_KEYS}
+    out.update(rss_growth_bytes_per_hour=(sm.get("rss_growth") or {}).get("slope_bytes_per_hour"),
+               status=d.get("status"), elapsed_s=d.get("elapsed_s"), rc=r["rc"], wall_s=r["wall_s"],
+               child_peak_rss_bytes=r["child_peak_rss_bytes"], kv=kv, budget=budget, minutes=minutes,
+               max_prompt=max_prompt, max_tokens=max_tokens)
+    return out
+
+
+def parse_budgets(items: list[str]) -> dict[str, str]:
+    """['nemotron_h=19GB', 'qwen3_moe=12GB,gemma4=12GB'] -> {family: size}; an unknown family or an unreadable
+    size fails before any work."""
+    from rq_core.quant.recipe import parse_size
+
+    out: dict[str, str] = {}
+    for item in items:
+        for part in filter(None, (x.strip() for x in item.split(","))):
+            fam, eq, size = part.partition("=")
+            if not eq or fam not in MODELS:
+                raise SystemExit(f"error: --budget {part!r}: give FAMILY=SIZE with FAMILY one of {', '.join(MODELS)} "
+                                 "(e.g. nemotron_h=19GB)")
+            try:
+                parse_size(size, "--budget")
+            except Exception as e:
+                raise SystemExit(f"error: --budget {part!r}: {e}")
+            out[fam] = size
+    return out
+
+
+def host() -> dict:
+    """What the cells ran on: the accelerator MLX uses (a GPU's name, else "CPU"), CPU cores, physical memory."""
+    import mlx.core as mx
+
+    acc = "CPU"
+    if mx.default_device().type == mx.DeviceType.gpu:
+        acc = str(mx.device_info().get("device_name", "GPU"))
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        mem = None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"accelerator": acc, "cpu_cores": cores, "memory_bytes": mem}
+
+
 def gb(n) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
 def table(res: dict) -> str:
-    lines = ["| model | budget | KV | context | planned peak GB | MLX peak GB | RSS GB | measured/planned | decode tok/s "
-             "| TTFT s | hit rate | KV MB | paper: peak GB, tok/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | budget | KV | context | expert slots / layer | planned peak GB | MLX peak GB | RSS GB "
+             "| measured/planned (MLX, RSS) | decode tok/s | TTFT s | hit rate | KV MB | paper: peak GB, tok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m in res["models"]:
         paper = f"{m['paper']['peak_gb']}, {m['paper']['tok_s']}" if m["paper"] else "-"
         rows = [(m["budget"], c) for c in m["cells"]]
+        done = {(c.get("context"), c.get("kv")) for c in m["cells"]}
+        rows += [(m["budget"], {"context": ctx, "kv": kv, "run": {"skipped": "not measured: the run stopped "
+                                                                             "before this cell"}})
+                 for ctx, kv in planned_cells(m) if (ctx, kv) not in done and not m.get("error")]
         if m.get("min_budget"):
             rows.append((f"min {gb(m['min_budget'].get('budget_bytes'))} GB", m["min_budget"]))
         if m.get("error"):
-            lines.append(f"| {m['config']} | {m['budget']} | - | - | error: {m['error']} | | | | | | | | {paper} |")
+            lines.append(f"| {m['config']} | {m['budget']} | - | - | - | error: {m['error']} | | | | | | | | {paper} |")
         for budget, c in rows:
             r, p = c.get("run") or {}, c.get("plan") or {}
+            if r.get("skipped"):
+                lines.append(f"| {m['config']} | {budget} | {c.get('kv')} | {c.get('context')} | - | - | "
+                             f"{r['skipped']} | | | | | | | {paper} |")
+                continue
             if "error" in r or "error" in p or not r:
                 err = r.get("error") or p.get("error") or "not run"
-                lines.append(f"| {m['config']} | {budget} | {c.get('kv')} | {c.get('context')} | "
+                lines.append(f"| {m['config']} | {budget} | {c.get('kv')} | {c.get('context')} | {slots(p)} | "
                              f"{gb(p.get('planned_peak_bytes'))} | error: {err} | | | | | | | {paper} |")
                 continue
             hr = r["pager"].get("hit_rate")
-            ratio = (r["peak_memory_bytes"] / p["planned_peak_bytes"]) if p.get("planned_peak_bytes") else None
+            pk = p.get("planned_peak_bytes")
+            ratio = "-" if not pk else f"{r['peak_memory_bytes'] / pk:.2f}, {r['peak_rss_bytes'] / pk:.2f}"
             lines.append(
-                f"| {m['config']} | {budget} | {c['kv']} | {r['prompt_tokens']:,} | {gb(p.get('planned_peak_bytes'))} | "
+                f"| {m['config']} | {budget} | {c['kv']} | {r['prompt_tokens']:,} | {slots(p)} | {gb(pk)} | "
                 f"{gb(r['peak_memory_bytes'])} | {gb(r['peak_rss_bytes'])} | "
-                f"{'-' if ratio is None else f'{ratio:.2f}'} | {r['steady_decode_tok_per_s']:.2f} | "
+                f"{ratio} | {rate(r['steady_decode_tok_per_s'])} | "
                 f"{r['prefill_s']:.2f} | {'-' if hr is None else f'{100 * hr:.1f}%'} | {r['kv_bytes'] / 1e6:.1f} | "
                 f"{paper} |")
     lines += ["", f"Synthetic checkpoints (random weights at the recipe's bits, routing {res['routing']}), "
               f"{res['tokens']} greedy tokens after a prompt of the context's length; every cell one `rq run` "
               "process. Decode tok/s: steady (first step apart). TTFT: the prefill. The paper's numbers: Apple M4 Max, "
               "its own checkpoints."]
+    cmds = {m.get("command") for m in res["models"] if m.get("command")}
+    if len(cmds) > 1:  # rows of several runs (--merge)
+        lines += ["", "Measured by: " + "; ".join(f"{m['config']} `{m['command']}` ({m.get('measured')})"
+                                                  for m in res["models"] if m.get("command")) + "."]
+    h = res.get("host")
+    if h:
+        mem = f", {h['memory_bytes'] / 2 ** 30:.0f} GiB of memory" if h.get("memory_bytes") else ""
+        where = f"Measured on {'the CPU' if h['accelerator'] == 'CPU' else h['accelerator']} ({h['cpu_cores']} cores{mem})"
+        if h["accelerator"] == "CPU":
+            where += "; tok/s and TTFT measured on a CPU are not comparable with the paper's Apple M4 Max numbers"
+        lines += ["", where + "."]
+    budgets = [f"{m['config']} {m['budget']}" + budget_note(m, h) for m in res["models"]
+               if m.get("budget_source") != "tiny"]
+    if budgets:
+        lines += ["", "Budgets: " + "; ".join(budgets) + "."]
+    ck = [m for m in res["models"] if (m.get("checkpoint") or {}).get("disk_bytes")]
+    if ck:
+        lines += ["", "| model | weights GB (planner) | checkpoint GB on disk | disk / weights | written in s |",
+                  "| --- | --- | --- | --- | --- |"]
+        for m in ck:
+            c = m["checkpoint"]
+            lines.append(f"| {m['config']} | {gb(c['planned_bytes'])} | {gb(c['disk_bytes'])} | "
+                         f"{c['disk_bytes'] / c['planned_bytes']:.3f} | "
+                         f"{'reused' if c.get('reused') else c.get('write_s')} |")
+    so = [m for m in res["models"] if m.get("soak")]
+    if so:
+        lines += ["", "| `rq soak` | budget | KV | minutes | tokens | decode tok/s mean | memory CV | "
+                  "MLX growth MB/h | RSS growth MB/h | throughput drift | MLX peak GB | RSS GB | passed |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for m in so:
+            k = m["soak"]
+            if "error" in k:
+                lines.append(f"| {m['config']} | {m['budget']} | - | - | error: {k['error']} | | | | | | | | |")
+                continue
+
+            def f(x, spec, scale=1.0):
+                return "-" if x is None else format(x * scale, spec)
+            lines.append(
+                f"| {m['config']} | {k['budget']} | {k['kv']} | {f(k.get('elapsed_s'), '.1f', 1 / 60)} | "
+                f"{k['tokens_generated']} | {f(k['decode_tok_per_s_mean'], '.2f')} | {f(k['memory_cv'], '.2%')} | "
+                f"{f(k['memory_growth_bytes_per_hour'], '+.1f', 2 ** -20)} | "
+                f"{f(k['rss_growth_bytes_per_hour'], '+.1f', 2 ** -20)} | {f(k['throughput_drift'], '+.1%')} | "
+                f"{gb(k['peak_memory_bytes'])} | {gb(k['peak_rss_bytes'])} | "
+                f"{k['passed'] if k['tokens_generated'] else 'not judged: no token in the time'} |")
     return "\n".join(lines) + "\n"
+
+
+def rate(x: float) -> str:
+    """tok/s: two decimals, three below 1 (a CPU's 0.020 is not 0.02's 0.015-0.025)."""
+    return f"{x:.2f}" if x >= 1 else f"{x:.3f}"
+
+
+def planned_cells(m: dict) -> list[tuple[int, str]]:
+    """(context, KV mode) of each cell the model's run was asked for (its recorded lists, else its command's)."""
+    import shlex
+
+    ctxs, kvs = m.get("contexts"), m.get("kv")
+    if (ctxs is None or kvs is None) and m.get("command"):
+        argv = shlex.split(m["command"])
+        opt = {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--contexts", "--kv")}
+        ctxs = ctxs or [int(x) for x in opt.get("--contexts", "2048,32768").split(",")]
+        kvs = kvs or opt.get("--kv", "isoquant3,fp16").split(",")
+    return [(c, k) for c in ctxs or [] for k in kvs or []]
+
+
+def budget_note(m: dict, h: dict | None) -> str:
+    """' (set by --budget; ...)' for a budget other than the paper's, saying when the paper's exceeds the machine's
+    memory; '' for the paper's own."""
+    if m.get("budget_source") != "--budget":
+        return " (the paper's)"
+    from rq_core.quant.recipe import parse_size
+
+    mem = (h or {}).get("memory_bytes")
+    if mem and parse_size(m["paper_budget"]) > mem:
+        return (f" (set by --budget: the paper's {m['paper_budget']} is more than this machine's "
+                f"{mem / 2 ** 30:.0f} GiB)")
+    return f" (set by --budget; the paper's: {m['paper_budget']})"
+
+
+def slots(p: dict) -> str:
+    n, e = p.get("slots_per_layer"), p.get("experts_per_layer")
+    return "-" if n is None or e is None else f"{n} / {e}"
 
 
 def main() -> None:
@@ -198,12 +356,25 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="greedy decode tokens a run")
     ap.add_argument("--kv", default="isoquant3,fp16")
     ap.add_argument("--routing", default="uniform", help="uniform | zipf[:S] (the synthetic routers, see synth.py)")
-    ap.add_argument("--dir", required=True, help="where the checkpoints and prompts live (reused when complete)")
+    ap.add_argument("--dir", help="where the checkpoints and prompts live (reused when complete); required but "
+                                  "with --render")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds a subprocess may run")
     ap.add_argument("--no-min-budget", action="store_true", help="skip the run at the plan's smallest budget")
     ap.add_argument("--delete-after", action="store_true", help="remove each checkpoint after its cells (disk)")
     ap.add_argument("--tiny", action="store_true", help="2-layer slices, budgets between the smallest and all "
                                                         "resident, contexts 64,256: a CPU check of the pipeline")
+    ap.add_argument("--budget", action="append", default=[], metavar="FAMILY=SIZE",
+                    help="a model's memory budget instead of the paper's (e.g. nemotron_h=19GB on a 24 GiB machine); "
+                         "repeatable or comma-separated")
+    ap.add_argument("--soak-minutes", type=float, default=0, metavar="M",
+                    help="then `rq soak` each model for M minutes at its budget (first KV mode)")
+    ap.add_argument("--soak-models", default=None, help="the families to soak (default: all of --models)")
+    ap.add_argument("--soak-prompt", type=int, default=256, metavar="N", help="rq soak's --max-prompt")
+    ap.add_argument("--soak-tokens", type=int, default=64, metavar="N", help="rq soak's --max-tokens")
+    ap.add_argument("--render", action="store_true", help="rewrite the results file's table from its data and exit "
+                                                          "(no runs; its date and command stay)")
+    ap.add_argument("--merge", action="store_true", help="keep the results file's models that this run does not "
+                                                         "measure (one model a run, rows of the others kept)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="results JSON (default benchmarks/results/paper_table.json)")
     a = ap.parse_args()
@@ -212,8 +383,17 @@ def main() -> None:
     from rq_core.quant import recipe as recipe_mod
     from rq_core.tools import synth
 
+    if a.render:
+        path = Path(a.out) if a.out else _readme.RESULTS / "paper_table.json"
+        data = {k: v for k, v in json.loads(path.read_text()).items() if k != "table"}
+        _readme.save("paper_table", data, table(data), path)
+        print(table(data))
+        return
+    if not a.dir:
+        ap.error("--dir is required")
     routing = a.routing
     synth.parse_routing(routing)  # a bad value fails before any work
+    budgets = parse_budgets(a.budget)
     contexts = [int(x) for x in (a.contexts or ("64,256" if a.tiny else "2048,32768")).split(",")]
     kvs = a.kv.split(",")
     names = a.models.split(",")
@@ -222,23 +402,42 @@ def main() -> None:
         sys.exit(f"error: unknown model {unknown[0]!r} (choose from {', '.join(MODELS)})")
     d = Path(a.dir).expanduser().resolve()
     d.mkdir(parents=True, exist_ok=True)
-    res = {"routing": routing, "tokens": a.tokens, "tiny": a.tiny, "contexts": contexts, "kv": kvs, "models": []}
+    soak_models = set((a.soak_models or a.models).split(",")) if a.soak_minutes > 0 else set()
+    res = {"routing": routing, "tokens": a.tokens, "tiny": a.tiny, "contexts": contexts, "kv": kvs, "host": host(),
+           "models": []}
     out_path = Path(a.out) if a.out else None
 
+    kept = []
+    if a.merge:  # the results file's other models, in MODELS' order with this run's
+        old_path = out_path or _readme.RESULTS / "paper_table.json"
+        if old_path.is_file():
+            old = json.loads(old_path.read_text())
+            if bool(old.get("tiny")) == a.tiny:
+                kept = [m for m in old.get("models", []) if m.get("model") in MODELS and m.get("model") not in names]
+
+    def merged() -> dict:
+        ms = kept + res["models"]
+        return {**res, "models": sorted(ms, key=lambda m: list(MODELS).index(m["model"]))}
+
     def save() -> None:
-        _readme.save("paper_table", res, table(res), out_path)
+        full = merged()
+        _readme.save("paper_table", full, table(full), out_path)
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     prompts = {n: prompt_file(d / "prompts", n) for n in contexts}
     for fam in names:
-        cfg_name, rec_name, budget, paper = MODELS[fam]
+        cfg_name, rec_name, paper_budget, paper = MODELS[fam]
+        budget = budgets.get(fam, paper_budget)
         cfg = synth.read_config(cfg_name)
         if a.tiny:
             cfg = synth.truncate(cfg, 2)
-        m = {"model": fam, "config": cfg_name, "recipe": rec_name, "budget": budget, "cells": [],
-             "paper": None if a.tiny else {"peak_gb": paper[0], "tok_s": paper[1], "budget": budget,
+        m = {"model": fam, "config": cfg_name, "recipe": rec_name, "budget": budget, "paper_budget": paper_budget,
+             "measured": _readme.meta()["date"], "command": _readme.meta()["command"], "contexts": contexts,
+             "kv": kvs,
+             "budget_source": "--budget" if fam in budgets else "tiny" if a.tiny else "paper", "cells": [],
+             "paper": None if a.tiny else {"peak_gb": paper[0], "tok_s": paper[1], "budget": paper_budget,
                                            "machine": "Apple M4 Max"}}
         res["models"].append(m)
         ckpt = d / f"{cfg_name}{'-2layers' if a.tiny else ''}-{rec_name}-{routing.replace(':', '_')}"
@@ -253,6 +452,8 @@ def main() -> None:
             _, reused = synth.ensure(cfg, rec_name, ckpt, seed=a.seed, routing=routing, packed=True)
             m["checkpoint"].update(reused=reused, write_s=round(time.perf_counter() - t0, 1),
                                    disk_bytes=disk_bytes(ckpt))
+            m["checkpoint"]["disk_over_planned"] = round(m["checkpoint"]["disk_bytes"] / expect, 4)
+            m["checkpoint"]["experts_stored_once"] = m["checkpoint"]["disk_bytes"] <= expect * DISK_MARGIN
             say(f"[{fam}] checkpoint {'reused' if reused else 'written'}: {m['checkpoint']['disk_bytes'] / 1e9:.2f} GB "
                 f"on disk, {m['checkpoint']['write_s']} s")
         except Exception as e:  # this model's cells are lost, the others' are not
@@ -260,7 +461,7 @@ def main() -> None:
             say(f"[{fam}] error: {m['error']}")
             save()
             continue
-        if a.tiny:  # halfway between the smallest budget and everything resident: the pager at work
+        if a.tiny and fam not in budgets:  # halfway between the smallest budget and all resident: the pager at work
             lo = plan_cell(ckpt, "1TB", kvs[0], prompts[contexts[0]][0], a.tokens, a.timeout)
             if "error" in lo:
                 m["error"] = f"plan: {lo['error']}"
@@ -299,11 +500,21 @@ def main() -> None:
             save()
             say(f"[{fam}] smallest budget {gb(mb)} GB: " + (f"error {r['error']}" if "error" in r else
                 f"peak {gb(r['peak_memory_bytes'])} GB, {r['steady_decode_tok_per_s']:.2f} tok/s"))
+        if fam in soak_models:
+            say(f"[{fam}] rq soak {a.soak_minutes:g} min at {budget} ...")
+            m["soak"] = soak_cell(ckpt, budget, kvs[0], a.soak_minutes, d / f"soak-{fam}.json",
+                                  max(a.timeout, a.soak_minutes * 60 * 3), max_prompt=a.soak_prompt,
+                                  max_tokens=a.soak_tokens)
+            save()
+            k = m["soak"]
+            say(f"[{fam}] soak: " + (f"error {k['error']}" if "error" in k else
+                f"memory CV {k['memory_cv']}, growth {k['memory_growth_bytes_per_hour']} B/h, "
+                f"drift {k['throughput_drift']}, {k['decode_tok_per_s_mean']} tok/s"))
         if a.delete_after:
             shutil.rmtree(ckpt, ignore_errors=True)
             say(f"[{fam}] removed {ckpt}")
     save()
-    print(table(res))
+    print(table(merged()))
 
 
 if __name__ == "__main__":

@@ -91,11 +91,11 @@ def profile(
     model = model_arg(model, model_opt)
     contexts = parse_contexts(context)
     check_kv_flags(kv, kv_config)
-    # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
+    # As `rq run` does: float32 compute on the CPU where it costs little memory (the pager casts pages to it).
     path = resolve_model_path(model)
     rec = recipe_of(path)
     memory_budget = memory_budget_of(rec, path, memory_budget)
-    ckpt = load(path, tokenizer=False, cpu_float32=memory_budget is None)
+    ckpt = load(path, tokenizer=False, cpu_float32=True)
     gpu_first_run_note()
     settings = kv_settings(rec, kv, kv_config, default_mode="isoquant3")  # the cache `rq run` makes
     kv = settings.mode

@@ -97,11 +97,11 @@ def soak(
     if duration <= 0:
         raise RQError("the duration must be positive")
     check_kv_flags(kv, kv_config)
-    # As `rq run` does: float32 compute on the CPU for small models, unless experts are paged.
+    # As `rq run` does: float32 compute on the CPU where it costs little memory (the pager casts pages to it).
     path = resolve_model_path(model)
     rec = recipe_of(path)
     memory_budget = memory_budget_of(rec, path, memory_budget)
-    ckpt = load(path, cpu_float32=memory_budget is None)
+    ckpt = load(path, cpu_float32=True)
     gpu_first_run_note()
     kvs = kv_settings(rec, kv, kv_config, default_mode="isoquant3")  # rq run's cache
     kv = kvs.mode

@@ -330,22 +330,39 @@ def config_eos_token_ids(config: dict, generation_config: dict) -> set[int]:
 
 
 # On the CPU, MLX's quantized matmuls run several times faster on float32 activations than on
-# bf16/fp16 (measured 16.6 -> 94 tok/s decoding the bundled model), so small models are upcast there.
+# bf16/fp16 (measured 16.6 -> 94 tok/s decoding the bundled model; the 2-bit expert gather_qmm of Nemotron 3
+# Super's shapes, one token x top-22: 0.80 against 0.08 GMAC/s), so models are upcast there when it costs little
+# memory: upcasting doubles the floating-point arrays only (a quantized weight's codes stay uint32, its scales and
+# biases double), so a model is upcast when those arrays hold at most CPU_FLOAT32_MAX_BYTES or at most
+# CPU_FLOAT32_MAX_SHARE of its bytes (a quantized model of any size: ~10-20% at 2-8 bits; an unquantized model
+# only when small). An expert pager casts pages to the model's dtype and plans its slots in it.
 CPU_FLOAT32_MAX_BYTES = 4 << 30
+CPU_FLOAT32_MAX_SHARE = 0.25
+
+
+def cpu_float32_pays(model: Any) -> bool:
+    """Whether upcasting `model` to float32 costs at most CPU_FLOAT32_MAX_BYTES, or CPU_FLOAT32_MAX_SHARE of its
+    bytes, of added memory (its floating-point arrays, not already float32, doubled)."""
+    from mlx.utils import tree_flatten
+
+    total = added = 0
+    for _, v in tree_flatten(model.parameters()):
+        total += v.nbytes
+        if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32:
+            added += v.nbytes * (4 // v.dtype.size - 1)
+    return added <= max(CPU_FLOAT32_MAX_BYTES, CPU_FLOAT32_MAX_SHARE * total)
 
 
 def load(path_or_id: Optional[str | os.PathLike] = None, *, tokenizer: bool = True,
          cpu_float32: bool = False) -> Checkpoint:
-    """Everything `rq run` needs from a checkpoint. `cpu_float32`: on the CPU, compute in float32
-    when the weights are at most CPU_FLOAT32_MAX_BYTES (big models keep their stored dtype)."""
+    """Everything `rq run` needs from a checkpoint. `cpu_float32`: on the CPU, compute in float32 where that costs
+    little memory (cpu_float32_pays: small models, and quantized models of any size); others keep their stored
+    dtype."""
     path = resolve_model_path(path_or_id)
     config = load_config(path)
     model = build_model(config, load_weights(path))
-    if cpu_float32 and mx.default_device() == mx.cpu:
-        from mlx.utils import tree_flatten
-
-        if sum(v.nbytes for _, v in tree_flatten(model.parameters())) <= CPU_FLOAT32_MAX_BYTES:
-            model.set_dtype(mx.float32)
+    if cpu_float32 and mx.default_device() == mx.cpu and cpu_float32_pays(model):
+        model.set_dtype(mx.float32)
     gen = path / "generation_config.json"
     generation_config = read_json(gen) if gen.is_file() else {}
     config_eos_token_ids(config, generation_config)  # a malformed eos_token_id fails here, in one line

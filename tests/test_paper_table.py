@@ -13,6 +13,7 @@ def test_tiny_table_end_to_end(tmp_path):
     out = tmp_path / "paper_table.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paper_table.py"), "--tiny", "--models", "qwen3_moe",
                         "--contexts", "16", "--kv", "isoquant3", "--tokens", "2", "--no-min-budget", "--timeout", "300",
+                        "--soak-minutes", "0.1", "--soak-prompt", "8", "--soak-tokens", "2",
                         "--dir", str(tmp_path / "d"), "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -34,3 +35,76 @@ def test_tiny_table_end_to_end(tmp_path):
     assert run["pager"]["misses"] > 0 and run["pager"]["hit_rate"] is not None
     assert 0.5 < c["measured_over_planned"] < 1.5
     assert "| qwen3-30b-a3b |" in d["table"]
+    assert d["host"]["cpu_cores"] >= 1 and d["host"]["accelerator"]
+    assert m["checkpoint"]["disk_over_planned"] > 0 and "experts_stored_once" in m["checkpoint"]
+    k = m["soak"]  # rq soak at the same budget
+    assert "error" not in k, k["error"]
+    assert k["budget"] == m["budget"] and k["samples"] >= 1 and "memory_cv" in k and "throughput_drift" in k
+    assert "| `rq soak` |" in d["table"]
+
+
+def _module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("paper_table", ROOT / "benchmarks" / "paper_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_budget_overrides_parse_and_refuse_bad_input():
+    import pytest
+
+    pt = _module()
+    assert pt.parse_budgets(["nemotron_h=19GB", "qwen3_moe=12GB,gemma4=10GiB"]) == {
+        "nemotron_h": "19GB", "qwen3_moe": "12GB", "gemma4": "10GiB"}
+    assert pt.parse_budgets([]) == {}
+    for bad in ("nemotron_h", "llama=16GB", "gemma4=lots"):
+        with pytest.raises(SystemExit):
+            pt.parse_budgets([bad])
+
+
+def test_table_names_the_machine_the_budgets_and_the_disk():
+    """A CPU run's table says the machine, that its tok/s are not the paper's, which budget each model ran at (and
+    that the paper's exceeds the machine), the checkpoint's bytes on disk against the planner's, and the soak."""
+    pt = _module()
+    plan = {"planned_peak_bytes": 18_000_000_000, "slots_per_layer": 190, "experts_per_layer": 512,
+            "min_budget_bytes": 8_000_000_000}
+    run = {"prompt_tokens": 64, "peak_memory_bytes": 17_000_000_000, "peak_rss_bytes": 18_500_000_000,
+           "steady_decode_tok_per_s": 0.5, "prefill_s": 30.0, "kv_bytes": 1_000_000,
+           "pager": {"hit_rate": 0.4}}
+    soak = {"budget": "19GB", "kv": "isoquant3", "elapsed_s": 300, "tokens_generated": 40,
+            "decode_tok_per_s_mean": 0.4, "memory_cv": 0.01, "memory_growth_bytes_per_hour": 2 ** 20,
+            "rss_growth_bytes_per_hour": None, "throughput_drift": -0.05, "peak_memory_bytes": 17e9,
+            "peak_rss_bytes": 18e9, "passed": True}
+    res = {"routing": "uniform", "tokens": 4,
+           "host": {"accelerator": "CPU", "cpu_cores": 2, "memory_bytes": 24 * 2 ** 30},
+           "models": [{"config": "nemotron3-super-120b-a12b", "budget": "19GB", "paper_budget": "32GB",
+                       "budget_source": "--budget", "paper": {"peak_gb": 17.2, "tok_s": 14.85},
+                       "checkpoint": {"planned_bytes": 40.94e9, "disk_bytes": 41.0e9, "write_s": 500.0},
+                       "command": "python3 benchmarks/paper_table.py --contexts 64 --kv isoquant3,fp16",
+                       "cells": [{"kv": "isoquant3", "context": 64, "plan": plan, "run": run}], "soak": soak},
+                      {"config": "qwen3-30b-a3b", "budget": "16GB", "paper_budget": "16GB",
+                       "budget_source": "paper", "paper": {"peak_gb": 6.8, "tok_s": 15.6}, "cells": []}]}
+    t = pt.table(res)
+    assert ("| nemotron3-super-120b-a12b | 19GB | isoquant3 | 64 | 190 / 512 | 18.00 | 17.00 | 18.50 | 0.94, 1.03 "
+            "| 0.500 |") in t
+    # the cell its command asked for that the run did not reach
+    assert "| nemotron3-super-120b-a12b | 19GB | fp16 | 64 | - | - | not measured: the run stopped before" in t
+    assert "Measured on the CPU (2 cores, 24 GiB of memory)" in t and "not comparable" in t
+    assert "nemotron3-super-120b-a12b 19GB (set by --budget: the paper's 32GB is more than this machine's 24 GiB)" in t
+    assert "qwen3-30b-a3b 16GB (the paper's)" in t
+    assert "| nemotron3-super-120b-a12b | 40.94 | 41.00 | 1.001 | 500.0 |" in t
+    assert "| nemotron3-super-120b-a12b | 19GB | isoquant3 | 5.0 | 40 | 0.40 | 1.00% | +1.0 | - | -5.0% |" in t
+
+
+def test_render_rewrites_the_table_and_keeps_the_runs_metadata(tmp_path):
+    f = tmp_path / "pt.json"
+    f.write_text(json.dumps({"date": "2000-01-01 00:00 UTC", "machine": "m", "mlx": "0", "command": "cmd",
+                             "routing": "uniform", "tokens": 4, "models": [], "table": "stale"}))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paper_table.py"), "--render", "--out", str(f)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(f.read_text())
+    assert d["table"] != "stale" and "| model | budget |" in d["table"]
+    assert (d["date"], d["command"]) == ("2000-01-01 00:00 UTC", "cmd")

@@ -59,6 +59,9 @@ def test_summary_judges_growth_drift_and_gates() -> None:
     bad[5]["gates"]["finite"] = {"passed": False, "detail": "NaN"}
     s = summarize(bad, th)
     assert not s["passed"] and s["gates"]["finite"]["failures"] == 1
+    # A run whose time went to its first checks (a slow machine): no generation, so no verdict to pass
+    idle = summarize(_samples(2)[:1], th)
+    assert idle["tokens_generated"] == 0 and not idle["passed"] and "no token was generated" in idle["failures"][0]
 
 
 def test_atomic_write_and_validation(tmp_path: Path) -> None:

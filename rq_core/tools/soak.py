@@ -179,6 +179,9 @@ def summarize(samples: list[dict], th: Thresholds, decode_mem: Optional[RunningS
         if not agg["passed"]:
             failures.append(f"gate {name} failed {agg['failures']} of {agg['checks']} checks")
 
+    if samples and not samples[-1].get("tokens_total"):  # nothing ran that the verdict could judge
+        failures.append("no token was generated in the run's time (its first checks took all of it): nothing was "
+                        "judged; run longer")
     tok = [s["decode_tok_per_s"] for s in samples if s.get("decode_tok_per_s")]
     rss_series = [s["rss_bytes"] for s in fit]
     act_series = [s["active_bytes"] for s in fit]

@@ -13,7 +13,6 @@ def test_tiny_table_end_to_end(tmp_path):
     out = tmp_path / "paper_table.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "paper_table.py"), "--tiny", "--models", "qwen3_moe",
                         "--contexts", "16", "--kv", "isoquant3", "--tokens", "2", "--no-min-budget", "--timeout", "300",
-                        "--soak-minutes", "0.1", "--soak-prompt", "8", "--soak-tokens", "2",
                         "--dir", str(tmp_path / "d"), "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -37,10 +36,25 @@ def test_tiny_table_end_to_end(tmp_path):
     assert "| qwen3-30b-a3b |" in d["table"]
     assert d["host"]["cpu_cores"] >= 1 and d["host"]["accelerator"]
     assert m["checkpoint"]["disk_over_planned"] > 0 and "experts_stored_once" in m["checkpoint"]
-    k = m["soak"]  # rq soak at the same budget
+
+
+def test_soak_cell_runs_rq_soak_at_the_budget(tmp_path):
+    """The table's soak row: `rq soak` at a model's budget in its own process (here the bundled model, packed: the
+    real-size slice of the end-to-end test would take half a minute more)."""
+    import shutil
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import paper_table
+    from rq_core.checkpoint import DEFAULT_MODEL
+    from rq_core.paging.pack import pack
+
+    ck = tmp_path / "m"
+    shutil.copytree(DEFAULT_MODEL, ck)
+    pack(ck)
+    k = paper_table.soak_cell(ck, "27MB", "isoquant3", 0.05, tmp_path / "soak.json", 120, max_prompt=8, max_tokens=2)
     assert "error" not in k, k["error"]
-    assert k["budget"] == m["budget"] and k["samples"] >= 1 and "memory_cv" in k and "throughput_drift" in k
-    assert "| `rq soak` |" in d["table"]
+    assert k["budget"] == "27MB" and k["samples"] >= 1 and "memory_cv" in k and "throughput_drift" in k
+    assert k["rc"] == 0 and k["status"] is not None
 
 
 def _module():

@@ -43,27 +43,22 @@ def test_soak_cell_runs_rq_soak_at_the_budget(tmp_path):
     real-size slice of the end-to-end test would take half a minute more)."""
     import shutil
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import paper_table
     from rq_core.checkpoint import DEFAULT_MODEL
     from rq_core.paging.pack import pack
 
     ck = tmp_path / "m"
     shutil.copytree(DEFAULT_MODEL, ck)
     pack(ck)
-    k = paper_table.soak_cell(ck, "27MB", "isoquant3", 0.05, tmp_path / "soak.json", 120, max_prompt=8, max_tokens=2)
+    k = _module().soak_cell(ck, "27MB", "isoquant3", 0.05, tmp_path / "soak.json", 120, max_prompt=8, max_tokens=2)
     assert "error" not in k, k["error"]
     assert k["budget"] == "27MB" and k["samples"] >= 1 and "memory_cv" in k and "throughput_drift" in k
     assert k["rc"] == 0 and k["status"] is not None
 
 
 def _module():
-    import importlib.util
+    from _scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("paper_table", ROOT / "benchmarks" / "paper_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/paper_table.py")
 
 
 def test_budget_overrides_parse_and_refuse_bad_input():

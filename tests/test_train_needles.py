@@ -1,20 +1,18 @@
 """The training script's needle rows use exactly `rq_core.tools.eval`'s needle format, and the answer-digit
 loss weights sit on the answer targets (target t is predicted at position t - 1)."""
 
-import importlib.util
 import re
 from pathlib import Path
 
 import numpy as np
 
+from _scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("train_reference", ROOT / "scripts" / "train_reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/train_reference.py")
 
 
 def test_needle_rows_match_eval_format():

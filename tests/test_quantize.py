@@ -120,9 +120,12 @@ def test_streaming_peak_memory_is_a_fraction_of_the_checkpoint(tmp_path):
                num_experts=8, intermediate_size=256)
     src = make_tiny("qwen3_moe", tmp_path / "src", config=cfg)
     size = (src / "model.safetensors").stat().st_size
+    held = mx.zeros((size // 4,), dtype=mx.float32)  # arrays the caller holds are not the job's peak
+    mx.eval(held)
     res = quantize(src, recipe.load(RECIPE), tmp_path / "q", shard_bytes=2 * 10**6)
+    del held
     assert res.shards > 1 and (tmp_path / "q" / "model.safetensors.index.json").is_file()
-    assert res.peak_memory_bytes < size / 4, (res.peak_memory_bytes, size)
+    assert 0 < res.peak_memory_bytes < size / 4, (res.peak_memory_bytes, size)
 
 
 def test_interrupted_run_leaves_nothing(tiny, tmp_path):

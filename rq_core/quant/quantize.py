@@ -58,7 +58,7 @@ class QuantizeResult:
     kurtosis: dict[str, float] = field(default_factory=dict)  # --analyze: role -> mean excess kurtosis
     promoted: list[str] = field(default_factory=list)
     gptq_layers: int = 0
-    peak_memory_bytes: int = 0
+    peak_memory_bytes: int = 0  # MLX peak while quantizing, less what the caller already held
 
     def as_dict(self) -> dict:
         from dataclasses import asdict
@@ -460,6 +460,7 @@ def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLi
     job = _Job(src, config, recipe, progress)
     job.validate()
     mx.reset_peak_memory()
+    held = mx.get_active_memory()  # the caller's arrays, not this job's
 
     need_calib = analyze_roles or recipe.promote.kurtosis_threshold is not None
     if need_calib:
@@ -515,7 +516,7 @@ def quantize(model_path: str | os.PathLike, recipe: Recipe, out: str | os.PathLi
         job.res.bytes_out = writer.total
         _write_metadata(tmp, src, config, job, weight_map)
     job.res.out = str(out)
-    job.res.peak_memory_bytes = int(mx.get_peak_memory())
+    job.res.peak_memory_bytes = int(mx.get_peak_memory() - held)
     return job.res
 
 

@@ -517,12 +517,14 @@ class SwitchLinear(nn.Module):
     def num_experts(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False,
+                 lhs_indices: Optional[mx.array] = None) -> mx.array:
         w = self["weight"]
         if w.dtype != mx.float32 and mx.default_device() == mx.cpu:
             x = _cpu_half_gather_mm(x, w, indices, sorted_indices)
         else:
-            x = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices, sorted_indices=sorted_indices)
+            x = mx.gather_mm(x, w.swapaxes(-1, -2), lhs_indices=lhs_indices, rhs_indices=indices,
+                             sorted_indices=sorted_indices)
         if "bias" in self:
             x = x + mx.expand_dims(self["bias"][indices], -2)
         return x
@@ -555,13 +557,31 @@ class QuantizedSwitchLinear(nn.Module):
     def num_experts(self) -> int:
         return self.weight.shape[0]
 
-    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        x = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), rhs_indices=indices,
-                          transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode,
-                          sorted_indices=sorted_indices)
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False,
+                 lhs_indices: Optional[mx.array] = None) -> mx.array:
+        x = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), lhs_indices=lhs_indices,
+                          rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
+                          mode=self.mode, sorted_indices=sorted_indices)
         if "bias" in self:
             x = x + mx.expand_dims(self["bias"][indices], -2)
         return x
+
+
+_TOKEN_ROWS: dict[tuple, tuple[mx.array, mx.array]] = {}
+
+
+def _token_rows(shape: tuple) -> tuple[mx.array, mx.array]:
+    """For indices of `shape` [..., k] (fewer than 64 pairs): the x row of each (token, k) pair in the experts'
+    first projections (the token's) and in the last (the pair's own), contiguous uint32 arrays of `shape`, made
+    once a shape (a decode step's first call runs as written, so never inside a trace)."""
+    rows = _TOKEN_ROWS.get(shape)
+    if rows is None:
+        n = math.prod(shape)
+        tokens = mx.arange(n // shape[-1], dtype=mx.uint32).reshape(*shape[:-1], 1)
+        rows = (mx.contiguous(mx.broadcast_to(tokens, shape)), mx.arange(n, dtype=mx.uint32).reshape(shape))
+        mx.eval(rows)
+        _TOKEN_ROWS[shape] = rows
+    return rows
 
 
 def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx.array]:
@@ -600,19 +620,18 @@ class SwitchGLU(nn.Module):
         made the experts resident; the pager takes over __call__)."""
         x = mx.expand_dims(x, (-2, -3))
         indices = mx.stop_gradient(indices)
-        do_sort = indices.size >= 64
-        idx, inv_order = indices, None
-        if do_sort:
+        if indices.size >= 64:  # a prompt: token copies grouped by expert
             x, idx, inv_order = _gather_sort(x, indices)
-        up = self.up_proj(x, idx, sorted_indices=do_sort)
-        if self.gated:
-            h = self.activation(self.gate_proj(x, idx, sorted_indices=do_sort), up)
-        else:
-            h = self.activation(up)
-        x = self.down_proj(h, idx, sorted_indices=do_sort)
-        if do_sort:
-            x = mx.unflatten(x[inv_order], 0, indices.shape)
-        return x.squeeze(-2)
+            up = self.up_proj(x, idx, sorted_indices=True)
+            h = self.activation(self.gate_proj(x, idx, sorted_indices=True), up) if self.gated else self.activation(up)
+            x = self.down_proj(h, idx, sorted_indices=True)
+            return mx.unflatten(x[inv_order], 0, indices.shape).squeeze(-2)
+        # the rows of x each output reads, as constants: without them every gather builds (and on a GPU launches)
+        # an arange, and a copy where it broadcasts, a projection
+        rows, k = _token_rows(indices.shape)
+        up = self.up_proj(x, indices, lhs_indices=rows)
+        h = self.activation(self.gate_proj(x, indices, lhs_indices=rows), up) if self.gated else self.activation(up)
+        return self.down_proj(h, indices, lhs_indices=k).squeeze(-2)
 
 
 def paged_experts(switch: nn.Module, x: mx.array) -> Any:
@@ -629,18 +648,20 @@ def paged_experts(switch: nn.Module, x: mx.array) -> Any:
 
 # ------------------------------------------------------------------------------------------ routing
 def topk_indices(scores: mx.array, k: int) -> mx.array:
-    """Indices of the k largest scores along the last axis (unordered)."""
+    """Indices of the k largest scores along the last axis (unordered; of equal scores the first, as mlx-lm)."""
     return mx.stop_gradient(mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k])
 
 
 def route_softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
     """Softmax over all experts (fp32), pick top-k, optionally renormalise: (indices, weights)."""
+    if norm_topk_prob:
+        # the renormalised top-k of a softmax is the softmax of the top-k logits, and softmax keeps the logits'
+        # order: two kernels a MoE layer fewer (the sum and the divide)
+        inds = topk_indices(logits, k)
+        return inds, mx.softmax(mx.take_along_axis(logits, inds, axis=-1).astype(mx.float32), axis=-1)
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     inds = topk_indices(probs, k)
-    w = mx.take_along_axis(probs, inds, axis=-1)
-    if norm_topk_prob:
-        w = w / mx.sum(w, axis=-1, keepdims=True)
-    return inds, w
+    return inds, mx.take_along_axis(probs, inds, axis=-1)
 
 
 def route_sigmoid_group_topk(logits: mx.array, k: int, *, correction_bias: Optional[mx.array] = None,

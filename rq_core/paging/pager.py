@@ -37,7 +37,8 @@ import mlx.core as mx
 import numpy as np
 
 from rq_core.errors import RQError
-from rq_core.paging.pack import _NP, expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
+from rq_core.paging.pack import expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
+from rq_core.paging.pages import _MX
 from rq_core.models.base import set_bank_inputs
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
@@ -149,14 +150,12 @@ class _Layer:
         st.read_s += time.perf_counter() - t0
         st.bytes_read += n * used
         st.read_batches += 1
-        rows = np.frombuffer(stage, np.uint8, count=n * used).reshape(n, used)
+        # one copy of the pages to the device (the staging buffer is reused), each tensor a view of its bytes there
+        rows = mx.array(np.frombuffer(stage, np.uint8, count=n * used).reshape(n, used))
         idx = mx.array(np.asarray(slots, dtype=np.int32))
         for t in self.meta["tensors"]:
             proj, part = t["name"].split(".")
-            a = np.ascontiguousarray(rows[:, t["offset"]:t["offset"] + t["nbytes"]]).view(_NP[t["dtype"]])
-            new = mx.array(a.reshape(n, *t["shape"]))  # a copy: the staging buffer is reused
-            if t["dtype"] == "bfloat16":
-                new = new.view(mx.bfloat16)
+            new = rows[:, t["offset"]:t["offset"] + t["nbytes"]].view(_MX[t["dtype"]]).reshape(n, *t["shape"])
             target = self.dtypes[t["name"]]
             if new.dtype != target:
                 new = new.astype(target)

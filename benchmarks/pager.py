@@ -295,7 +295,7 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
     for k in ("slots", "budget_bytes", "planned_peak_bytes"):
         s[k] = runs[0].get(k)
     s["staging_bytes"] = runs[0]["pager"]["staging_bytes"] if runs[0].get("pager") else None
-    for k in ("hit_rate", "misses", "evictions", "hits", "speculated", "respun"):
+    for k in ("hit_rate", "misses", "evictions", "hits", "speculated", "respun", "reruns"):
         xs = [r["pager"][k] for r in runs if r.get("pager") and r["pager"].get(k) is not None]
         s[k] = statistics.median(xs) if xs else None
     s["same_tokens"] = sum(r["tokens"] == ref for r in runs)
@@ -313,7 +313,7 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
 RUN_KEYS = ("repeat", "decode_tok_per_s", "steady_decode_tok_per_s", "prefill_tok_per_s", "wall_s",
             "measured_peak_bytes", "cached_after_drop", "cached_after_warm")
 PAGER_KEYS = ("hits", "misses", "evictions", "bytes_read", "read_s", "sync_s", "host_s", "host_syncs", "speculated",
-              "respun")
+              "respun", "reruns")
 
 
 def compact(x: dict) -> dict:

@@ -156,30 +156,52 @@ def test_fewer_slots_than_a_tokens_experts_and_batches_run_as_written(packed, fa
             assert mx.array_equal(a, b), (slots, rows, float(mx.abs(a - b).max()))
 
 
-SPEC_SLOTS = {"nemotron_h": 6}  # slots a layer at which some speculated steps hit and some miss
+SPEC_SLOTS = {"nemotron_h": 6, "gemma4-ple-shared": 6}  # slots a layer at which some speculated steps hit and some miss
 
 
-@pytest.mark.parametrize("family", list(TINY))
-def test_speculation_gives_identical_tokens(packed, family):
-    """Speculated steps, hit or missed (undone through every cache's mark(), then run layer by layer), give
-    the all-resident tokens, greedy and sampled (the sampling key as the global sequence would give it)."""
-    if family not in packed:
+def _resume_starts(monkeypatch) -> list:
+    """The layers the pager's speculated steps run again from, as they happen."""
+    import rq_core.paging.pager as pager_mod
+
+    starts = []
+
+    class Seen(pager_mod.StepResume):
+        def __setattr__(self, k, v):
+            if k == "start" and "start" in self.__dict__:
+                starts.append(v)
+            super().__setattr__(k, v)
+
+    monkeypatch.setattr(pager_mod, "StepResume", Seen)
+    return starts
+ # slots a layer at which some speculated steps hit and some miss
+
+
+@pytest.mark.parametrize("family", [*TINY, "gemma4-ple-shared"])
+def test_speculation_gives_identical_tokens(packed, gemma_ple_packed, family, monkeypatch):
+    """Speculated steps, hit or missed (the layers from the first that missed run again: their caches undone
+    through mark(), their input the one the run before computed; Gemma 4's KV-sharing layers read the K/V of a
+    layer before it), give the all-resident tokens, greedy and sampled (the sampling key as the global sequence
+    would give it)."""
+    ck = gemma_ple_packed if family == "gemma4-ple-shared" else packed.get(family)
+    if ck is None:
         pytest.skip(f"model family {family} not in this build yet")
-    ck = packed[family]
     for temp in (0.0, 1.0):
         ref = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16, temp=temp)
         after_ref = mx.random.uniform(shape=(2,)).tolist()  # where the global sequence stands after the run
         model = load(ck, tokenizer=False).model
         pager = ExpertPager(model, ck, slots=SPEC_SLOTS.get(family, 3), speculate="always")
+        starts = _resume_starts(monkeypatch)
         got = generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16, temp=temp)
         after = mx.random.uniform(shape=(2,)).tolist()
         st = pager.report()
         pager.close()
         assert got.tokens == ref.tokens, temp
         assert after == after_ref, temp
-        # both ways were taken: steps served by the speculation, and steps that missed and ran again
-        assert st.speculated > st.respun > 0
+        # both ways were taken: steps served by the speculation at once, and steps that missed and ran again from
+        # the layer that missed
+        assert st.speculated > st.respun > 0 and st.reruns >= st.respun
         assert st.speculated == len(got.tokens) - 1  # the first token comes from the prefill
+        assert len(starts) == st.reruns and any(starts), starts  # runs again from a later layer than the first
 
 
 @pytest.mark.parametrize("window", [0, 4])
@@ -198,19 +220,27 @@ def test_speculation_undoes_a_compressed_cache(packed, window):
     assert st.speculated > st.respun > 0
 
 
-def test_speculation_stops_while_it_does_not_pay(packed):
-    """"auto" measures: with 2 of 8 experts a layer most steps miss, so after its first try it runs layer by
-    layer (one routing read per MoE layer); "off" never speculates."""
+def test_auto_takes_the_faster_way_and_probes_the_other(packed):
+    """"auto" runs a speculated step and a layer-by-layer step first (each way measured once), then the way whose
+    running mean is lower, the other once every PROBE_STEPS steps; "off" never speculates."""
+    from rq_core.paging.pager import PROBE_STEPS
+
     ck = packed["qwen3_moe"]
-    counts = {}
-    for mode in ("auto", "off"):
-        model = load(ck, tokenizer=False).model
-        pager = ExpertPager(model, ck, slots=2, speculate=mode)
-        generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
-        counts[mode] = pager.report()
-        pager.close()
-    assert counts["off"].speculated == 0
-    assert 1 <= counts["auto"].speculated < 6 and counts["auto"].respun == counts["auto"].speculated
+    model = load(ck, tokenizer=False).model
+    pager = ExpertPager(model, ck, slots=2, speculate="auto")
+    generate(model, PROMPT, max_tokens=3, seed=0, prefill_chunk=16)
+    st = pager.report()
+    assert st.speculated == 1 and pager._t_spec is not None and pager._t_layered is not None
+    for spec, layered, want in ((0.01, 0.02, True), (0.02, 0.01, False)):
+        pager._t_spec, pager._t_layered = spec, layered
+        ways = [pager._speculation_pays() for _ in range(2 * PROBE_STEPS)]
+        assert ways.count(not want) == 2 and ways.count(want) == 2 * PROBE_STEPS - 2, (spec, layered)
+    pager.close()
+    model = load(ck, tokenizer=False).model
+    pager = ExpertPager(model, ck, slots=2, speculate="off")
+    generate(model, PROMPT, max_tokens=12, seed=0, prefill_chunk=16)
+    assert pager.report().speculated == 0
+    pager.close()
     with pytest.raises(RQError, match="unknown speculation"):
         ExpertPager(load(ck, tokenizer=False).model, ck, slots=2, speculate="yes")
 
@@ -296,7 +326,7 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     assert d["tokens"] == full["tokens"]
     assert set(d["pager"]) == {"hits", "misses", "hit_rate", "bytes_read", "evictions", "resident_bytes",
                                "slots", "policy", "host_syncs", "read_batches", "read_s", "staging_bytes", "sync_s", "host_s",
-                               "speculated", "respun"}
+                               "speculated", "respun", "reruns"}
     # no slack: the plan counts KV room in the caches' 256-token steps (measured 0.66 of the budget here;
     # 1.02 before, when it counted only the tokens)
     assert d["pager"]["slots"] == 2

@@ -444,14 +444,55 @@ def layers_as_written(model: nn.Module):
 LayerCall = Callable[[int, nn.Module, mx.array, Any], mx.array]
 
 
+class StepResume:
+    """A decode step that can run again from one of its layers (the expert pager's speculated steps, which keep the
+    layers before the first one that missed an expert): each layer's input as the last run computed it, the first
+    layer to run, the layer running now, and what a family carries from layer to layer besides h (`carry`)."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[int, mx.array] = {}
+        self.start = 0
+        self.layer = 0
+        self.carry: dict = {}
+        self.resumable = False  # set by run_layers' own loop (a pipeline over ranks cannot skip layers)
+
+
+_RESUME: list[StepResume] = []
+
+
+@contextlib.contextmanager
+def resuming(state: StepResume):
+    """Within, run_layers records each layer's input in `state` and starts at `state.start`."""
+    _RESUME.append(state)
+    try:
+        yield state
+    finally:
+        _RESUME.pop()
+
+
+def step_resume() -> Optional[StepResume]:
+    """The StepResume of the step being built, if any."""
+    return _RESUME[-1] if _RESUME else None
+
+
 def run_layers(layers: list, h: mx.array, cache: Optional[list] = None, call: Optional[LayerCall] = None) -> mx.array:
     """h through each layer with its cache slot (no cache: every slot None); `call(i, layer, h, cache)` runs
     layer i where a family passes it more than (h, cache). Split over ranks (rq_core.distributed), the layers
-    other ranks hold are `Remote` and the pipeline runs this rank's slice between a recv and a send."""
+    other ranks hold are `Remote` and the pipeline runs this rank's slice between a recv and a send. Within
+    `resuming(state)`: layers before state.start are skipped, the first one run takes its recorded input."""
     pipe = _pipeline(layers)
     if pipe is not None:
         return pipe.run(layers, h, cache, call)
+    rs = step_resume()
+    if rs is not None:
+        rs.resumable = True
     for i, (layer, c) in enumerate(zip(layers, cache if cache is not None else [None] * len(layers))):
+        if rs is not None:
+            if i < rs.start:
+                continue
+            if i > 0 and i == rs.start:
+                h = rs.inputs[i]
+            rs.inputs[i], rs.layer = h, i
         h = layer(h, c) if call is None else call(i, layer, h, c)
     return h
 

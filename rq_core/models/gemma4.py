@@ -38,6 +38,7 @@ from rq_core.models.base import (
     route_softmax_topk,
     run_layers,
     stack_experts,
+    step_resume,
 )
 
 _DEFAULT_ROPE = {
@@ -326,7 +327,10 @@ class TextModel(nn.Module):
         h = self.embed_tokens(inputs)
         h = h * mx.array(math.sqrt(self.args.hidden_size), dtype=h.dtype)  # scale rounded to the weights' dtype
         ple = self._per_layer_inputs(inputs, h) if self.ple_dim else None
-        kvs: dict[int, tuple] = {}  # each layer's new K/V, for the KV-sharing layers after it
+        # each layer's new K/V, for the KV-sharing layers after it (kept across the runs of a resumed step, which
+        # skip the layers before the one it runs again from)
+        rs = step_resume()
+        kvs: dict[int, tuple] = rs.carry.setdefault("kvs", {}) if rs is not None else {}
 
         def step(i: int, layer: nn.Module, h: mx.array, c: Any) -> mx.array:
             h, kvs[i] = layer(h, c, ple[:, :, i] if ple is not None else None, kvs.get(self.args.kv_source[i]))

@@ -37,15 +37,16 @@ import mlx.core as mx
 import numpy as np
 
 from rq_core.errors import RQError
+from rq_core.models.base import StepResume, resuming, set_bank_inputs, step_resume
 from rq_core.paging.pack import expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
 from rq_core.paging.pages import _MX
-from rq_core.models.base import set_bank_inputs
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
 SPECULATE = ("auto", "always", "off")
 RESERVE_DIVISOR = 100  # budget // RESERVE_DIVISOR (1%) of a memory budget is left out of the plan's parts
 SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
+PROBE_STEPS = 32  # "auto" runs the way its means call slower once in this many steps
 
 
 def check_policy(policy: str, what: str = "pager policy") -> None:
@@ -72,7 +73,8 @@ class PagerStats:
     read_batches: int = 0  # layer calls that read pages (all of their misses at once)
     read_s: float = 0.0  # seconds reading pages (in parallel within a batch) and checking them: bytes_read / read_s
     speculated: int = 0  # decode steps run first on the resident experts (speculate="auto" | "always")
-    respun: int = 0  # of those, steps that missed an expert: undone and run again layer by layer
+    respun: int = 0  # of those, steps that missed an expert and ran again
+    reruns: int = 0  # runs again from a layer that missed (a step that missed in two layers counts two)
     staging_bytes: int = 0  # host memory of the staging buffer the pages are read into
 
     def as_dict(self) -> dict:
@@ -216,7 +218,8 @@ class _Layer:
         """The slots of the experts `indices` [..., k] names, made resident: what a decode step's second graph reads
         (a speculated step: the slots as they are, its routing read with the step's token)."""
         if self.pager._routing is not None:
-            self.pager._routing.append((self, indices))
+            rs = step_resume()
+            self.pager._routing.append((self, indices, rs.layer if rs is not None else 0))
             return self.table()[indices]
         _, needed = self.routing(indices)
         if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
@@ -236,11 +239,10 @@ class ExpertPager:
 
     `pages`: the pack folder (default CKPT/experts). `verify`: check each expert's CRC32 on its first
     read (off only to measure what it costs). `threads`: parallel reads of one layer's misses, and the pages
-    the staging buffer holds. `speculate`: "auto" runs a decode step first on the resident experts, with one host
-    sync for the whole step, while the measured times say that pays (see the module's text); "always" on every
-    step; "off" (the default: a step that misses one expert of its top-k x layers pays for both runs; on a
-    Qwen3-30B-A3B-shaped checkpoint with random routing, half its experts resident, most decode steps miss one:
-    `benchmarks/pager.py --synthetic DIR --speculate off,auto` measures it) never."""
+    the staging buffer holds. `speculate`: "always" runs each decode step on the resident experts with one host
+    sync a run, again from the first layer that missed (see the module's text); "off", layer by layer, a sync a
+    MoE layer; "auto" whichever its measured step times say is faster (`benchmarks/pager.py --speculate
+    off,auto` compares them)."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
@@ -288,24 +290,24 @@ class ExpertPager:
         self.stage_experts = 0
         self._buf: Optional[bytearray] = None
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
-        self._routing: Optional[list] = None  # while a step speculates: (layer, routing indices) per MoE call
-        # running means of a speculated step's seconds, a layer-by-layer step's that read no pages, and how often
-        # a step missed
+        self._routing: Optional[list] = None  # while a step speculates: (layer, routing indices, decoder layer)
+        # running means of a speculated step's seconds and a layer-by-layer step's (misses included in both), and
+        # the steps decided by "auto"
         self._t_spec: Optional[float] = None
-        self._t_sync: Optional[float] = None
-        self._miss_rate = 0.0
+        self._t_layered: Optional[float] = None
+        self._steps = 0
         model.expert_pager = self  # generate() decodes through decode_step with a pager (see there)
 
     def _speculation_pays(self) -> bool:
+        """"auto": the faster of the two ways by their running means, each measured once first, and the slower
+        one run again every PROBE_STEPS steps (what pays changes with the context and with how often steps miss)."""
         if self.speculate != "auto":
             return self.speculate == "always"
-        if self._t_spec is None:
-            return True
-        if self._t_sync is None:  # no layer-by-layer step without a miss yet: only while steps seldom miss
-            return self._miss_rate < 0.25
-        # a step that misses costs its layer-by-layer run either way, and t_spec more when speculated; one that
-        # hits costs t_spec instead of a layer-by-layer step without misses (t_sync)
-        return self._t_spec < (1 - self._miss_rate) * self._t_sync
+        self._steps += 1
+        if self._t_spec is None or self._t_layered is None:
+            return self._t_spec is None
+        faster = self._t_spec <= self._t_layered
+        return faster != (self._steps % PROBE_STEPS == 0)
 
     def _mean(self, attr: str, seconds: float) -> None:
         old = getattr(self, attr)
@@ -321,48 +323,77 @@ class ExpertPager:
         caches = list({id(c): c for c in cache}.values())
         if self._speculation_pays() and all(callable(getattr(c, "mark", None)) for c in caches):
             t0 = time.perf_counter()
-            undo = [c.mark() for c in caches]
-            # the key sampling without one would draw with, taken without moving the sequence on (a step run
-            # again after a miss draws it from the sequence itself)
-            key = mx.random.split(mx.random.state[0])[1] if draws else None
+            out = self._speculate(build, cache, caches, draws)
+            self._mean("_t_spec", time.perf_counter() - t0)
+            if out is not None:
+                return out
+        t0 = time.perf_counter()
+        y, read = build(None)
+        mx.eval(read)
+        self._mean("_t_layered", time.perf_counter() - t0)
+        return y, read
+
+    def _speculate(self, build: Callable[[Optional[mx.array]], tuple[mx.array, mx.array]], cache: list,
+                   caches: list, draws: bool) -> Optional[tuple[mx.array, mx.array]]:
+        """The step on the experts already resident, every MoE layer's routing read with its token in one sync; where
+        a layer missed, its experts are read and the step runs again from that layer (the layers before it computed
+        what an all-resident model does, their caches and inputs are kept). (id, read), or None where a layer's
+        experts do not fit its slots at once (the caller runs the step layer by layer, the caches as before it)."""
+        st = self.stats
+        first = {}  # each cache's first layer: a cache another layer shares is undone only with its own layer
+        for i, c in enumerate(cache):
+            first.setdefault(id(c), i)
+        undo = {id(c): c.mark() for c in caches}
+        # the key sampling without one would draw with, taken without moving the sequence on
+        key = mx.random.split(mx.random.state[0])[1] if draws else None
+        rs = StepResume()
+        st.speculated += 1
+        runs = 0
+        while True:
+            runs += 1
             self._routing = []
             try:
-                y, read = build(key)
+                with resuming(rs):
+                    y, read = build(key)
             finally:
                 routing, self._routing = self._routing, None
-            flat = mx.concatenate([read.astype(mx.int32)] + [i.reshape(-1).astype(mx.int32) for _, i in routing])
-            ids = np.array(flat)[2:]  # the step's one sync: its token and every MoE layer's routing
+            flat = mx.concatenate([read.astype(mx.int32)] + [i.reshape(-1).astype(mx.int32) for _, i, _ in routing])
+            ids = np.array(flat)[2:]  # the run's one sync: its token and every MoE layer's routing
             st.host_syncs += 1
-            st.speculated += 1
             t1 = time.perf_counter()
-            needed, at = [], 0
-            for layer, idx in routing:
-                n = idx.size
-                needed.append((layer, np.unique(ids[at:at + n])))
-                at += n
-            if all(len(u) <= l.slots and all(e in l.lru for e in u.tolist()) for l, u in needed):
-                for layer, u in needed:
-                    layer.acquire(u)  # all hits: the LRU order as a layer-by-layer step leaves it
+            at, missed = 0, None
+            for layer, idx, where in routing:
+                u = np.unique(ids[at:at + idx.size])
+                at += idx.size
+                if len(u) > layer.slots:
+                    missed = (layer, None, where)
+                    break
+                if not all(e in layer.lru for e in u.tolist()):
+                    missed = (layer, u, where)
+                    break
+                layer.acquire(u)  # all hits: the LRU order as a layer-by-layer step leaves it
+            if missed is None:
                 if draws:
                     mx.random.uniform(shape=(0,))  # move the sequence on by the key the step used
                 st.host_s += time.perf_counter() - t1
-                self._mean("_t_spec", time.perf_counter() - t0)
-                self._miss_rate -= SMOOTHING * self._miss_rate
                 return y, read
-            for u in undo:
-                u()
             del y, read, flat
-            st.respun += 1
+            st.respun += runs == 1
+            layer, u, where = missed
+            if u is None or not rs.resumable:  # the whole step again, layer by layer
+                for f in undo.values():
+                    f()
+                st.host_s += time.perf_counter() - t1
+                return None
+            # the layers from `where` on run again: their caches back to before the step, the missing experts in
+            for c in caches:
+                if first[id(c)] >= where:
+                    undo[id(c)]()
+                    undo[id(c)] = c.mark()
+            layer.acquire(u)
+            rs.start = where
+            st.reruns += 1
             st.host_s += time.perf_counter() - t1
-            self._mean("_t_spec", time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        misses = st.misses
-        y, read = build(None)
-        mx.eval(read)
-        if st.misses == misses:  # the baseline a speculated step competes with: a step that read no pages
-            self._mean("_t_sync", time.perf_counter() - t0)
-        self._miss_rate += SMOOTHING * (float(st.misses > misses) - self._miss_rate)
-        return y, read
 
     def _ready(self, top_k: int) -> None:
         if self._buf is None:

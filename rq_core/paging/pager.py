@@ -39,7 +39,7 @@ import numpy as np
 from rq_core.errors import RQError
 from rq_core.models.base import StepResume, resuming, set_bank_inputs, step_resume
 from rq_core.paging.pack import expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
-from rq_core.paging.pages import _MX
+from rq_core.paging.pages import _NP
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
@@ -152,12 +152,15 @@ class _Layer:
         st.read_s += time.perf_counter() - t0
         st.bytes_read += n * used
         st.read_batches += 1
-        # one copy of the pages to the device (the staging buffer is reused), each tensor a view of its bytes there
-        rows = mx.array(np.frombuffer(stage, np.uint8, count=n * used).reshape(n, used))
+        rows = np.frombuffer(stage, np.uint8, count=n * used).reshape(n, used)
         idx = mx.array(np.asarray(slots, dtype=np.int32))
         for t in self.meta["tensors"]:
             proj, part = t["name"].split(".")
-            new = rows[:, t["offset"]:t["offset"] + t["nbytes"]].view(_MX[t["dtype"]]).reshape(n, *t["shape"])
+            # a strided view of the staging buffer: mx.array makes the one copy (the buffer is reused), to the device
+            a = rows[:, t["offset"]:t["offset"] + t["nbytes"]].view(_NP[t["dtype"]]).reshape(n, *t["shape"])
+            new = mx.array(a)
+            if t["dtype"] == "bfloat16":
+                new = new.view(mx.bfloat16)
             target = self.dtypes[t["name"]]
             if new.dtype != target:
                 new = new.astype(target)

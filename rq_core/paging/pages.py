@@ -38,7 +38,6 @@ _PARTS = ("weight", "scales", "biases")
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 _NP = {"uint32": np.uint32, "uint8": np.uint8, "float32": np.float32, "float16": np.float16,
        "bfloat16": np.uint16, "int32": np.int32}
-_MX = {name: getattr(mx, name) for name in _NP}  # the same names as MLX dtypes (a page's bytes viewed on the device)
 _SAMPLE = 4096  # bytes per fingerprint sample window
 _SAMPLES = 4  # windows per tensor: first, 1/3, 2/3, last
 

@@ -386,3 +386,24 @@ def test_a_dropped_paged_model_frees_its_banks_without_the_cycle_collector(packe
         assert left - (mx.get_active_memory() - base) < 1024  # what only the collector would have freed
     finally:
         gc.enable()
+
+
+def test_a_batch_of_pages_costs_its_own_bytes_on_the_device(packed):
+    """Writing a batch of misses into the slots holds each tensor's bytes once on the device, as the plan's staging
+    counts (a strided view handed to mx.array copied, and kept, all the memory it spans: 9x here)."""
+    ck = packed["qwen3_moe"]
+    model = load(ck, tokenizer=False).model
+    pager = ExpertPager(model, ck, slots=4)
+    pager._ready(4)
+    layer = next(iter(pager.layers.values()))
+    mx.eval([layer.module[p][t] for p in ("gate_proj", "up_proj", "down_proj") for t in ("weight", "scales", "biases")
+             if t in layer.module[p]])
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    layer.load([0, 1, 2, 3], [0, 1, 2, 3])
+    mx.eval([layer.module[p][t] for p in ("gate_proj", "up_proj", "down_proj") for t in ("weight", "scales", "biases")
+             if t in layer.module[p]])
+    grew = mx.get_peak_memory() - base
+    pager.close()
+    assert 0 < grew <= 4 * layer.expert_bytes * 1.25 + 4096, (grew, 4 * layer.expert_bytes)

@@ -156,9 +156,9 @@ class _Layer:
         idx = mx.array(np.asarray(slots, dtype=np.int32))
         for t in self.meta["tensors"]:
             proj, part = t["name"].split(".")
-            # a strided view of the staging buffer: mx.array makes the one copy (the buffer is reused), to the device
-            a = rows[:, t["offset"]:t["offset"] + t["nbytes"]].view(_NP[t["dtype"]]).reshape(n, *t["shape"])
-            new = mx.array(a)
+            # contiguous first: mx.array of a strided view copies (and keeps) all the memory the view spans
+            a = np.ascontiguousarray(rows[:, t["offset"]:t["offset"] + t["nbytes"]]).view(_NP[t["dtype"]])
+            new = mx.array(a.reshape(n, *t["shape"]))  # a copy: the staging buffer is reused
             if t["dtype"] == "bfloat16":
                 new = new.view(mx.bfloat16)
             target = self.dtypes[t["name"]]

@@ -694,12 +694,13 @@ def topk_indices(scores: mx.array, k: int) -> mx.array:
 
 
 def route_softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
-    """Softmax over all experts (fp32), pick top-k, optionally renormalise: (indices, weights)."""
+    """Softmax over all experts (fp32), pick top-k, optionally renormalise: (indices, weights). Renormalised, the
+    weights come in the logits' dtype (computed in float32, rounded once), as transformers casts them before use."""
     if norm_topk_prob:
         # the renormalised top-k of a softmax is the softmax of the top-k logits, and softmax keeps the logits'
-        # order: two kernels a MoE layer fewer (the sum and the divide)
+        # order: four kernels a MoE layer fewer (two casts, the sum and the divide)
         inds = topk_indices(logits, k)
-        return inds, mx.softmax(mx.take_along_axis(logits, inds, axis=-1).astype(mx.float32), axis=-1)
+        return inds, mx.softmax(mx.take_along_axis(logits, inds, axis=-1), axis=-1, precise=True)
     probs = mx.softmax(logits.astype(mx.float32), axis=-1)
     inds = topk_indices(probs, k)
     return inds, mx.take_along_axis(probs, inds, axis=-1)
@@ -728,8 +729,9 @@ def route_sigmoid_group_topk(logits: mx.array, k: int, *, correction_bias: Optio
 
 
 def combine_experts(y: mx.array, weights: mx.array) -> mx.array:
-    """Sum the k expert outputs [..., k, D] weighted by [..., k] (weights cast to y's dtype)."""
-    return (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
+    """Sum the k expert outputs [..., k, D] weighted by [..., k] (weights cast to y's dtype), accumulated in float32:
+    one matmul (a product and a reduction otherwise)."""
+    return (weights[..., None, :].astype(y.dtype) @ y).squeeze(-2)
 
 
 # ------------------------------------------------------------------------------------------ caches

@@ -206,7 +206,8 @@ class Router(nn.Module):
 
     def __call__(self, x: mx.array) -> tuple[mx.array, mx.array]:
         h = _rms(x, self.eps) * self.scale * self.root
-        inds, w = route_softmax_topk(self.proj(h), self.k, norm_topk_prob=True)
+        # float32 logits: the weights stay float32 through the per-expert scale, as in transformers
+        inds, w = route_softmax_topk(self.proj(h).astype(mx.float32), self.k, norm_topk_prob=True)
         return inds, w * self.per_expert_scale[inds].astype(w.dtype)
 
 

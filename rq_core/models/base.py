@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import threading
 import typing
 import weakref
 from typing import Any, Callable, Optional
@@ -457,22 +458,23 @@ class StepResume:
         self.resumable = False  # set by run_layers' own loop (a pipeline over ranks cannot skip layers)
 
 
-_RESUME: list[StepResume] = []
+_RESUME = threading.local()  # the step being built on this thread (a server may build on several)
 
 
 @contextlib.contextmanager
 def resuming(state: StepResume):
-    """Within, run_layers records each layer's input in `state` and starts at `state.start`."""
-    _RESUME.append(state)
+    """Within, on this thread, run_layers records each layer's input in `state` and starts at `state.start`."""
+    outer = getattr(_RESUME, "state", None)
+    _RESUME.state = state
     try:
         yield state
     finally:
-        _RESUME.pop()
+        _RESUME.state = outer
 
 
 def step_resume() -> Optional[StepResume]:
-    """The StepResume of the step being built, if any."""
-    return _RESUME[-1] if _RESUME else None
+    """The StepResume of the step being built on this thread, if any."""
+    return getattr(_RESUME, "state", None)
 
 
 def run_layers(layers: list, h: mx.array, cache: Optional[list] = None, call: Optional[LayerCall] = None) -> mx.array:
@@ -614,7 +616,7 @@ _TOKEN_ROWS: dict[tuple, tuple[mx.array, mx.array]] = {}
 def _token_rows(shape: tuple) -> tuple[mx.array, mx.array]:
     """For indices of `shape` [..., k] (fewer than 64 pairs): the x row of each (token, k) pair in the experts'
     first projections (the token's) and in the last (the pair's own), contiguous uint32 arrays of `shape`, made
-    once a shape (a decode step's first call runs as written, so never inside a trace)."""
+    and evaluated once a shape (also when first asked inside a trace: they depend on no input)."""
     rows = _TOKEN_ROWS.get(shape)
     if rows is None:
         n = math.prod(shape)
@@ -694,8 +696,9 @@ def topk_indices(scores: mx.array, k: int) -> mx.array:
 
 
 def route_softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
-    """Softmax over all experts (fp32), pick top-k, optionally renormalise: (indices, weights). Renormalised, the
-    weights come in the logits' dtype (computed in float32, rounded once), as transformers casts them before use."""
+    """Softmax over all experts, pick top-k, optionally renormalise: (indices, weights). Not renormalised, the weights
+    are float32; renormalised, they come in the logits' dtype (computed in float32, rounded once), as transformers
+    casts them before use."""
     if norm_topk_prob:
         # the renormalised top-k of a softmax is the softmax of the top-k logits, and softmax keeps the logits'
         # order: four kernels a MoE layer fewer (two casts, the sum and the divide)

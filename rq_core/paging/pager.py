@@ -7,10 +7,12 @@ is an mx.array that remaps the routing on the device), its misses read together,
 one preallocated staging buffer, a thread each), and written into the slots with one scatter per tensor. The layer's
 work before and after that sync replays as two traced graphs (rq_core.models.base.paged_experts), the second taking
 the banks as inputs, so it reads the slots as they are.
-With speculation (`speculate=`), a step first runs on the experts already resident, every layer's routing read
-with the sampled token in one sync; if one expert was missing, the caches and the random key are put back
-(`mark()` of each cache) and the step runs again layer by layer. Either way the step computes what an
-all-resident model computes. It pays only where steps rarely miss ("auto" measures and stops while it does not).
+With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
+sampled token in one sync. Where a layer missed an expert, the layers before it computed what an all-resident model
+computes: the step runs again from that layer, its missing experts read first, the caches of the layers from it on
+put back (`mark()` of each cache) and the random key kept, until a run misses nothing. A step then costs a sync per
+layer that missed instead of one per MoE layer, and the layers after a miss are computed twice. Either way the step
+computes what an all-resident model computes. "auto" runs whichever of the two ways its measured times say is faster.
 
 Pages are checked before use: the index field by field and against the model's banks, the page files'
 sizes, the fingerprint of the weights they were packed from (stale pages), and (`verify=True`, the
@@ -47,6 +49,7 @@ SPECULATE = ("auto", "always", "off")
 RESERVE_DIVISOR = 100  # budget // RESERVE_DIVISOR (1%) of a memory budget is left out of the plan's parts
 SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
 PROBE_STEPS = 32  # "auto" runs the way its means call slower once in this many steps
+WARMUP_STEPS = 2  # decode steps "auto" does not time: the first runs as written, the second traces the graphs
 
 
 def check_policy(policy: str, what: str = "pager policy") -> None:
@@ -192,8 +195,14 @@ class _Layer:
             self.lut[e] = s
             slots.append(s)
         st.misses += len(miss)
-        self.load(miss, slots)
         self.lut_dev = None
+        try:
+            self.load(miss, slots)
+        except BaseException:  # a page that did not read (a request may be served after the error): not resident
+            for e, s in zip(miss, slots):
+                del lru[e]
+                self.free.append(s)
+            raise
 
     def table(self) -> mx.array:
         if self.lut_dev is None:
@@ -303,9 +312,12 @@ class ExpertPager:
 
     def _speculation_pays(self) -> bool:
         """"auto": the faster of the two ways by their running means, each measured once first, and the slower
-        one run again every PROBE_STEPS steps (what pays changes with the context and with how often steps miss)."""
-        if self.speculate != "auto":
-            return self.speculate == "always"
+        one run again every PROBE_STEPS steps (what pays changes with the context and with how often steps miss).
+        Never where a layer cannot take a token's experts at once (such a step always runs layer by layer)."""
+        if self.speculate == "off" or not all(l.serves_a_token() for l in self.layers.values()):
+            return False
+        if self.speculate == "always":
+            return True
         self._steps += 1
         if self._t_spec is None or self._t_layered is None:
             return self._t_spec is None
@@ -313,6 +325,9 @@ class ExpertPager:
         return faster != (self._steps % PROBE_STEPS == 0)
 
     def _mean(self, attr: str, seconds: float) -> None:
+        # the first steps trace the decode graphs (seconds on a GPU, against milliseconds a step): not measured
+        if self._steps <= WARMUP_STEPS:
+            return
         old = getattr(self, attr)
         setattr(self, attr, seconds if old is None else old + SMOOTHING * (seconds - old))
 
@@ -324,16 +339,17 @@ class ExpertPager:
         of an all-resident model either way, sampled ones included."""
         st = self.stats
         caches = list({id(c): c for c in cache}.values())
-        if self._speculation_pays() and all(callable(getattr(c, "mark", None)) for c in caches):
-            t0 = time.perf_counter()
-            out = self._speculate(build, cache, caches, draws)
-            self._mean("_t_spec", time.perf_counter() - t0)
-            if out is not None:
-                return out
         t0 = time.perf_counter()
+        spec = self._speculation_pays() and all(callable(getattr(c, "mark", None)) for c in caches)
+        if spec:
+            out = self._speculate(build, cache, caches, draws)
+            if out is not None:
+                self._mean("_t_spec", time.perf_counter() - t0)
+                return out
         y, read = build(None)
         mx.eval(read)
-        self._mean("_t_layered", time.perf_counter() - t0)
+        # a speculated step that fell back costs both runs
+        self._mean("_t_spec" if spec else "_t_layered", time.perf_counter() - t0)
         return y, read
 
     def _speculate(self, build: Callable[[Optional[mx.array]], tuple[mx.array, mx.array]], cache: list,
@@ -343,7 +359,7 @@ class ExpertPager:
         what an all-resident model does, their caches and inputs are kept). (id, read), or None where a layer's
         experts do not fit its slots at once (the caller runs the step layer by layer, the caches as before it)."""
         st = self.stats
-        first = {}  # each cache's first layer: a cache another layer shares is undone only with its own layer
+        first = {}  # each cache's first layer (a cache object listed for several layers goes back with its first)
         for i, c in enumerate(cache):
             first.setdefault(id(c), i)
         undo = {id(c): c.mark() for c in caches}
@@ -352,6 +368,8 @@ class ExpertPager:
         rs = StepResume()
         st.speculated += 1
         runs = 0
+        hits: list = []  # (layer, experts) of the layers kept so far, all resident: counted once the step is done
+        loaded: set = set()  # layers whose misses this step read (acquire counted them, hits and misses)
         while True:
             runs += 1
             self._routing = []
@@ -374,8 +392,11 @@ class ExpertPager:
                 if not all(e in layer.lru for e in u.tolist()):
                     missed = (layer, u, where)
                     break
-                layer.acquire(u)  # all hits: the LRU order as a layer-by-layer step leaves it
+                if layer not in loaded:  # a layer that missed counted its hits as it read its misses
+                    hits.append((layer, u))
             if missed is None:
+                for layer, u in hits:
+                    layer.acquire(u)  # all hits: the LRU order and counts a layer-by-layer step leaves
                 if draws:
                     mx.random.uniform(shape=(0,))  # move the sequence on by the key the step used
                 st.host_s += time.perf_counter() - t1
@@ -383,7 +404,7 @@ class ExpertPager:
             del y, read, flat
             st.respun += runs == 1
             layer, u, where = missed
-            if u is None or not rs.resumable:  # the whole step again, layer by layer
+            if u is None or not rs.resumable:  # the whole step again, layer by layer (it counts every layer's hits)
                 for f in undo.values():
                     f()
                 st.host_s += time.perf_counter() - t1
@@ -394,6 +415,7 @@ class ExpertPager:
                     undo[id(c)]()
                     undo[id(c)] = c.mark()
             layer.acquire(u)
+            loaded.add(layer)
             rs.start = where
             st.reruns += 1
             st.host_s += time.perf_counter() - t1

@@ -253,12 +253,12 @@ class ExpertPager:
     read (off only to measure what it costs). `threads`: parallel reads of one layer's misses, and the pages
     the staging buffer holds. `speculate`: "always" runs each decode step on the resident experts with one host
     sync a run, again from the first layer that missed (see the module's text); "off", layer by layer, a sync a
-    MoE layer; "auto" whichever its measured step times say is faster (`benchmarks/pager.py --speculate
-    off,auto` compares them)."""
+    MoE layer; "auto" (the default) whichever its measured step times say is faster (`benchmarks/pager.py
+    --speculate off,auto` compares them)."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
-                 threads: int = READ_THREADS, speculate: str = "off") -> None:
+                 threads: int = READ_THREADS, speculate: str = "auto") -> None:
         check_policy(policy)
         if speculate not in SPECULATE:
             raise RQError(f"unknown speculation {speculate!r} (choose from: {', '.join(SPECULATE)})")

@@ -662,7 +662,6 @@ class SwitchGLU(nn.Module):
         """What __call__ computes, with `indices` into the banks as they are (the expert pager's slots, once it has
         made the experts resident; the pager takes over __call__)."""
         x = mx.expand_dims(x, (-2, -3))
-        indices = mx.stop_gradient(indices)
         if indices.size >= 64:  # a prompt: token copies grouped by expert
             x, idx, inv_order = _gather_sort(x, indices)
             up = self.up_proj(x, idx, sorted_indices=True)
@@ -692,7 +691,8 @@ def paged_experts(switch: nn.Module, x: mx.array) -> Any:
 # ------------------------------------------------------------------------------------------ routing
 def topk_indices(scores: mx.array, k: int) -> mx.array:
     """Indices of the k largest scores along the last axis (unordered; of equal scores the first, as mlx-lm)."""
-    return mx.stop_gradient(mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k])
+    # integer indices carry no gradient: no stop_gradient node (each is one more op a layer to replay and run)
+    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k]
 
 
 def route_softmax_topk(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
@@ -721,7 +721,7 @@ def route_sigmoid_group_topk(logits: mx.array, k: int, *, correction_bias: Optio
         group_scores = mx.sum(mx.sort(g, axis=-1)[..., -2:], axis=-1)  # top-2 per group
         drop = n_group - topk_group
         if drop > 0:
-            low = mx.stop_gradient(mx.argpartition(group_scores, kth=drop - 1, axis=-1)[..., :drop])
+            low = mx.argpartition(group_scores, kth=drop - 1, axis=-1)[..., :drop]
             g = mx.put_along_axis(g, mx.expand_dims(low, -1), mx.array(-mx.inf, g.dtype), axis=-2)  # -inf: biased scores may be < 0
         choice = g.reshape(*choice.shape)
     inds = topk_indices(choice, k)

@@ -12,7 +12,8 @@ pager every run:
   buffer) against the budget slots_for_budget plans those slots for, and its planned peak;
 - whether the tokens equal the all-resident run's.
 
-Options add rows: `--speculate off,auto` (ExpertPager(speculate="auto") beside "off"), `--cold` (each row again
+Each share of experts runs with ExpertPager(speculate=) "off" (layer by layer) and "auto" (rq's default), or the
+values `--speculate` lists ("always" too). Options add rows: `--cold` (each row again
 with the page files dropped from the OS page cache before every run: os.posix_fadvise(POSIX_FADV_DONTNEED) on every
 file of the pack folder, without root, so best-effort; the share of the pack still cached after the drop is
 measured with mincore and printed), `--verify-cost` (a row at 50% of experts without the pages' CRC32 checks,
@@ -22,7 +23,7 @@ it is cached). Every cell runs
 Writes benchmarks/results/pager.json (overwritten by a rerun; the README's `pager` table).
 
 Default: a scaled-down Qwen3-MoE-shaped checkpoint with random weights, quantized (qwen3-16gb, round-to-nearest)
-and packed in a temporary folder; a minute or two on a CPU (a few with --cold --verify-cost):
+and packed in a temporary folder; a few minutes on a CPU (more with --cold --verify-cost):
 
     python3 benchmarks/pager.py [--layers 8] [--hidden 512] [--experts 32] [--top-k 4] [--tokens 64] [--cold]
 
@@ -411,7 +412,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs of every row, interleaved")
     ap.add_argument("--temp", type=float, default=1.0, help="sampling temperature, seeded (0: greedy)")
     ap.add_argument("--fractions", default="1.0,0.5,0.25", help="shares of each layer's experts resident")
-    ap.add_argument("--speculate", default="off", help="comma-separated ExpertPager(speculate=) values: off, auto")
+    ap.add_argument("--speculate", default="off,auto",
+                    help="comma-separated ExpertPager(speculate=) values: off, auto (the default), always")
     ap.add_argument("--cold", action="store_true", help="also with the pack dropped from the OS page cache")
     ap.add_argument("--verify-cost", action="store_true", help="a row at 50%% without CRC32 checks")
     ap.add_argument("--synthetic", metavar="DIR", help="write (or reuse) a real-size synthetic Qwen3-30B-A3B here")

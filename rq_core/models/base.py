@@ -670,10 +670,10 @@ class SwitchGLU(nn.Module):
             return mx.unflatten(x[inv_order], 0, indices.shape).squeeze(-2)
         # the rows of x each output reads, as constants: without them every gather builds (and on a GPU launches)
         # an arange, and a copy where it broadcasts, a projection
-        rows, k = _token_rows(indices.shape)
-        up = self.up_proj(x, indices, lhs_indices=rows)
-        h = self.activation(self.gate_proj(x, indices, lhs_indices=rows), up) if self.gated else self.activation(up)
-        return self.down_proj(h, indices, lhs_indices=k).squeeze(-2)
+        tokens, pairs = _token_rows(indices.shape)
+        up = self.up_proj(x, indices, lhs_indices=tokens)
+        h = self.activation(self.gate_proj(x, indices, lhs_indices=tokens), up) if self.gated else self.activation(up)
+        return self.down_proj(h, indices, lhs_indices=pairs).squeeze(-2)
 
 
 def paged_experts(switch: nn.Module, x: mx.array) -> Any:
@@ -732,8 +732,8 @@ def route_sigmoid_group_topk(logits: mx.array, k: int, *, correction_bias: Optio
 
 
 def combine_experts(y: mx.array, weights: mx.array) -> mx.array:
-    """Sum the k expert outputs [..., k, D] weighted by [..., k] (weights cast to y's dtype), accumulated in float32:
-    one matmul (a product and a reduction otherwise)."""
+    """Sum the k expert outputs [..., k, D] weighted by [..., k] (weights cast to y's dtype): one matmul, where a
+    product and a reduction were two kernels."""
     return (weights[..., None, :].astype(y.dtype) @ y).squeeze(-2)
 
 

@@ -299,6 +299,7 @@ class ExpertPager:
         # bank paths, not the modules: a module -> pager reference cycle would keep a dropped model's banks alive
         self._index, self._bank_paths, self._slots, self._threads = index, set(banks), slots, threads
         self.top_k: Optional[int] = None  # experts a token takes, from the first call
+        self._token_fits = False  # every layer takes a token's experts at once (known with top_k)
         self.stage_experts = 0
         self._buf: Optional[bytearray] = None
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
@@ -314,7 +315,7 @@ class ExpertPager:
         """"auto": the faster of the two ways by their running means, each measured once first, and the slower
         one run again every PROBE_STEPS steps (what pays changes with the context and with how often steps miss).
         Never where a layer cannot take a token's experts at once (such a step always runs layer by layer)."""
-        if self.speculate == "off" or not all(l.serves_a_token() for l in self.layers.values()):
+        if self.speculate == "off" or not self._token_fits:
             return False
         if self.speculate == "always":
             return True
@@ -424,6 +425,7 @@ class ExpertPager:
         if self._buf is None:
             self.stage_experts = max(1, min(self._slots, self._threads, top_k))
             self.top_k = top_k
+            self._token_fits = all(l.serves_a_token() for l in self.layers.values())  # fixed from here on
             self.stats.staging_bytes = staging_bytes(self._index, self._bank_paths, self._slots, self._threads, top_k)
             self._buf = bytearray(self.stats.staging_bytes)
 

@@ -267,8 +267,7 @@ def table(res: dict) -> str:
               "its own checkpoints."]
     cmds = {m.get("command") for m in res["models"] if m.get("command")}
     if len(cmds) > 1:  # rows of several runs (--merge)
-        lines += ["", "Measured by: " + "; ".join(f"{m['config']} `{m['command']}` ({m.get('measured')})"
-                                                  for m in res["models"] if m.get("command")) + "."]
+        lines += ["", "Rows from several runs (`--merge`): each model's command and date are in the results file."]
     h = res.get("host")
     if h:
         mem = f", {h['memory_bytes'] / 2 ** 30:.0f} GiB of memory" if h.get("memory_bytes") else ""

@@ -87,7 +87,7 @@ def _check_report(r: dict) -> None:
         assert r["fp16_step_p10_ms"] <= r["fp16_step_ms"] <= r["fp16_step_p90_ms"]
     assert (r["verdict"], r["verdict_reason"]) == step_verdict(
         r["measured_step_ms"], r["fp16_step_ms"], tolerance=r["tolerance"], fp16_fits=r["fp16_fits"],
-        compressed=r["kernels"] is not None)
+        compressed=r["kernels"] is not None or r["stages_unavailable"] is not None)
     assert r["layers"]["kv_attention"] == 2 and r["layers"]["experts"] == 2
     # the attribution's whole is the step op by op (its parts are timed so), the verdict's the step as decode runs it
     assert r["rest_raw_ms"] == pytest.approx(r["measured_step_as_written_ms"] - sum(r["measured_parts_ms"].values()))
@@ -138,11 +138,31 @@ def test_profile_takes_pair_codebooks_and_key_widths(tiny, extra) -> None:
     assert mx.allclose(out.reshape(want.shape), want, atol=4e-6).item()  # measured 1.1e-6 (values up to 1.4)
 
 
+def test_profile_survives_a_shape_the_four_kernel_pipeline_lacks(tiny, monkeypatch) -> None:
+    """On a GPU shape only the fused kernel covers (Gemma 4's head_dim 512), the stage breakdown is left out and
+    said so; the profile itself (steps, parts, verdict) still runs."""
+    from rq_core.kernels import launch
+    from rq_core.tools import profile
+
+    def lacks(*a, **kw):
+        raise launch.KernelUnsupported("head_dim 512 (kernels cover 64, 128, 256)")
+
+    monkeypatch.setattr(profile, "backend", lambda: "gpu")
+    monkeypatch.setattr(launch, "available", lambda: True)
+    monkeypatch.setattr(launch, "rotate_queries", lacks)
+    rep = profile_model(tiny, [128], kv=KVSettings(mode="isoquant3"), warmup=0, repeats=2)
+    r = rep["results"][0]
+    _check_report(r)
+    assert r["kernels"] is None and r["attention_path"] == "kernels"
+    assert r["stages_unavailable"] == "head_dim 512 (kernels cover 64, 128, 256)"
+    assert r["fp16_step_ms"] is not None and r["step_vs_fp16"] is not None
+
+
 def test_profile_fp16_has_no_stages(tiny) -> None:
     rep = profile_model(tiny, [128], kv=KVSettings(mode="fp16"), warmup=1, repeats=3)
     r = rep["results"][0]
     _check_report(r)
-    assert r["kernels"] is None and r["attention_path"] == "sdpa"
+    assert r["kernels"] is None and r["attention_path"] == "sdpa" and r["stages_unavailable"] is None
     assert r["fp16_step_ms"] is None and r["verdict"] == "no-go"  # nothing compressed to compare
 
 

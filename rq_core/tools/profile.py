@@ -285,6 +285,8 @@ def attention_stages(cache: Any, queries: mx.array, scale: float) -> Optional[di
     Returns {"stages": {name: fn}, "strategy": str, "path": "kernels" | "reference"}; each fn runs one
     stage on the (already evaluated) output of the stage before it. On a GPU these are the kernels of
     `rq_core.kernels.launch`; on CPU the reference math (`rq_core.attention.reference`) done stage by stage.
+    On a GPU shape the four-kernel pipeline does not cover (decode takes the fused kernel there), "stages" is None
+    and "unstaged" says why.
     """
     if not hasattr(cache, "k_codes") or cache.k_codes is None:
         return None
@@ -331,8 +333,11 @@ def _kernel_stages(cache: Any, q: mx.array, scale: float) -> dict[str, Any]:
         return inv(st["o_rot"])
 
     fns = [rotation, qk_dot, softmax, value_accum, rotate_inverse]
-    for f in fns:
-        sync(f())
+    try:
+        for f in fns:
+            sync(f())
+    except K.KernelUnsupported as e:  # e.g. head_dim 512: only the fused kernel covers it
+        return {"stages": None, "strategy": None, "path": "kernels", "unstaged": str(e)}
     other = "dim" if strategy == "word" else "word"
     alt = {}
     try:  # the strategy not chosen, for comparison (the switch point is a measured choice)
@@ -499,7 +504,8 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
     kv_calls = [c for c in rec.calls if c.kind == "kv_attention"]
     staged = [attention_stages(c.obj, c.args[0], c.kwargs.get("scale", c.args[0].shape[-1] ** -0.5))
               for c in kv_calls]
-    have_stages = bool(kv_calls) and all(x is not None for x in staged)
+    have_stages = bool(kv_calls) and all(x is not None and x["stages"] is not None for x in staged)
+    unstaged = next((x["unstaged"] for x in staged if x is not None and x.get("unstaged")), None)
     if have_stages:
         for name in STAGES:
             fns = [x["stages"][name] for x in staged]
@@ -559,7 +565,8 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         "layers": counts,
         "kernels": None,
         "strategy": staged[0]["strategy"] if have_stages else None,
-        "attention_path": staged[0]["path"] if have_stages else ("sdpa" if kv_calls else None),
+        "attention_path": (staged[0]["path"] if have_stages or unstaged else ("sdpa" if kv_calls else None)),
+        "stages_unavailable": unstaged,  # why no stage breakdown (the four-kernel pipeline lacks the shape), or None
         # the path each compressed layer's decode attention took (rq_core.attention.dispatch), e.g. {"fused": 48}
         "attention_paths": paths,
         "kv_attention_share": share,

@@ -98,6 +98,10 @@ def test_decode_vs_mlxlm_at_tiny_scale(tmp_path):
         # gemma4 in float32 too: measured 2.3e-5 at most (0.0 for the others); 4x that
         assert m["logits_check_float32"]["max_abs_diff"] < 1e-4
         assert m["logits_check_float32"]["top1_agree"] == 1.0
+        own = m["stored_dtype_vs_float32"]
+        assert set(own) == {"rq", "mlx_lm"} and all(c["top1_agree"] > 0 for c in own.values())
+    assert res["models"]["nemotron_h"]["mamba_dt_clamp_aligned"] is True
+    assert res["models"]["qwen3_moe"]["mamba_dt_clamp_aligned"] is False
     assert len(res["rows"]) == 3 * 2 * 3
     for row in res["rows"]:
         assert row["decode_tok_per_s"]["min"] > 0 and len(row["decode_tok_per_s_runs"]) == 2

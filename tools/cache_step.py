@@ -1,11 +1,12 @@
 """Host-inclusive decode cost of the KV caches' `attend`, a layer, side by side in one process: fp16 (FP16Cache:
 mx.fast.scaled_dot_product_attention) and the compressed caches as `rq run` makes them (32-token fp16 window, the
 mode's defaults: one fused attention launch a layer on a GPU, the window's tokens coded a window's worth at a time).
-Qwen3-30B-A3B attention shape (32 query heads, 4 kv heads, head dim 128), NL layers, each decode step built for all
+Qwen3-30B-A3B attention shape (32 query heads, 4 kv heads, head dim 128) unless --shape says otherwise (Nemotron-H:
+32,2,128; Gemma 4's global layers: 16,2,512, sliding: 16,8,256), NL layers, each decode step built for all
 layers and queued with mx.async_eval while the previous step runs (as `rq run` decodes); µs a layer = wall time /
 (steps x layers), best of rounds taken in turns.
 
-    python3 tools/cache_step.py [--contexts 2048,32768,131072] [--layers 48] [--steps 32] [--rounds 3]
+    python3 tools/cache_step.py [--contexts 2048,32768,131072] [--layers 48] [--steps 32] [--rounds 3] [--shape HQ,HKV,D]
 
 Writes tools/cache_step.json.
 """
@@ -75,13 +76,16 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
+    global HQ, HKV, D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="2048,32768,131072")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default="fp16,isoquant3", help="fp16 and KV modes (isoquant3, turbo3, ...)")
+    ap.add_argument("--shape", default=f"{HQ},{HKV},{D}", help="query heads, kv heads, head dim")
     a = ap.parse_args()
+    HQ, HKV, D = (int(x) for x in a.shape.split(","))
     kinds = a.kinds.split(",")
     inputs = [tuple(mx.random.normal(s, key=mx.random.key(100 + j)).astype(mx.float16)
                     for s in ((1, HQ, 1, D), (1, HKV, 1, D), (1, HKV, 1, D))) for j in range(4)]
@@ -104,7 +108,7 @@ def main() -> int:
     print(body)
     from _readme import save
 
-    save("cache_step", {"layers": a.layers, "steps": a.steps, "rounds": a.rounds, "rows": rows}, body,
+    save("cache_step", {"shape": {"q_heads": HQ, "kv_heads": HKV, "head_dim": D}, "layers": a.layers, "steps": a.steps, "rounds": a.rounds, "rows": rows}, body,
          ROOT / "tools" / "cache_step.json")
     return 0
 

@@ -28,9 +28,11 @@ NO_FP16 = auto.Fit(fp16=False, compressed=True, fp16_need=30, compressed_need=20
     (None, 1024, auto.Fit(), (), "fp16", "CPU"),  # no kernels: the compressed cache is slower
     (None, 4 * LONG, auto.Fit(), (), "fp16", "CPU"),  # at any context
     (None, 1024, NO_FP16, (), "isoquant3", "does not fit"),  # unless the budget forces it
-    ("cuda", LONG, auto.Fit(), (), "isoquant3", f"from {LONG}"),  # a long context, every shape covered
+    ("metal", LONG, auto.Fit(), (), "isoquant3", f"from {LONG}"),  # a long context, every shape covered
     ("metal", 4 * LONG, auto.Fit(), (), "isoquant3", "metal"),
-    ("cuda", LONG - 1, auto.Fit(), (), "fp16", f"below {LONG}"),  # shorter: fp16 decodes faster
+    ("metal", LONG - 1, auto.Fit(), (), "fp16", f"below {LONG}"),  # shorter: fp16 decodes faster
+    ("cuda", 4 * LONG, auto.Fit(), (), "fp16", "on cuda"),  # host-bound decode: fp16 wherever it fits
+    ("cuda", 1024, NO_FP16, (), "isoquant3", "does not fit"),  # ... unless the budget forces compression
     ("cuda", 4 * LONG, auto.Fit(), ("head_dim 512: not covered",), "fp16", "declines"),  # a declined shape: never
     ("cuda", 1024, NO_FP16, ("head_dim 512: not covered",), "isoquant3", "does not fit"),  # ... unless forced
     # neither fits: the one that needs less (the run then fails naming the least budget)
@@ -45,9 +47,9 @@ def test_choose(backend, context, fit, declined, mode, why):
 def test_row_blocked_shapes_keep_fp16_unless_the_budget_forces():
     slow = auto.slower_shapes([(128, 32, 2), (128, 32, 4)])  # Nemotron's 16 query heads a kv head; Qwen3's 8
     assert len(slow) == 1 and slow[0].startswith("head_dim 128, 32/2 heads: 16")
-    assert auto.choose(backend="cuda", context=4 * LONG, slower=slow)[0] == "fp16"
-    assert auto.choose(backend="cuda", context=4 * LONG, fit=NO_FP16, slower=slow)[0] == "isoquant3"
-    assert auto.choose(backend="cuda", context=4 * LONG)[0] == "isoquant3"
+    assert auto.choose(backend="metal", context=4 * LONG, slower=slow)[0] == "fp16"
+    assert auto.choose(backend="metal", context=4 * LONG, fit=NO_FP16, slower=slow)[0] == "isoquant3"
+    assert auto.choose(backend="metal", context=4 * LONG)[0] == "isoquant3"
 
 
 @pytest.mark.parametrize("name,rows", [("qwen3-30b-a3b", []), ("gemma4-26b-a4b", []),
@@ -98,7 +100,9 @@ def test_decide_on_the_bundled_model(bundled, monkeypatch):
     # the whole prompt held in fp16 while prefilling (prefill_fp16 4096): the compressed cache needs more; fp16 stays
     kept = auto.decide(m, cfg, SETTINGS, context=1504, budget=27 * 10**6, prefill_chunk=64)
     assert kept.mode == "fp16" and "fp16 needs less" in kept.reason
-    monkeypatch.setattr(auto, "kernel_backend", lambda: "cuda")  # the kernel takes this model's shape
+    monkeypatch.setattr(auto, "kernel_backend", lambda: "cuda")
+    assert auto.decide(m, cfg, SETTINGS, context=LONG).mode == "fp16"  # fp16 fits: host-bound decode keeps it
+    monkeypatch.setattr(auto, "kernel_backend", lambda: "metal")  # the kernel takes this model's shape
     assert auto.decide(m, cfg, SETTINGS, context=LONG).mode == "isoquant3"
     assert auto.decide(m, cfg, SETTINGS, context=LONG - 1).mode == "fp16"
     monkeypatch.setattr(auto, "attention_shapes", lambda model: [(128, 6, 4)])  # a shape it declines

@@ -5,7 +5,9 @@ slower on this backend at this context; isoquant3 otherwise.
 
 - CPU (or MLX without GPU kernels): the compressed cache decodes on the reference path, slower than fp16, so fp16
   unless the budget forces compression.
-- GPU: isoquant3 from LONG_CONTEXT tokens when the fused attention kernel takes every compressed layer's shape
+- CUDA: fp16 unless the budget forces compression. Decode there is bound by host time, so the compressed cache's
+  smaller reads do not show: the whole-model benchmark has it no faster than fp16 at any context it measures.
+- Metal: isoquant3 from LONG_CONTEXT tokens when the fused attention kernel takes every compressed layer's shape
   (rq_core.attention.dispatch.fused_declines), fp16 below; where the kernel declines a shape the compressed layers
   would take the reference path, so fp16 unless the budget forces compression. So also where a shape has more query
   heads a kv head than one matrix fragment holds (the kernel runs it in row blocks, `slower_shapes`).
@@ -20,15 +22,15 @@ from rq_core.kernels.launch import MMA_ROWS
 
 AUTO = "auto"
 COMPRESSED = "isoquant3"  # what auto compresses with
-# From this many tokens of context a GPU with the fused kernel runs the compressed cache rather than fp16. The
-# decode benchmark (benchmarks/decode_vs_mlxlm.py, benchmarks/results/decode_vs_mlxlm.json, H200) has the compressed
-# whole-model step slower than fp16's at 2K, and at 32K faster on Qwen3-30B-A3B (1.19x) but level on Gemma 4 (0.985x);
-# the attention benchmark (benchmarks/attention.py) has the fused kernel faster than fp16 attention first at 128K of
-# the 4K, 32K and 128K it measures. Below that fp16 is taken as the faster cache wherever it fits.
+# From this many tokens of context a Metal GPU with the fused kernel runs the compressed cache rather than fp16. Its
+# memory bandwidth is a tenth of an H200's, so a step's K/V reads weigh more there; no Metal machine has measured the
+# whole model. On CUDA (benchmarks/decode_vs_mlxlm.py, benchmarks/results/decode_vs_mlxlm.json, H200) the compressed
+# whole-model step ran at 0.94x fp16's tok/s at 128K on Gemma 4 26B-A4B and 0.96x at 32K, 1.00x at 32K on
+# Qwen3-30B-A3B: where fp16 fits, CUDA keeps it.
 LONG_CONTEXT = 131072
 # More query heads per kv head than one matrix fragment holds run in the fused kernel's row blocks, each re-reading
-# the codes: Nemotron 3 Nano's 32 over 2 decoded at 0.94x fp16's tok/s at 32K and 0.74x at 128K (H200,
-# decode_vs_mlxlm.json, one repetition), where Qwen3-30B-A3B's 32 over 4 ran at 1.19x at 32K.
+# the codes: Nemotron 3 Nano's 32 over 2 decoded at 0.89x fp16's tok/s at 32K and 0.79x at 128K (H200,
+# decode_vs_mlxlm.json, two repetitions).
 ROWS_PER_KV_HEAD = MMA_ROWS
 
 
@@ -70,6 +72,8 @@ def choose(*, backend: Optional[str], context: int, fit: Fit = Fit(),
         return "fp16", f"the fused {backend} kernel declines this model's attention ({declined[0]})"
     if slower:
         return "fp16", f"the compressed cache decodes slower than fp16 on this model's attention ({slower[0]})"
+    if backend == "cuda":
+        return "fp16", "on cuda fp16 KV fits the memory budget and decodes at least as fast as the compressed cache"
     if context >= LONG_CONTEXT:
         return COMPRESSED, f"{context} tokens of context on {backend}: from {LONG_CONTEXT} the compressed cache " \
                            "decodes at least as fast as fp16"

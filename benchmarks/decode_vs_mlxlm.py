@@ -280,7 +280,8 @@ def table(rows: list[dict], infos: dict) -> str:
         ratio = "-" if r["ratio_to_mlx_lm_fp16"] is None else f"{r['ratio_to_mlx_lm_fp16']:.2f}x"
         inf = infos[r["config"]]
         done = inf.get("repeats_done", inf["repeats"])
-        part = f", {done} of {inf['repeats']} repetitions" if inf.get("partial") and done < inf["repeats"] else ""
+        part = ((f", {done} of {inf['repeats']} repetitions" if done < inf["repeats"] else ", float32 check not reached")
+                if inf.get("partial") else "")
         lines.append(f"| {r['config']} ({infos[r['config']]['layers']} layers{part}) | {r['context']} | {r['runner']} | "
                      f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {ratio} | "
                      f"{r['peak_memory_bytes'] / 2**30:.2f} |")
@@ -293,8 +294,10 @@ def table(rows: list[dict], infos: dict) -> str:
         c = v.get("stored_dtype_vs_float32")
         return "-" if c is None else f"{c[who]['max_abs_diff']:.3g}"
 
+    clamped = [k for k, v in infos.items() if v.get("mamba_dt_clamp_aligned")]
     lines.append("Logits of rq's and mlx-lm's models on one 16-token prompt, max abs difference in the stored dtype / in "
-                 "float32 (mlx-lm's Mamba dt clamped as rq's): " + "; ".join(
+                 "float32" + (f" (mlx-lm's Mamba dt clamped as rq's: {', '.join(clamped)})" if clamped else "") + ": "
+                 + "; ".join(
                      f"{k} {v['logits_check']['max_abs_diff']:.3g} / {f32(v, 'max_abs_diff', '.3g')} "
                      f"(logit std {v['logits_check']['logit_std']:.2f}, top-1 agreement "
                      f"{v['logits_check']['top1_agree']:.0%} / {f32(v, 'top1_agree', '.0%')}; stored dtype from "

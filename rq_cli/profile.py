@@ -50,8 +50,8 @@ def _table(report: dict) -> None:
         console.print(k)
     why = next((r["stages_unavailable"] for r in report["results"] if r.get("stages_unavailable")), None)
     if why:
-        console.print(f"no attention stages: the four-kernel pipeline does not cover this shape ({why}); "
-                      "decode takes the fused kernel", highlight=False)
+        console.print(f"no attention stages: the four-kernel pipeline does not cover this shape ({why})",
+                      highlight=False)
     thr, share = report["threshold"], report["share_verdict"]
     share_note = (f"KV attention is above {thr:.0%} of the step from {report['share_go_from_context']} tokens"
                   if share == "go" else f"KV attention stays at or below {thr:.0%} of the step")

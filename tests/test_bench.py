@@ -109,3 +109,34 @@ def test_decode_vs_mlxlm_at_tiny_scale(tmp_path):
         if row["runner"] == "mlx-lm fp16":
             assert row["ratio_to_mlx_lm_fp16"] == 1.0
     assert not (tmp_path / "ck" / "qwen3_moe").exists()  # written by the run, removed without --keep
+
+
+def test_decode_vs_mlxlm_table_of_merged_and_cut_short_runs():
+    """The table of a results file merged from several runs: each model's run named, a run cut short marked (by its
+    repetitions, or by the float32 check it did not reach), older entries without the newer fields rendered."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode_vs_mlxlm import table
+
+    check = {"max_abs_diff": 0.5, "logit_std": 1.0, "top1_agree": 1.0}
+    shared = {"same_objects": 3, "arrays": 3, "added_bytes": 0}
+
+    def info(cmd, **kw):
+        return {"layers": 2, "repeats": 3, "logits_check": check, "shared_weights": shared,
+                "run": {"date": "D", "command": cmd}, **kw}
+
+    infos = {"a": info("run a", logits_check_float32=check, mamba_dt_clamp_aligned=True,
+                       stored_dtype_vs_float32={"rq": check, "mlx_lm": check}),
+             "b": info("run b", partial=True, repeats_done=2),
+             "c": info("run c", partial=True, repeats_done=3)}
+    rows = [{"config": k, "context": 64, "runner": "rq fp16", "decode_tok_per_s": {"median": 2, "min": 1, "max": 3},
+             "ratio_to_mlx_lm_fp16": None, "peak_memory_bytes": 2**30} for k in infos]
+    text = table(rows, infos)
+    assert "| a (2 layers) |" in text and "| b (2 layers, 2 of 3 repetitions) |" in text
+    assert "| c (2 layers, float32 check not reached) |" in text
+    assert "(mlx-lm's Mamba dt clamped as rq's: a)" in text and "stored dtype from float32: rq 0.5, mlx-lm 0.5" in text
+    assert "b 0.5 / - " in text and "Rows from several runs" in text and "`run c`" in text
+    del infos["a"]["mamba_dt_clamp_aligned"]
+    assert "clamped" not in table(rows, infos)

@@ -101,7 +101,8 @@ def test_decide_on_the_bundled_model(bundled, monkeypatch):
     kept = auto.decide(m, cfg, SETTINGS, context=1504, budget=27 * 10**6, prefill_chunk=64)
     assert kept.mode == "fp16" and "fp16 needs less" in kept.reason
     monkeypatch.setattr(auto, "kernel_backend", lambda: "cuda")
-    assert auto.decide(m, cfg, SETTINGS, context=LONG).mode == "fp16"  # fp16 fits: host-bound decode keeps it
+    kept = auto.decide(m, cfg, SETTINGS, context=LONG)  # fp16 fits: host-bound decode keeps it
+    assert kept.mode == "fp16" and "on cuda" in kept.reason
     monkeypatch.setattr(auto, "kernel_backend", lambda: "metal")  # the kernel takes this model's shape
     assert auto.decide(m, cfg, SETTINGS, context=LONG).mode == "isoquant3"
     assert auto.decide(m, cfg, SETTINGS, context=LONG - 1).mode == "fp16"

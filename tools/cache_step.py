@@ -85,7 +85,10 @@ def main() -> int:
     ap.add_argument("--kinds", default="fp16,isoquant3", help="fp16 and KV modes (isoquant3, turbo3, ...)")
     ap.add_argument("--shape", default=f"{HQ},{HKV},{D}", help="query heads, kv heads, head dim")
     a = ap.parse_args()
-    HQ, HKV, D = (int(x) for x in a.shape.split(","))
+    try:
+        HQ, HKV, D = (int(x) for x in a.shape.split(","))
+    except ValueError:
+        ap.error(f"--shape takes three integers HQ,HKV,D (got {a.shape!r})")
     kinds = a.kinds.split(",")
     inputs = [tuple(mx.random.normal(s, key=mx.random.key(100 + j)).astype(mx.float16)
                     for s in ((1, HQ, 1, D), (1, HKV, 1, D), (1, HKV, 1, D))) for j in range(4)]
@@ -104,7 +107,7 @@ def main() -> int:
             rows.append({"context": T, "cache": k, "us_per_layer": best[k], "vs_fp16": best.get("fp16", 0) / best[k]})
             print(f"{T:7d} {k:10s} {best[k]:8.1f} µs / layer  ({rows[-1]['vs_fp16']:.2f}x fp16)", flush=True)
         del caches
-    body = table(rows)
+    body = table(rows) + f"\n\n{HQ} query heads, {HKV} kv heads, head dim {D}; {a.layers} layers chained."
     print(body)
     from _readme import save
 

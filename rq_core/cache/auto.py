@@ -25,7 +25,7 @@ COMPRESSED = "isoquant3"  # what auto compresses with
 # From this many tokens of context a Metal GPU with the fused kernel runs the compressed cache rather than fp16. Its
 # memory bandwidth is a tenth of an H200's, so a step's K/V reads weigh more there; no Metal machine has measured the
 # whole model. On CUDA (benchmarks/decode_vs_mlxlm.py, benchmarks/results/decode_vs_mlxlm.json, H200) the compressed
-# whole-model step ran at 0.94x fp16's tok/s at 128K on Gemma 4 26B-A4B and 0.96x at 32K, 1.00x at 32K on
+# whole-model step ran at 0.94x fp16's tok/s at 128K on Gemma 4 26B-A4B and 0.95x at 32K, 1.00x at 32K on
 # Qwen3-30B-A3B: where fp16 fits, CUDA keeps it.
 LONG_CONTEXT = 131072
 # More query heads per kv head than one matrix fragment holds run in the fused kernel's row blocks, each re-reading
@@ -75,9 +75,9 @@ def choose(*, backend: Optional[str], context: int, fit: Fit = Fit(),
     if backend == "cuda":
         return "fp16", "on cuda fp16 KV fits the memory budget and decodes at least as fast as the compressed cache"
     if context >= LONG_CONTEXT:
-        return COMPRESSED, f"{context} tokens of context on {backend}: from {LONG_CONTEXT} the compressed cache " \
-                           "decodes at least as fast as fp16"
-    return "fp16", f"{context} tokens of context on {backend}: below {LONG_CONTEXT} fp16 decodes faster"
+        return COMPRESSED, f"{context} tokens of context on {backend}: from {LONG_CONTEXT} tokens it compresses " \
+                           "(K/V reads weigh more than the compressed cache's extra work)"
+    return "fp16", f"{context} tokens of context on {backend}: below {LONG_CONTEXT} tokens it keeps fp16"
 
 
 def kernel_backend() -> Optional[str]:

@@ -565,7 +565,8 @@ def profile_context(model: nn.Module, caches: list, n_tokens: int, *, fill: str 
         "layers": counts,
         "kernels": None,
         "strategy": staged[0]["strategy"] if have_stages else None,
-        "attention_path": (staged[0]["path"] if have_stages or unstaged else ("sdpa" if kv_calls else None)),
+        "attention_path": (next(x["path"] for x in staged if x is not None) if have_stages or unstaged
+                           else ("sdpa" if kv_calls else None)),
         "stages_unavailable": unstaged,  # why no stage breakdown (the four-kernel pipeline lacks the shape), or None
         # the path each compressed layer's decode attention took (rq_core.attention.dispatch), e.g. {"fused": 48}
         "attention_paths": paths,

@@ -310,7 +310,7 @@ def table(rows: list[dict], infos: dict) -> str:
     if len({r["command"] for r in runs.values()}) > 1:  # rows merged from several runs: each model's own
         lines.append("")
         lines.append("Rows from several runs, each model's in one process: " + "; ".join(
-            f"{k} {r['date']}, `{r['command']}`" for k, r in runs.items()) + ".")
+            f"{k} {r['date']}" for k, r in runs.items()) + " (each model's command is in the results file).")
     return "\n".join(lines)
 
 

@@ -137,6 +137,6 @@ def test_decode_vs_mlxlm_table_of_merged_and_cut_short_runs():
     assert "| a (2 layers) |" in text and "| b (2 layers, 2 of 3 repetitions) |" in text
     assert "| c (2 layers, float32 check not reached) |" in text
     assert "(mlx-lm's Mamba dt clamped as rq's: a)" in text and "stored dtype from float32: rq 0.5, mlx-lm 0.5" in text
-    assert "b 0.5 / - " in text and "Rows from several runs" in text and "`run c`" in text
+    assert "b 0.5 / - " in text and "Rows from several runs" in text and "; c D (each model's command" in text
     del infos["a"]["mamba_dt_clamp_aligned"]
     assert "clamped" not in table(rows, infos)

@@ -285,8 +285,8 @@ def attention_stages(cache: Any, queries: mx.array, scale: float) -> Optional[di
     Returns {"stages": {name: fn}, "strategy": str, "path": "kernels" | "reference"}; each fn runs one
     stage on the (already evaluated) output of the stage before it. On a GPU these are the kernels of
     `rq_core.kernels.launch`; on CPU the reference math (`rq_core.attention.reference`) done stage by stage.
-    On a GPU shape the four-kernel pipeline does not cover (decode takes the fused kernel there), "stages" is None
-    and "unstaged" says why.
+    On a GPU shape the four-kernel pipeline does not cover (e.g. head_dim 512), "stages" is None and "unstaged" says
+    why; the path decode took is the step's attention_paths.
     """
     if not hasattr(cache, "k_codes") or cache.k_codes is None:
         return None

@@ -269,13 +269,17 @@ def table(res: dict) -> str:
     if len(cmds) > 1:  # rows of several runs (--merge)
         lines += ["", "Rows from several runs (`--merge`): each model's command and date are in the results file."]
     h = res.get("host")
-    if h:
-        mem = f", {h['memory_bytes'] / 2 ** 30:.0f} GiB of memory" if h.get("memory_bytes") else ""
-        where = f"Measured on {'the CPU' if h['accelerator'] == 'CPU' else h['accelerator']} ({h['cpu_cores']} cores{mem})"
-        if h["accelerator"] == "CPU":
-            where += "; tok/s and TTFT measured on a CPU are not comparable with the paper's Apple M4 Max numbers"
-        lines += ["", where + "."]
-    budgets = [f"{m['config']} {m['budget']}" + budget_note(m, h) for m in res["models"]
+    hosts = [m.get("host") or h for m in res["models"]]
+    if any(hosts):
+        if all(x == hosts[0] for x in hosts):
+            lines += ["", f"Measured on {where(hosts[0])}."]
+        else:  # rows merged from runs on different machines: each model's
+            lines += ["", "Measured on: " + "; ".join(f"{m['config']} {where(x)}" for m, x in zip(res["models"], hosts)
+                                                     if x) + "."]
+        if any(x and x["accelerator"] == "CPU" for x in hosts):
+            lines += ["", "Decode tok/s and TTFT measured on a CPU are not comparable with the paper's Apple M4 Max "
+                          "numbers."]
+    budgets = [f"{m['config']} {m['budget']}" + budget_note(m, m.get("host") or h) for m in res["models"]
                if m.get("budget_source") != "tiny"]
     if budgets:
         lines += ["", "Budgets: " + "; ".join(budgets) + "."]
@@ -327,6 +331,12 @@ def planned_cells(m: dict) -> list[tuple[int, str]]:
         ctxs = ctxs or [int(x) for x in opt.get("--contexts", "2048,32768").split(",")]
         kvs = kvs or opt.get("--kv", "isoquant3,fp16").split(",")
     return [(c, k) for c in ctxs or [] for k in kvs or []]
+
+
+def where(h: dict) -> str:
+    """A host() in words: 'NVIDIA H200 (16 cores, 126 GiB of memory)', 'the CPU (2 cores, ...)'."""
+    mem = f", {h['memory_bytes'] / 2 ** 30:.0f} GiB of memory" if h.get("memory_bytes") else ""
+    return f"{'the CPU' if h['accelerator'] == 'CPU' else h['accelerator']} ({h['cpu_cores']} cores{mem})"
 
 
 def budget_note(m: dict, h: dict | None) -> str:
@@ -412,7 +422,8 @@ def main() -> None:
         if old_path.is_file():
             old = json.loads(old_path.read_text())
             if bool(old.get("tiny")) == a.tiny:
-                kept = [m for m in old.get("models", []) if m.get("model") in MODELS and m.get("model") not in names]
+                kept = [{"host": old.get("host"), **m} for m in old.get("models", [])
+                        if m.get("model") in MODELS and m.get("model") not in names]  # each row keeps its machine
 
     def merged() -> dict:
         ms = kept + res["models"]
@@ -433,7 +444,8 @@ def main() -> None:
         if a.tiny:
             cfg = synth.truncate(cfg, 2)
         m = {"model": fam, "config": cfg_name, "recipe": rec_name, "budget": budget, "paper_budget": paper_budget,
-             "measured": _readme.meta()["date"], "command": _readme.meta()["command"], "contexts": contexts,
+             "measured": _readme.meta()["date"], "command": _readme.meta()["command"], "host": res["host"],
+             "contexts": contexts,
              "kv": kvs,
              "budget_source": "--budget" if fam in budgets else "tiny" if a.tiny else "paper", "cells": [],
              "paper": None if a.tiny else {"peak_gb": paper[0], "tok_s": paper[1], "budget": paper_budget,

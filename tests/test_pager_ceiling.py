@@ -1,5 +1,5 @@
 """The memory budget is a ceiling on the bundled model: with room for 3 experts a layer (and 2, and all 8),
-measured peak (MLX's peak over the run plus the pager's host staging buffer), with and without speculation, stays within the budget, with
+measured peak (MLX's peak over the run, the pager's staging buffer included), with and without speculation, stays within the budget, with
 no slack, the plan predicts it within 5%, and the tokens equal an all-resident run's."""
 
 import gc
@@ -42,12 +42,12 @@ def test_measured_peak_is_within_the_budget(pages, slots, speculate):
     res = generate(ck.model, PROMPT, max_tokens=N, prefill_chunk=16)
     st = pager.report()
     pager.close()
-    measured = res.peak_memory_bytes - baseline + st.staging_bytes
+    measured = res.peak_memory_bytes - baseline  # the staging buffer included (an MLX array)
     assert res.tokens == ref
     assert st.misses > 0 and st.staging_bytes > 0
     assert measured <= budget, (measured, budget)
-    # the plan against the measured peak: measured 2.3% to 3.1% above it over these six cases; 5% is 1.6x the worst
-    # (peaks move by allocator rounding from run to run)
+    # the plan against the measured peak: measured 2.6% to 3.3% below it over these six cases (the cast batch the plan
+    # counts is float32 here, the pages' staging besides); 5% is 1.5x the worst (peaks move by allocator rounding)
     assert abs(plan["planned_peak_bytes"] - measured) <= 0.05 * measured, (plan["planned_peak_bytes"], measured)
 
 
@@ -71,5 +71,5 @@ def test_rq_run_with_room_for_3_experts_stays_within_the_budget(pages):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["pager"]["slots"] == 3 and d["tokens"] == full["tokens"]
-    measured = d["peak_memory_bytes"] - baseline + d["pager"]["staging_bytes"]
+    measured = d["peak_memory_bytes"] - baseline
     assert measured <= budget, (measured, budget)

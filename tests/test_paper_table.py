@@ -107,6 +107,25 @@ def test_table_names_the_machine_the_budgets_and_the_disk():
     assert "| nemotron3-super-120b-a12b | 19GB | isoquant3 | 5.0 | 40 | 0.40 | 1.00% | +1.0 | - | -5.0% |" in t
 
 
+def test_rows_merged_from_two_machines_each_name_their_own():
+    """A GPU row merged beside rows from a CPU run: the table names each model's machine (not the newest run's for
+    all), and still says that the CPU's speeds are not the paper's."""
+    pt = _module()
+    gpu = {"accelerator": "NVIDIA H200", "cpu_cores": 16, "memory_bytes": 126 * 2 ** 30}
+    cpu = {"accelerator": "CPU", "cpu_cores": 2, "memory_bytes": 24 * 2 ** 30}
+    model = {"budget": "16GB", "paper_budget": "16GB", "budget_source": "paper", "paper": None, "cells": []}
+    res = {"routing": "uniform", "tokens": 4, "host": gpu,
+           "models": [{**model, "config": "nemotron3-super-120b-a12b", "host": gpu},
+                      {**model, "config": "qwen3-30b-a3b", "host": cpu}]}
+    t = pt.table(res)
+    assert ("Measured on: nemotron3-super-120b-a12b NVIDIA H200 (16 cores, 126 GiB of memory); qwen3-30b-a3b the "
+            "CPU (2 cores, 24 GiB of memory).") in t
+    assert "not comparable" in t
+    res["models"][1]["host"] = gpu
+    t = pt.table(res)
+    assert "Measured on NVIDIA H200 (16 cores, 126 GiB of memory)." in t and "not comparable" not in t
+
+
 def test_render_rewrites_the_table_and_keeps_the_runs_metadata(tmp_path):
     f = tmp_path / "pt.json"
     f.write_text(json.dumps({"date": "2000-01-01 00:00 UTC", "machine": "m", "mlx": "0", "command": "cmd",

@@ -3,8 +3,9 @@ expert slots (stacked arrays, so one gather_qmm per projection still serves the 
 (layer, expert) decides which slot a missing expert is read into.
 
 A decode step runs layer by layer: one host sync per MoE layer to read its routing (the expert -> slot table
-is an mx.array that remaps the routing on the device), its misses read together, in parallel (os.preadv into
-one preallocated staging buffer, a thread each), and written into the slots with one scatter per tensor. The layer's
+is an mx.array that remaps the routing on the device), its misses read together, in parallel (os.preadv, a thread
+each, straight into a staging buffer that is itself an MLX array, laid out tensor by tensor), and written into the
+slots with one scatter per tensor that reads the buffer where the pages landed. The layer's
 work before and after that sync replays as two traced graphs (rq_core.models.base.paged_experts), the second taking
 the banks as inputs, so it reads the slots as they are.
 With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
@@ -25,12 +26,13 @@ copies of all layers of a step at once), so it is refused with one line (`rq_cor
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 import weakref
 import zlib
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
@@ -41,10 +43,10 @@ import numpy as np
 from rq_core.errors import RQError
 from rq_core.models.base import StepResume, resuming, set_bank_inputs, step_resume
 from rq_core.paging.pack import expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
-from rq_core.paging.pages import _NP
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
+STAGING_ALIGN = 64  # bytes from the staging buffer's start where each tensor's rows begin (a multiple of any dtype's size)
 SPECULATE = ("auto", "always", "off")
 RESERVE_DIVISOR = 100  # budget // RESERVE_DIVISOR (1%) of a memory budget is left out of the plan's parts
 SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
@@ -58,6 +60,71 @@ def check_policy(policy: str, what: str = "pager policy") -> None:
         raise RQError(GONE[policy])
     if policy not in POLICIES:
         raise RQError(f"unknown {what} {policy!r} (choose from: {', '.join(POLICIES)})")
+
+
+def _pread_into(fd: int, views: list, offset: int) -> int:
+    """os.preadv where the platform lacks it: one pread a view."""
+    n = 0
+    for v in views:
+        buf = os.pread(fd, len(v), offset + n)
+        v[:len(buf)] = buf
+        n += len(buf)
+        if len(buf) < len(v):
+            break
+    return n
+
+
+def _cudart():
+    """The CUDA 13 runtime library, or None: by its soname (LD_LIBRARY_PATH, a system toolkit), else from the
+    nvidia-cuda-runtime wheel MLX's CUDA build installs (site-packages/nvidia/cu13/lib; MLX itself does not load it)."""
+    names = ["libcudart.so.13"]
+    try:
+        import nvidia  # the wheels' namespace package
+
+        names += [str(Path(d) / "cu13" / "lib" / "libcudart.so.13") for d in nvidia.__path__]
+    except ImportError:
+        pass
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def keep_on_host(view: np.ndarray, on: bool = True) -> bool:
+    """On CUDA, where MLX allocates managed memory, advise the driver to keep these pages in host memory and map
+    them for the GPU (cudaMemAdvise: preferred location the host, accessed by the device): the page reads write them
+    from the host and the slot writes read them on the GPU, and without the advice each 4 KiB page migrates at a
+    fault both ways, every batch. on=False takes the advice back (before the buffer returns to MLX's cache). True
+    where the advice was taken; anywhere else the buffer works as it is. Device 0: the GPU MLX uses by default."""
+    try:
+        if not mx.cuda.is_available():
+            return False
+    except AttributeError:
+        return False
+    lib = _cudart()
+    if lib is None:
+        return False
+    try:
+        ver = ctypes.c_int(0)
+        if lib.cudaRuntimeGetVersion(ctypes.byref(ver)) != 0 or ver.value < 13000:
+            return False  # CUDA 12 spells cudaMemAdvise with a device number: not taken
+
+        class Location(ctypes.Structure):  # struct cudaMemLocation {enum cudaMemLocationType type; int id;}
+            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+        lib.cudaMemAdvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, Location]
+        ptr, size = view.ctypes.data, view.nbytes
+        # cudaMemAdviseSet/UnsetPreferredLocation = 3 / 4 at cudaMemLocationTypeHost = 2; cudaMemAdviseSet/
+        # UnsetAccessedBy = 5 / 6 by cudaMemLocationTypeDevice = 1 (driver_types.h)
+        ok = lib.cudaMemAdvise(ptr, size, 3 if on else 4, Location(2, 0)) == 0 and \
+            lib.cudaMemAdvise(ptr, size, 5 if on else 6, Location(1, 0)) == 0
+        if not ok:
+            lib.cudaGetLastError()  # not left for MLX's next error check to find
+        return ok
+    except (OSError, AttributeError):
+        return False
 
 
 @dataclass
@@ -78,7 +145,9 @@ class PagerStats:
     speculated: int = 0  # decode steps run first on the resident experts (speculate="auto" | "always")
     respun: int = 0  # of those, steps that missed an expert and ran again
     reruns: int = 0  # runs again from a layer that missed (a step that missed in two layers counts two)
-    staging_bytes: int = 0  # host memory of the staging buffer the pages are read into
+    staging_bytes: int = 0  # the staging buffer the pages are read into (an MLX array: MLX's peak counts it)
+    # on CUDA (MLX's arrays are managed memory): the staging buffer's pages kept in host memory, mapped for the GPU
+    staging_host_resident: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,6 +172,7 @@ class _Layer:
         self.free = list(range(self.slots))
         self.lut = np.zeros(self.E, np.int32)  # expert -> slot (0 for experts not resident: never read)
         self.lut_dev: Optional[mx.array] = None  # the same table on the device; None: upload again
+        self._plan: Optional[tuple] = None  # where a batch of pages lies in the staging buffer (_layout)
         # Banks take the dtype the model holds (e.g. float32 after model.set_dtype on the CPU), pages
         # are cast on load, so paged and resident runs compute the same numbers.
         self.dtypes = {t["name"]: target_dtype(module, t) for t in meta["tensors"]}
@@ -115,18 +185,52 @@ class _Layer:
     def resident_bytes(self) -> int:
         return self.expert_bytes * self.slots
 
-    def _read_one(self, e: int, view: memoryview) -> None:
+    def _layout(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], int]:
+        """Where a batch of this layer's pages goes in the staging buffer: per tensor (start, bytes an expert, page
+        offset), its rows for the batch's experts one after another (one contiguous slice a tensor: the slot writes
+        read it as it is); the gaps of a page between its tensors ((after which tensor, bytes), read into a scratch
+        so the checksum sees the whole page); the scratch's bytes. Made once, for stage_experts pages."""
+        if self._plan is None:
+            cap, start, regions = self.pager.stage_experts, 0, []
+            for t in self.meta["tensors"]:
+                regions.append((start, t["nbytes"], t["offset"]))
+                start = -(-(start + cap * t["nbytes"]) // STAGING_ALIGN) * STAGING_ALIGN
+            gaps, pos = [], 0
+            for i in sorted(range(len(regions)), key=lambda i: regions[i][2]):
+                _, nb, off = regions[i]
+                if off < pos:
+                    raise RQError(f"layer {self.path}: page tensors overlap (a damaged index?)")
+                gaps.append((i, off - pos))
+                pos = off + nb
+            gaps.append((-1, self.meta["used_bytes"] - pos))
+            if gaps[-1][1] < 0:
+                raise RQError(f"layer {self.path}: page tensors run past the page's used bytes (a damaged index?)")
+            self._plan = (regions, gaps, sum(g for _, g in gaps))
+        return self._plan
+
+    def _read_one(self, e: int, j: int) -> None:
+        """Expert e's page into staging row j of every tensor (one preadv, scattered), checked on its first read."""
+        regions, gaps, scratch_bytes = self._layout()
+        host = self.pager._staging_host
+        scratch = memoryview(bytearray(scratch_bytes))
+        iov, s0 = [], 0
+        for i, g in gaps:  # in page order: the gap before tensor i, then tensor i's bytes (i = -1: the tail)
+            if g:
+                iov.append(scratch[s0:s0 + g])
+                s0 += g
+            if i >= 0:
+                start, nb, _ = regions[i]
+                iov.append(memoryview(host[start + j * nb:start + (j + 1) * nb]))
         used = self.meta["used_bytes"]
         off = e * self.meta["page_bytes"]
-        n = os.preadv(self.fd, [view], off) if hasattr(os, "preadv") else None
-        if n is None:
-            buf = os.pread(self.fd, used, off)
-            n = len(buf)
-            view[:n] = buf
+        n = os.preadv(self.fd, iov, off) if hasattr(os, "preadv") else _pread_into(self.fd, iov, off)
         if n != used:
             raise RQError(f"layer {self.path} expert {e}: short read (truncated page file?)")
         if self.pager.verify and not self.checked[e]:
-            if zlib.crc32(view) != self.meta["crc32"][e]:
+            crc = 0
+            for v in iov:
+                crc = zlib.crc32(v, crc)
+            if crc != self.meta["crc32"][e]:
                 raise RQError(f"corrupt expert page: layer {self.path} expert {e} (checksum mismatch in "
                               f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the "
                               "checkpoint again")
@@ -136,40 +240,49 @@ class _Layer:
         """Read `experts` (in parallel, into the staging buffer) and write them into `slots` of the banks:
         one lazy scatter per tensor."""
         cap = self.pager.stage_experts
-        for i in range(0, len(experts), cap):  # more than the buffer holds only in a long prefill's passes
+        for i in range(0, len(experts), cap):  # more than the buffer holds: a long prefill's passes, a top-k > cap
             self._load(experts[i:i + cap], slots[i:i + cap])
 
     def _load(self, experts: list[int], slots: list[int]) -> None:
-        used, n = self.meta["used_bytes"], len(experts)
-        stage = self.pager._stage(n * used)
-        views = [memoryview(stage)[i * used:(i + 1) * used] for i in range(n)]
-        pool = self.pager._pool
+        n = len(experts)
+        # The staging buffer is read by the slot writes of the batch before: those run first (a no-op where the
+        # step's routing read already ran them), which also keeps one batch's writes pending at a time
+        pager = self.pager
+        if pager._pending:
+            live = [a for a in (r() for r in pager._pending) if a is not None]
+            if live:
+                mx.eval(live)
+            pager._pending = []
+        regions, _, _ = self._layout()
+        pool = pager._pool
         t0 = time.perf_counter()
         if pool is not None and n > 1:
-            for f in [pool.submit(self._read_one, e, v) for e, v in zip(experts, views)]:
+            futures = [pool.submit(self._read_one, e, j) for j, e in enumerate(experts)]
+            # every read finished before any error is raised: a read still running would write into rows the next
+            # batch reads into (its slot writes read the buffer only when they are evaluated)
+            wait(futures)
+            for f in futures:
                 f.result()
         else:
-            for e, v in zip(experts, views):
-                self._read_one(e, v)
-        st = self.pager.stats
+            for j, e in enumerate(experts):
+                self._read_one(e, j)
+        st = pager.stats
         st.read_s += time.perf_counter() - t0
-        st.bytes_read += n * used
+        st.bytes_read += n * self.meta["used_bytes"]
         st.read_batches += 1
-        rows = np.frombuffer(stage, np.uint8, count=n * used).reshape(n, used)
         idx = mx.array(np.asarray(slots, dtype=np.int32))
-        for t in self.meta["tensors"]:
+        dev = pager._staging
+        for t, (start, nb, _) in zip(self.meta["tensors"], regions):
             proj, part = t["name"].split(".")
-            # contiguous first: mx.array of a strided view copies (and keeps) all the memory the view spans
-            a = np.ascontiguousarray(rows[:, t["offset"]:t["offset"] + t["nbytes"]]).view(_NP[t["dtype"]])
-            new = mx.array(a.reshape(n, *t["shape"]))  # a copy: the staging buffer is reused
-            if t["dtype"] == "bfloat16":
-                new = new.view(mx.bfloat16)
+            # the batch's rows of this tensor, read where they lie (the staging buffer is an MLX array)
+            new = dev[start:start + n * nb].view(getattr(mx, t["dtype"])).reshape(n, *t["shape"])
             target = self.dtypes[t["name"]]
             if new.dtype != target:
                 new = new.astype(target)
             bank = self.module[proj][part]
             bank[idx] = new
             self.module[proj][part] = bank
+            pager._pending.append(weakref.ref(bank))  # weak: a dropped model's banks are not kept
 
     def acquire(self, needed: np.ndarray) -> None:
         """Make `needed` experts (len <= slots) resident and the device table map them to their slots."""
@@ -301,7 +414,12 @@ class ExpertPager:
         self.top_k: Optional[int] = None  # experts a token takes, from the first call
         self._token_fits = False  # every layer takes a token's experts at once (known with top_k)
         self.stage_experts = 0
-        self._buf: Optional[bytearray] = None
+        # the staging buffer: an MLX array the page reads write into through a host view of its memory, so the slot
+        # writes read the pages where they were read to (no host copies, no arrays made per batch)
+        self._staging: Optional[mx.array] = None
+        self._staging_host: Optional[np.ndarray] = None
+        # the banks the last batch wrote (lazily), weakly: run before the buffer is read into again
+        self._pending: list = []
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         self._routing: Optional[list] = None  # while a step speculates: (layer, routing indices, decoder layer)
         # running means of a speculated step's seconds and a layer-by-layer step's (misses included in both), and
@@ -422,17 +540,20 @@ class ExpertPager:
             st.host_s += time.perf_counter() - t1
 
     def _ready(self, top_k: int) -> None:
-        if self._buf is None:
+        if self._staging is None:
             self.stage_experts = max(1, min(self._slots, self._threads, top_k))
             self.top_k = top_k
             self._token_fits = all(l.serves_a_token() for l in self.layers.values())  # fixed from here on
-            self.stats.staging_bytes = staging_bytes(self._index, self._bank_paths, self._slots, self._threads, top_k)
-            self._buf = bytearray(self.stats.staging_bytes)
-
-    def _stage(self, n: int) -> bytearray:
-        if self._buf is None or n > len(self._buf):  # cannot happen: a batch is at most stage_experts pages
-            raise RQError(f"internal: {n} bytes of pages to stage, room for {len(self._buf or b'')}")
-        return self._buf
+            n = staging_bytes(self._index, self._bank_paths, self._slots, self._threads, top_k)
+            n = max([n] + [l._layout()[0][-1][0] + self.stage_experts * l._layout()[0][-1][1]
+                           for l in self.layers.values()])  # the tensors' aligned starts: a few bytes more at most
+            self.stats.staging_bytes = n
+            self._staging = mx.array(np.zeros(n, np.uint8))
+            mx.eval(self._staging)
+            self._staging_host = np.asarray(self._staging)  # the same memory, written by the page reads
+            if not self._staging_host.flags.writeable:
+                raise RQError("internal: the staging buffer's memory is not writable from the host")
+            self.stats.staging_host_resident = keep_on_host(self._staging_host)
 
     def report(self) -> PagerStats:
         s = self.stats
@@ -443,15 +564,22 @@ class ExpertPager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._buf = None
+        live = [a for a in (r() for r in self._pending) if a is not None]
+        if live:
+            mx.eval(live)  # the last batch's slot writes read the buffer
+        self._pending = []
+        if self.stats.staging_host_resident and self._staging_host is not None:
+            # MLX keeps a freed buffer in its cache for later arrays: give it back without the host preference
+            keep_on_host(self._staging_host, on=False)
+        self._staging = self._staging_host = None
         for l in self.layers.values():
             l.close()
 
 
 def staging_bytes(index: dict, banks: Iterable[str], slots: int, threads: int = READ_THREADS,
                   top_k: int = READ_THREADS) -> int:
-    """Host bytes of the pager's staging buffer: min(slots, threads, top_k) pages (used bytes) of the largest layer of
-    `banks` (their paths)."""
+    """Bytes of the pager's staging buffer (an MLX array): min(slots, threads, top_k) pages (used bytes) of the largest
+    layer of `banks` (their paths); the buffer made may be a few bytes more (its tensors' aligned starts)."""
     n = max(1, min(slots, threads, top_k))
     return max((min(n, m["num_experts"]) * m["used_bytes"] for p, m in index["layers"].items() if p in banks),
                default=0)
@@ -470,10 +598,16 @@ def _patch(module: Any, layer: _Layer) -> None:
         if len(needed) <= layer.slots:
             return old.compute(self, x, layer.resident(needed)[indices])  # remapped on the device
         # More distinct experts than slots (a long prefill chunk): serve them in passes of `slots`
-        # experts; each (token, k) output comes from exactly one pass.
+        # experts; each (token, k) output comes from exactly one pass. The resident ones go first, so the first
+        # pass reads only what it lacks and no pass evicts an expert a later pass needs: each missing expert is
+        # read once (in index order, a pass evicted resident experts that a later pass then read back).
+        lru = layer.lru
+        order = [e for e in needed.tolist() if e in lru]
+        order += [e for e in needed.tolist() if e not in lru]
+        order = np.asarray(order, dtype=needed.dtype)
         y = None
-        for i in range(0, len(needed), layer.slots):
-            part = needed[i:i + layer.slots]
+        for i in range(0, len(order), layer.slots):
+            part = order[i:i + layer.slots]
             t0 = time.perf_counter()
             layer.acquire(part)
             layer.pager.stats.host_s += time.perf_counter() - t0
@@ -520,8 +654,9 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     else:  # default 0: a model (or a rank's slice of one) without routed experts
         per_expert = max((sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
                           for m in banks.values()), default=0)
-    # a batch of misses: the staging buffer pages are read into (host memory: min(slots, READ_THREADS) pages of
-    # the largest layer) and MLX's copy of it, held until the slot writes run
+    # a batch of misses: the staging buffer pages are read into (an MLX array: min(slots, READ_THREADS) pages of the
+    # largest layer) and the batch cast to the banks' dtype where it differs from the pages' (float32 on the CPU),
+    # held until the slot writes run; counted in either case (where no cast is made it is a little room spare)
     used = max((m["used_bytes"] for p, m in index["layers"].items() if p in banks), default=0) if index else per_expert
     used += per_expert
     # what the parts above do not count (allocator rounding, the pager's tables and index arrays, small temporaries):

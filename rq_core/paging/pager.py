@@ -248,11 +248,7 @@ class _Layer:
         # The staging buffer is read by the slot writes of the batch before: those run first (a no-op where the
         # step's routing read already ran them), which also keeps one batch's writes pending at a time
         pager = self.pager
-        if pager._pending:
-            live = [a for a in (r() for r in pager._pending) if a is not None]
-            if live:
-                mx.eval(live)
-            pager._pending = []
+        pager._drain()
         regions, _, _ = self._layout()
         pool = pager._pool
         t0 = time.perf_counter()
@@ -545,8 +541,9 @@ class ExpertPager:
             self.top_k = top_k
             self._token_fits = all(l.serves_a_token() for l in self.layers.values())  # fixed from here on
             n = staging_bytes(self._index, self._bank_paths, self._slots, self._threads, top_k)
-            n = max([n] + [l._layout()[0][-1][0] + self.stage_experts * l._layout()[0][-1][1]
-                           for l in self.layers.values()])  # the tensors' aligned starts: a few bytes more at most
+            for l in self.layers.values():  # the tensors' aligned starts: a few bytes more at most
+                start, nb, _ = l._layout()[0][-1]
+                n = max(n, start + self.stage_experts * nb)
             self.stats.staging_bytes = n
             self._staging = mx.array(np.zeros(n, np.uint8))
             mx.eval(self._staging)
@@ -554,6 +551,13 @@ class ExpertPager:
             if not self._staging_host.flags.writeable:
                 raise RQError("internal: the staging buffer's memory is not writable from the host")
             self.stats.staging_host_resident = keep_on_host(self._staging_host)
+
+    def _drain(self) -> None:
+        """Run the slot writes of the last batch (they read the staging buffer); a no-op where they already ran."""
+        live = [a for a in (r() for r in self._pending) if a is not None]
+        if live:
+            mx.eval(live)
+        self._pending = []
 
     def report(self) -> PagerStats:
         s = self.stats
@@ -564,10 +568,7 @@ class ExpertPager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        live = [a for a in (r() for r in self._pending) if a is not None]
-        if live:
-            mx.eval(live)  # the last batch's slot writes read the buffer
-        self._pending = []
+        self._drain()  # the last batch's slot writes read the buffer
         if self.stats.staging_host_resident and self._staging_host is not None:
             # MLX keeps a freed buffer in its cache for later arrays: give it back without the host preference
             keep_on_host(self._staging_host, on=False)

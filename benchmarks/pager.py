@@ -8,8 +8,8 @@ pager every run:
   reading and checking pages);
 - host syncs per forward pass, and per MoE layer and forward pass the ms spent waiting for the routing read
   (PagerStats.sync_s) and in the pager's host work (PagerStats.host_s);
-- measured peak (MLX's peak over the run less what MLX held before the model loaded; the pager's staging buffer is an
-  MLX array, so it is counted) against the budget slots_for_budget plans those slots for, and its planned peak;
+- measured peak (MLX's peak over the run less what MLX held before the model loaded, plus the pager's staging buffer,
+  host memory) against the budget slots_for_budget plans those slots for, and its planned peak;
 - whether the tokens equal the all-resident run's.
 
 Each share of experts runs with ExpertPager(speculate=) "off" (layer by layer) and "auto" (rq's default), or the
@@ -276,7 +276,7 @@ def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespa
                    read_gb_per_s=(st.bytes_read / read_s / 1e9) if read_s and st.bytes_read else None,
                    host_syncs_per_pass=st.host_syncs / passes, sync_ms_per_call=1e3 * st.sync_s / calls,
                    host_ms_per_call=1e3 * st.host_s / calls,
-                   measured_peak_bytes=res.peak_memory_bytes - baseline)  # staging included: an MLX array
+                   measured_peak_bytes=res.peak_memory_bytes - baseline + st.staging_bytes)  # staging: host memory
         pager.close()
     else:
         run["measured_peak_bytes"] = run["mlx_peak_bytes"]
@@ -296,7 +296,7 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
     for k in ("slots", "budget_bytes", "planned_peak_bytes"):
         s[k] = runs[0].get(k)
     s["staging_bytes"] = runs[0]["pager"]["staging_bytes"] if runs[0].get("pager") else None
-    # whether the staging buffer's pages were kept in host memory for the GPU (CUDA: pager.keep_on_host)
+    # whether the staging buffer is page-locked host memory (CUDA: transfer.Copier.host_buffer)
     s["staging_host_resident"] = runs[0]["pager"].get("staging_host_resident") if runs[0].get("pager") else None
     for k in ("hit_rate", "misses", "evictions", "hits", "speculated", "respun", "reruns"):
         xs = [r["pager"][k] for r in runs if r.get("pager") and r["pager"].get(k) is not None]
@@ -381,8 +381,8 @@ def note(meta: dict, rows: list[dict], a: argparse.Namespace) -> str:
             "measured peak is the largest. Read GB/s: bytes read over the seconds spent reading and checking "
             "pages. sync and host ms: per MoE layer and forward pass, waiting for the routing read and in the "
             "pager's host work. Budget: the least `--memory-budget` the planner gives these slots for; measured "
-            "peak: MLX's peak less what it held before the model loaded (the staging buffer the pages are read "
-            "into is an MLX array: counted).")
+            "peak: MLX's peak less what it held before the model loaded, plus the staging buffer the pages are "
+            "read into (host memory).")
     def share(key: str, pick) -> float | None:
         xs = [r["summary"][key] for r in rows if r["summary"].get(key) is not None]
         return pick(xs) if xs else None

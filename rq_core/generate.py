@@ -97,11 +97,15 @@ def _read_array(y: mx.array, logits: mx.array) -> mx.array:
 
 
 def _queue_step(model: nn.Module, cache: list, y: mx.array, temp: float, top_p: float, top_k: int = 0,
-                min_p: float = 0.0, key: Optional[mx.array] = None) -> tuple[mx.array, mx.array]:
-    """Build the step after token `y` and queue it (mx.async_eval): (its sampled id [1], its read array)."""
+                min_p: float = 0.0, key: Optional[mx.array] = None,
+                before_eval: Optional[Callable[[], None]] = None) -> tuple[mx.array, mx.array]:
+    """Build the step after token `y` and queue it (mx.async_eval): (its sampled id [1], its read array).
+    `before_eval`: called once the step is built, before it is queued (an expert pager's last layer settles there)."""
     logits = model(y.reshape(1, 1).astype(mx.int32), cache=cache)[:, -1, :]
     nxt = sample(logits, temp, top_p, top_k, min_p, key)
     read = _read_array(nxt, logits)
+    if before_eval is not None:
+        before_eval()
     mx.async_eval(read)
     return nxt, read
 
@@ -128,7 +132,8 @@ def decode_steps(model: nn.Module, cache: list, y: mx.array, read: mx.array, max
             y, read = queued
         elif more and pager is not None:
             y, read = pager.decode_step(
-                lambda key, y=y: _queue_step(model, cache, y, temp, top_p, top_k, min_p, key), cache, draws=temp > 0)
+                lambda key, y=y: _queue_step(model, cache, y, temp, top_p, top_k, min_p, key, pager.settle), cache,
+                draws=temp > 0)
         elif more:
             y, read = _queue_step(model, cache, y, temp, top_p, top_k, min_p)
 
@@ -178,8 +183,8 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     mx.eval(read)
     res.prefill_s = time.perf_counter() - t0
 
-    # With an expert pager, a step in flight would still hold the slot banks that the next step's
-    # misses overwrite, turning each in-place slot write into a copy of the bank (10x the peak).
+    # With an expert pager a step is not queued ahead (decode_steps): the next step's misses are written into the
+    # slot banks in place, and a step still in flight would read them.
     pager = getattr(model, "expert_pager", None)
     t1 = time.perf_counter()
     steps = 0  # decode steps whose token was read

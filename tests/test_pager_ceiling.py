@@ -1,6 +1,6 @@
 """The memory budget is a ceiling on the bundled model: with room for 3 experts a layer (and 2, and all 8),
-measured peak (MLX's peak over the run, the pager's staging buffer included), with and without speculation, stays within the budget, with
-no slack, the plan predicts it within 5%, and the tokens equal an all-resident run's."""
+measured peak (MLX's peak over the run and the pager's staging buffer, host memory), with and without speculation,
+stays within the budget, with no slack, the plan predicts it within 5%, and the tokens equal an all-resident run's."""
 
 import gc
 
@@ -42,7 +42,7 @@ def test_measured_peak_is_within_the_budget(pages, slots, speculate):
     res = generate(ck.model, PROMPT, max_tokens=N, prefill_chunk=16)
     st = pager.report()
     pager.close()
-    measured = res.peak_memory_bytes - baseline  # the staging buffer included (an MLX array)
+    measured = res.peak_memory_bytes - baseline + st.staging_bytes
     assert res.tokens == ref
     assert st.misses > 0 and st.staging_bytes > 0
     assert measured <= budget, (measured, budget)
@@ -71,5 +71,5 @@ def test_rq_run_with_room_for_3_experts_stays_within_the_budget(pages):
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["pager"]["slots"] == 3 and d["tokens"] == full["tokens"]
-    measured = d["peak_memory_bytes"] - baseline
+    measured = d["peak_memory_bytes"] - baseline + d["pager"]["staging_bytes"]
     assert measured <= budget, (measured, budget)

@@ -478,6 +478,9 @@ class IsoQuantCache:
                 kc, kn, vc, vn = self.compress_kv(*self._fp16(a0 + a, a0 + b))
                 self._append_packed(kc, kn, vc, vn)
                 if m > chunk:
+                    from rq_core.models.base import settle_step
+
+                    settle_step()  # within a paged decode step: the experts these tokens' K/V depend on, first
                     mx.eval(self.k_codes, self.k_norms, self.v_codes, self.v_norms)
         self.packed_len += n
         self._f0 += n

@@ -477,6 +477,26 @@ def step_resume() -> Optional[StepResume]:
     return getattr(_RESUME, "state", None)
 
 
+@contextlib.contextmanager
+def settling(fn: Callable[[], None]):
+    """Within, on this thread, `settle_step()` calls `fn`: what must happen before anything of the decode step being
+    built is evaluated (the expert pager's MoE layer whose experts are not in yet)."""
+    outer = getattr(_RESUME, "settle", None)
+    _RESUME.settle = fn
+    try:
+        yield
+    finally:
+        _RESUME.settle = outer
+
+
+def settle_step() -> None:
+    """Called before an evaluation in the middle of building a decode step (a cache coding its fp16 window in
+    chunks): the arrays it evaluates may depend on a MoE layer whose experts the pager has not written yet."""
+    fn = getattr(_RESUME, "settle", None)
+    if fn is not None:
+        fn()
+
+
 def run_layers(layers: list, h: mx.array, cache: Optional[list] = None, call: Optional[LayerCall] = None) -> mx.array:
     """h through each layer with its cache slot (no cache: every slot None); `call(i, layer, h, cache)` runs
     layer i where a family passes it more than (h, cache). Split over ranks (rq_core.distributed), the layers
@@ -677,15 +697,17 @@ class SwitchGLU(nn.Module):
 
 
 def paged_experts(switch: nn.Module, x: mx.array) -> Any:
-    """The expert pager's layer serving `switch`'s banks when x [B, L, D] is one token of one sequence and the layer
-    can serve a token's experts at once, with decode graphs on; else None (the layer runs as written: a paged
-    `switch` call reads its routing itself, in passes where it has fewer slots than experts to serve). A paged decode
-    step runs a MoE layer as two graphs, the routing read between them: `serve(indices)` makes the chosen experts
-    resident (the layer's one host sync) and maps them to their slots, which the second graph's `compute` reads."""
+    """The expert pager's layer serving `switch`'s banks when x [B, L, D] is one token of one sequence of a decode
+    step the pager runs (ExpertPager.decode_step) and the layer can serve a token's experts at once, with decode graphs
+    on; else None (the layer runs as written: a paged `switch` call reads its routing itself, in passes where it has
+    fewer slots than experts to serve, and evaluates its output). A paged decode
+    step runs a MoE layer as two graphs: `serve(indices)` maps the chosen experts to their slots through the device's
+    table, which the second graph's `compute` reads, and the pager reads the routing and writes the missing experts in
+    (the layer's one host sync) before that graph runs: at the next MoE layer's serve, or before the step is queued."""
     layer = switch.__dict__.get("pager_layer")
     if layer is None or x.shape[0] != 1 or x.shape[1] != 1 or switch.__dict__.get("_decode_graphs") is False:
         return None
-    return layer if layer.serves_a_token() else None
+    return layer if layer.serves_a_token() and layer.stepping() else None
 
 
 # ------------------------------------------------------------------------------------------ routing

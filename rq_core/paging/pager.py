@@ -2,12 +2,13 @@
 expert slots (stacked arrays, so one gather_qmm per projection still serves the layer); an LRU over
 (layer, expert) decides which slot a missing expert is read into.
 
-A decode step runs layer by layer: one host sync per MoE layer to read its routing (the expert -> slot table
-is an mx.array that remaps the routing on the device), its misses read together, in parallel (os.preadv, a thread
-each, straight into a staging buffer that is itself an MLX array, laid out tensor by tensor), and written into the
-slots with one scatter per tensor that reads the buffer where the pages landed. The layer's
-work before and after that sync replays as two traced graphs (rq_core.models.base.paged_experts), the second taking
-the banks as inputs, so it reads the slots as they are.
+A decode step runs layer by layer: one host sync per MoE layer to read its routing. The layer's work before and
+after that read replays as two traced graphs (rq_core.models.base.paged_experts): the second takes the banks as
+inputs and reads the slots through an expert -> slot table on the device, and it is built before the read, so the
+host builds the layers after a MoE layer while the device runs the ones before it. The read comes at the next MoE
+layer (or the step's end): the misses are read together, in parallel (os.preadv, a thread each, into a staging
+buffer laid out tensor by tensor), and copied into their slots and the table written, in place (rq_core.paging.
+transfer: on CUDA by the copy engine, so no page of managed memory migrates), before the graph that reads them runs.
 With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
 sampled token in one sync. Where a layer missed an expert, the layers before it computed what an all-resident model
 computes: the step runs again from that layer, its missing experts read first, the caches of the layers from it on
@@ -26,7 +27,6 @@ copies of all layers of a step at once), so it is refused with one line (`rq_cor
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 import weakref
@@ -41,8 +41,9 @@ import mlx.core as mx
 import numpy as np
 
 from rq_core.errors import RQError
-from rq_core.models.base import StepResume, resuming, set_bank_inputs, step_resume
+from rq_core.models.base import StepResume, resuming, set_bank_inputs, settling, step_resume
 from rq_core.paging.pack import expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
+from rq_core.paging.transfer import Copier, host_cast
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
@@ -74,59 +75,6 @@ def _pread_into(fd: int, views: list, offset: int) -> int:
     return n
 
 
-def _cudart():
-    """The CUDA 13 runtime library, or None: by its soname (LD_LIBRARY_PATH, a system toolkit), else from the
-    nvidia-cuda-runtime wheel MLX's CUDA build installs (site-packages/nvidia/cu13/lib; MLX itself does not load it)."""
-    names = ["libcudart.so.13"]
-    try:
-        import nvidia  # the wheels' namespace package
-
-        names += [str(Path(d) / "cu13" / "lib" / "libcudart.so.13") for d in nvidia.__path__]
-    except ImportError:
-        pass
-    for name in names:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    return None
-
-
-def keep_on_host(view: np.ndarray, on: bool = True) -> bool:
-    """On CUDA, where MLX allocates managed memory, advise the driver to keep these pages in host memory and map
-    them for the GPU (cudaMemAdvise: preferred location the host, accessed by the device): the page reads write them
-    from the host and the slot writes read them on the GPU, and without the advice each 4 KiB page migrates at a
-    fault both ways, every batch. on=False takes the advice back (before the buffer returns to MLX's cache). True
-    where the advice was taken; anywhere else the buffer works as it is. Device 0: the GPU MLX uses by default."""
-    try:
-        if not mx.cuda.is_available():
-            return False
-    except AttributeError:
-        return False
-    lib = _cudart()
-    if lib is None:
-        return False
-    try:
-        ver = ctypes.c_int(0)
-        if lib.cudaRuntimeGetVersion(ctypes.byref(ver)) != 0 or ver.value < 13000:
-            return False  # CUDA 12 spells cudaMemAdvise with a device number: not taken
-
-        class Location(ctypes.Structure):  # struct cudaMemLocation {enum cudaMemLocationType type; int id;}
-            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-        lib.cudaMemAdvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, Location]
-        ptr, size = view.ctypes.data, view.nbytes
-        # cudaMemAdviseSet/UnsetPreferredLocation = 3 / 4 at cudaMemLocationTypeHost = 2; cudaMemAdviseSet/
-        # UnsetAccessedBy = 5 / 6 by cudaMemLocationTypeDevice = 1 (driver_types.h)
-        ok = lib.cudaMemAdvise(ptr, size, 3 if on else 4, Location(2, 0)) == 0 and \
-            lib.cudaMemAdvise(ptr, size, 5 if on else 6, Location(1, 0)) == 0
-        if not ok:
-            lib.cudaGetLastError()  # not left for MLX's next error check to find
-        return ok
-    except (OSError, AttributeError):
-        return False
-
-
 @dataclass
 class PagerStats:
     hits: int = 0
@@ -145,8 +93,8 @@ class PagerStats:
     speculated: int = 0  # decode steps run first on the resident experts (speculate="auto" | "always")
     respun: int = 0  # of those, steps that missed an expert and ran again
     reruns: int = 0  # runs again from a layer that missed (a step that missed in two layers counts two)
-    staging_bytes: int = 0  # the staging buffer the pages are read into (an MLX array: MLX's peak counts it)
-    # on CUDA (MLX's arrays are managed memory): the staging buffer's pages kept in host memory, mapped for the GPU
+    staging_bytes: int = 0  # the staging buffer the pages are read into: host memory, outside MLX's peak
+    # on CUDA: the staging buffer is page-locked host memory (the copy engine reads it without staging it again)
     staging_host_resident: bool = False
 
     def as_dict(self) -> dict:
@@ -159,9 +107,9 @@ def _nbytes(t: dict, dtype: mx.Dtype) -> int:
 
 class _Layer:
     def __init__(self, pager: "ExpertPager", path: str, module: Any, meta: dict, slots: int, fd: int) -> None:
-        # weak: the patched class's closure holds this layer, so a strong reference would keep the model
-        # alive in a reference cycle after the caller drops it
-        self.pager, self.path, self.module, self.meta = pager, path, weakref.proxy(module), meta
+        # weak: the module holds this layer (and the model the pager), so strong references would make cycles that
+        # keep a dropped model's banks (and this layer's views of them) alive until the cycle collector runs
+        self.pager, self.path, self.module, self.meta = weakref.proxy(pager), path, weakref.proxy(module), meta
         self.E = meta["num_experts"]
         self.slots = min(slots, self.E)
         self.fd = fd
@@ -171,15 +119,21 @@ class _Layer:
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
         self.free = list(range(self.slots))
         self.lut = np.zeros(self.E, np.int32)  # expert -> slot (0 for experts not resident: never read)
-        self.lut_dev: Optional[mx.array] = None  # the same table on the device; None: upload again
         self._plan: Optional[tuple] = None  # where a batch of pages lies in the staging buffer (_layout)
         # Banks take the dtype the model holds (e.g. float32 after model.set_dtype on the CPU), pages
         # are cast on load, so paged and resident runs compute the same numbers.
         self.dtypes = {t["name"]: target_dtype(module, t) for t in meta["tensors"]}
         self.expert_bytes = sum(_nbytes(t, self.dtypes[t["name"]]) for t in meta["tensors"])
-        for t in meta["tensors"]:  # the banks: [slots, ...] per tensor, zero until first written
+        # The banks ([slots, ...] per tensor, zero until first written) and the expert -> slot table on the device
+        # are made once and written in place (pager.copier): a graph built before a write reads what it wrote.
+        banks = {}
+        for t in meta["tensors"]:
             proj, part = t["name"].split(".")
-            self.module[proj][part] = mx.zeros((self.slots, *t["shape"]), self.dtypes[t["name"]])
+            banks[t["name"]] = self.module[proj][part] = mx.zeros((self.slots, *t["shape"]), self.dtypes[t["name"]])
+        self.lut_dev = mx.zeros((self.E,), mx.int32)
+        mx.eval(list(banks.values()), self.lut_dev)
+        self._raw = {name: Copier.raw(b) for name, b in banks.items()}  # their memory, as bytes
+        self._lut_raw = Copier.raw(self.lut_dev)
 
     @property
     def resident_bytes(self) -> int:
@@ -237,25 +191,21 @@ class _Layer:
             self.checked[e] = 1
 
     def load(self, experts: list[int], slots: list[int]) -> None:
-        """Read `experts` (in parallel, into the staging buffer) and write them into `slots` of the banks:
-        one lazy scatter per tensor."""
+        """Read `experts` (in parallel, into the staging buffer) and copy them into `slots` of the banks, in place."""
         cap = self.pager.stage_experts
         for i in range(0, len(experts), cap):  # more than the buffer holds: a long prefill's passes, a top-k > cap
             self._load(experts[i:i + cap], slots[i:i + cap])
 
     def _load(self, experts: list[int], slots: list[int]) -> None:
         n = len(experts)
-        # The staging buffer is read by the slot writes of the batch before: those run first (a no-op where the
-        # step's routing read already ran them), which also keeps one batch's writes pending at a time
         pager = self.pager
-        pager._drain()
         regions, _, _ = self._layout()
         pool = pager._pool
         t0 = time.perf_counter()
         if pool is not None and n > 1:
             futures = [pool.submit(self._read_one, e, j) for j, e in enumerate(experts)]
             # every read finished before any error is raised: a read still running would write into rows the next
-            # batch reads into (its slot writes read the buffer only when they are evaluated)
+            # batch reads into
             wait(futures)
             for f in futures:
                 f.result()
@@ -266,19 +216,21 @@ class _Layer:
         st.read_s += time.perf_counter() - t0
         st.bytes_read += n * self.meta["used_bytes"]
         st.read_batches += 1
-        idx = mx.array(np.asarray(slots, dtype=np.int32))
-        dev = pager._staging
+        host, cp = pager._staging_host, pager.copier
         for t, (start, nb, _) in zip(self.meta["tensors"], regions):
-            proj, part = t["name"].split(".")
-            # the batch's rows of this tensor, read where they lie (the staging buffer is an MLX array)
-            new = dev[start:start + n * nb].view(getattr(mx, t["dtype"])).reshape(n, *t["shape"])
-            target = self.dtypes[t["name"]]
-            if new.dtype != target:
-                new = new.astype(target)
-            bank = self.module[proj][part]
-            bank[idx] = new
-            self.module[proj][part] = bank
-            pager._pending.append(weakref.ref(bank))  # weak: a dropped model's banks are not kept
+            name = t["name"]
+            proj, part = name.split(".")
+            raw, row = self._raw[name], self._raw[name].nbytes // self.slots
+            bank = self.module[proj][part]  # the same memory (a traced graph's inputs come back as new objects)
+            if bank.nbytes != raw.nbytes or Copier.address(bank) != raw.ctypes.data:
+                raise RQError(f"internal: layer {self.path}'s {name} bank was replaced after the pager attached")
+            for j, s in enumerate(slots):
+                src = host[start + j * nb:start + (j + 1) * nb]
+                if row != nb:  # the model computes in another dtype than the pages hold (float32 on the CPU)
+                    src = host_cast(src, t["dtype"], self.dtypes[name])
+                    if src is None or src.nbytes != row:
+                        raise RQError(f"internal: pages of {t['dtype']} into a {self.dtypes[name]} bank")
+                cp.write(raw, s * row, src)
 
     def acquire(self, needed: np.ndarray) -> None:
         """Make `needed` experts (len <= slots) resident and the device table map them to their slots."""
@@ -293,6 +245,8 @@ class _Layer:
         st.hits += len(needed) - len(miss)
         if not miss:
             return
+        if self._lut_raw is None:
+            raise RQError(f"the expert pager of {self.path} is closed: it cannot read experts in any more")
         slots = []
         for e in miss:
             if self.free:
@@ -304,7 +258,6 @@ class _Layer:
             self.lut[e] = s
             slots.append(s)
         st.misses += len(miss)
-        self.lut_dev = None
         try:
             self.load(miss, slots)
         except BaseException:  # a page that did not read (a request may be served after the error): not resident
@@ -312,10 +265,12 @@ class _Layer:
                 del lru[e]
                 self.free.append(s)
             raise
+        finally:  # the table as the slots now hold (a failed read's slots map to what they held: never read)
+            self.pager.copier.write(self._lut_raw, 0, self.lut)
+            self.pager.copier.fence()
 
     def table(self) -> mx.array:
-        if self.lut_dev is None:
-            self.lut_dev = mx.array(self.lut)
+        """The expert -> slot table on the device (one array, written in place as experts come in)."""
         return self.lut_dev
 
     def routing(self, indices: mx.array) -> tuple[np.ndarray, np.ndarray]:
@@ -323,7 +278,7 @@ class _Layer:
         st = self.pager.stats
         st.host_syncs += 1
         t0 = time.perf_counter()
-        idx = np.array(indices)
+        idx = self.pager.copier.read(indices)
         st.sync_s += time.perf_counter() - t0
         return idx, np.unique(idx)
 
@@ -336,16 +291,34 @@ class _Layer:
         return table
 
     def serve(self, indices: mx.array) -> mx.array:
-        """The slots of the experts `indices` [..., k] names, made resident: what a decode step's second graph reads
-        (a speculated step: the slots as they are, its routing read with the step's token)."""
+        """The slots of the experts `indices` [..., k] names, through the device's table: what a decode step's second
+        graph reads. Layer by layer, the routing is read and the experts written in before that graph runs (at the
+        next MoE layer's serve, or ExpertPager.settle); a speculated step reads the slots as they are, its routing
+        read with the step's token."""
         if self.pager._routing is not None:
             rs = step_resume()
             self.pager._routing.append((self, indices, rs.layer if rs is not None else 0))
             return self.table()[indices]
+        pager = self.pager
+        if not pager._deferring:  # cannot happen: paged_experts serves a layer only within decode_step
+            raise RQError("internal: a paged decode layer served outside a decode step")
+        pager.settle()  # the MoE layer before this one: its experts in before anything after it runs
+        mx.async_eval(indices)  # the step up to this routing runs while the host builds the layers after it
+        pager._unsettled = (self, indices)
+        return self.table()[indices]
+
+    def settle(self, indices: mx.array) -> None:
+        """Read a decode step's routing of this layer and make its experts resident (banks and table written in
+        place, so the graph already built on `table()[indices]` reads them when it runs)."""
         _, needed = self.routing(indices)
         if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
             raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
-        return self.resident(needed)[indices]
+        self.resident(needed)
+
+    def stepping(self) -> bool:
+        """Whether a decode step is being built through the pager's decode_step (layer by layer or speculated): only
+        then does a MoE layer run as two graphs with its routing read between them (base.paged_experts)."""
+        return self.pager._deferring or self.pager._routing is not None
 
     def serves_a_token(self) -> bool:
         """Whether one token's experts fit the slots at once (top-k is known once a call has been seen)."""
@@ -353,6 +326,7 @@ class _Layer:
 
     def close(self) -> None:
         os.close(self.fd)
+        self._raw, self._lut_raw = {}, None  # views of the banks' memory: not kept past the pager's use
 
 
 class ExpertPager:
@@ -380,6 +354,7 @@ class ExpertPager:
                 raise RQError(f"the expert pages in {self.dir} are stale: layer {path} was packed from other "
                               f"weights than {ckpt} holds now; run {again} again")
         self.policy, self.verify, self.speculate = policy, verify, speculate
+        self.copier = Copier()  # the slot writes, the table's and the routing reads (on CUDA by the copy engine)
         self.stats = PagerStats(policy=policy)
         self.layers: dict[str, _Layer] = {}
         fds: dict[str, int] = {}
@@ -410,12 +385,13 @@ class ExpertPager:
         self.top_k: Optional[int] = None  # experts a token takes, from the first call
         self._token_fits = False  # every layer takes a token's experts at once (known with top_k)
         self.stage_experts = 0
-        # the staging buffer: an MLX array the page reads write into through a host view of its memory, so the slot
-        # writes read the pages where they were read to (no host copies, no arrays made per batch)
-        self._staging: Optional[mx.array] = None
+        # the staging buffer the page reads write into and the slot writes copy from (Copier.host_buffer)
         self._staging_host: Optional[np.ndarray] = None
-        # the banks the last batch wrote (lazily), weakly: run before the buffer is read into again
-        self._pending: list = []
+        # within decode_step's build, the MoE layer whose routing is not read yet: (layer, routing indices). Its second
+        # graph is built on the device table before the read, and runs only after it (`settle`, which the build calls
+        # before it queues the step: generate._queue_step)
+        self._deferring = False
+        self._unsettled: Optional[tuple] = None
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         self._routing: Optional[list] = None  # while a step speculates: (layer, routing indices, decoder layer)
         # running means of a speculated step's seconds and a layer-by-layer step's (misses included in both), and
@@ -448,7 +424,10 @@ class ExpertPager:
 
     def decode_step(self, build: Callable[[Optional[mx.array]], tuple[mx.array, mx.array]], cache: list, *,
                     draws: bool = False) -> tuple[mx.array, mx.array]:
-        """Run one decode step, `build(key)` -> (sampled id, read array [id, finite]), and return them evaluated.
+        """Run one decode step, `build(key)` -> (sampled id, read array [id, finite]), and return them evaluated;
+        `build` calls `settle()` before it queues the step (generate._queue_step's `before_eval`), and code that
+        evaluates arrays in the middle of the build calls base.settle_step() first (the layer-by-layer step builds a
+        MoE layer's second graph before its experts are in: evaluated early, it would read the slots as they were).
         `draws`: the step samples from MLX's random sequence; `key` is then the key to sample with (None: the
         global sequence's next). Speculated first when that pays (see the module's text); the tokens are those
         of an all-resident model either way, sampled ones included."""
@@ -456,12 +435,20 @@ class ExpertPager:
         caches = list({id(c): c for c in cache}.values())
         t0 = time.perf_counter()
         spec = self._speculation_pays() and all(callable(getattr(c, "mark", None)) for c in caches)
+        self._unsettled = None
         if spec:
             out = self._speculate(build, cache, caches, draws)
             if out is not None:
                 self._mean("_t_spec", time.perf_counter() - t0)
                 return out
-        y, read = build(None)
+        self._deferring = True
+        try:
+            with settling(self.settle):  # an evaluation inside the build (a cache's chunked coding) settles first
+                y, read = build(None)
+            if self._unsettled is not None:
+                raise RQError("internal: a decode step was queued before its last MoE layer's experts were in")
+        finally:
+            self._deferring, self._unsettled = False, None
         mx.eval(read)
         # a speculated step that fell back costs both runs
         self._mean("_t_spec" if spec else "_t_layered", time.perf_counter() - t0)
@@ -494,7 +481,7 @@ class ExpertPager:
             finally:
                 routing, self._routing = self._routing, None
             flat = mx.concatenate([read.astype(mx.int32)] + [i.reshape(-1).astype(mx.int32) for _, i, _ in routing])
-            ids = np.array(flat)[2:]  # the run's one sync: its token and every MoE layer's routing
+            ids = self.copier.read(flat)[2:]  # the run's one sync: its token and every MoE layer's routing
             st.host_syncs += 1
             t1 = time.perf_counter()
             at, missed = 0, None
@@ -536,7 +523,7 @@ class ExpertPager:
             st.host_s += time.perf_counter() - t1
 
     def _ready(self, top_k: int) -> None:
-        if self._staging is None:
+        if self._staging_host is None:
             self.stage_experts = max(1, min(self._slots, self._threads, top_k))
             self.top_k = top_k
             self._token_fits = all(l.serves_a_token() for l in self.layers.values())  # fixed from here on
@@ -545,19 +532,16 @@ class ExpertPager:
                 start, nb, _ = l._layout()[0][-1]
                 n = max(n, start + self.stage_experts * nb)
             self.stats.staging_bytes = n
-            self._staging = mx.array(np.zeros(n, np.uint8))
-            mx.eval(self._staging)
-            self._staging_host = np.asarray(self._staging)  # the same memory, written by the page reads
-            if not self._staging_host.flags.writeable:
-                raise RQError("internal: the staging buffer's memory is not writable from the host")
-            self.stats.staging_host_resident = keep_on_host(self._staging_host)
+            self._staging_host = self.copier.host_buffer(n)  # host memory, not MLX's: its peak does not count it
+            self.stats.staging_host_resident = self.copier.pinned
 
-    def _drain(self) -> None:
-        """Run the slot writes of the last batch (they read the staging buffer); a no-op where they already ran."""
-        live = [a for a in (r() for r in self._pending) if a is not None]
-        if live:
-            mx.eval(live)
-        self._pending = []
+    def settle(self) -> None:
+        """The pending MoE layer of a decode step being built (serve): its routing read, its experts made resident.
+        The step's build calls it before it queues the step (a no-op where no layer is pending)."""
+        if self._unsettled is not None:
+            layer, indices = self._unsettled
+            self._unsettled = None
+            layer.settle(indices)
 
     def report(self) -> PagerStats:
         s = self.stats
@@ -568,18 +552,15 @@ class ExpertPager:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._drain()  # the last batch's slot writes read the buffer
-        if self.stats.staging_host_resident and self._staging_host is not None:
-            # MLX keeps a freed buffer in its cache for later arrays: give it back without the host preference
-            keep_on_host(self._staging_host, on=False)
-        self._staging = self._staging_host = None
+        self._staging_host = None
+        self.copier.close()
         for l in self.layers.values():
             l.close()
 
 
 def staging_bytes(index: dict, banks: Iterable[str], slots: int, threads: int = READ_THREADS,
                   top_k: int = READ_THREADS) -> int:
-    """Bytes of the pager's staging buffer (an MLX array): min(slots, threads, top_k) pages (used bytes) of the largest
+    """Bytes of the pager's staging buffer (host memory): min(slots, threads, top_k) pages (used bytes) of the largest
     layer of `banks` (their paths); the buffer made may be a few bytes more (its tensors' aligned starts)."""
     n = max(1, min(slots, threads, top_k))
     return max((min(n, m["num_experts"]) * m["used_bytes"] for p, m in index["layers"].items() if p in banks),
@@ -592,12 +573,18 @@ def _patch(module: Any, layer: _Layer) -> None:
     old = getattr(type(module), "_rq_base", type(module))  # a bank served from the pages: the pager takes over
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:  # noqa: N807
+        layer = self.__dict__["pager_layer"]  # not the closure's: the class lives until the cycle collector runs
         layer.pager._ready(indices.shape[-1])
+        layer.pager.settle()
         if layer.pager._routing is not None:  # a speculated step: the slots as they are, routing read later
             return old.compute(self, x, layer.serve(indices))
         idx, needed = layer.routing(indices)
         if len(needed) <= layer.slots:
-            return old.compute(self, x, layer.resident(needed)[indices])  # remapped on the device
+            # evaluated here: the slots are written in place, and a later call's misses must not land in them
+            # before this call's experts have run (the caller may build several calls before it evaluates one)
+            y = old.compute(self, x, layer.resident(needed)[indices])  # remapped on the device
+            mx.eval(y)
+            return y
         # More distinct experts than slots (a long prefill chunk): serve them in passes of `slots`
         # experts; each (token, k) output comes from exactly one pass. The resident ones go first, so the first
         # pass reads only what it lacks and no pass evicts an expert a later pass needs: each missing expert is
@@ -655,9 +642,9 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     else:  # default 0: a model (or a rank's slice of one) without routed experts
         per_expert = max((sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
                           for m in banks.values()), default=0)
-    # a batch of misses: the staging buffer pages are read into (an MLX array: min(slots, READ_THREADS) pages of the
-    # largest layer) and the batch cast to the banks' dtype where it differs from the pages' (float32 on the CPU),
-    # held until the slot writes run; counted in either case (where no cast is made it is a little room spare)
+    # a batch of misses: the staging buffer pages are read into (host memory: min(slots, READ_THREADS) pages of the
+    # largest layer), and as much again in the banks' dtype, room for casting where it differs from the pages'
+    # (float32 on the CPU; the cast is made a tensor row at a time, so most of that room is spare)
     used = max((m["used_bytes"] for p, m in index["layers"].items() if p in banks), default=0) if index else per_expert
     used += per_expert
     # what the parts above do not count (allocator rounding, the pager's tables and index arrays, small temporaries):

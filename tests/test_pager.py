@@ -681,9 +681,9 @@ def test_a_failed_batch_raises_only_after_its_other_reads_are_done(packed, monke
     pager.close()
 
 
-def test_a_page_with_gaps_and_tensors_out_of_order_reads_into_its_rows(tmp_path):
-    """The scattered read of one page: tensors listed out of their page order, gaps between them and a tail, each
-    tensor's bytes land in its own rows of the staging buffer, and the checksum covers the whole page."""
+def test_a_page_reads_into_its_own_row_of_the_staging_buffer(tmp_path):
+    """One read a page: expert e's used bytes land in row j of the staging buffer (the other rows untouched), the
+    checksum covers them, and a page whose checksum does not match is refused in one line; also without preadv."""
     import os
     import types
     import zlib
@@ -697,30 +697,26 @@ def test_a_page_with_gaps_and_tensors_out_of_order_reads_into_its_rows(tmp_path)
     pages = rng.integers(0, 256, (3, page_bytes), dtype=np.uint8)
     f = tmp_path / "layer.pages"
     f.write_bytes(pages.tobytes())
-    tensors = [{"name": "down_proj.weight", "offset": 2048, "nbytes": 900},  # listed first, stored last
-               {"name": "gate_proj.weight", "offset": 64, "nbytes": 1000}]
-    meta = {"tensors": tensors, "used_bytes": used, "page_bytes": page_bytes,
+    meta = {"used_bytes": used, "page_bytes": page_bytes,
             "crc32": [zlib.crc32(pages[e, :used].tobytes()) for e in range(3)], "file": f.name}
-    stats = types.SimpleNamespace()
-    pager = types.SimpleNamespace(stage_experts=2, verify=True, dir=tmp_path, stats=stats,
-                                  _staging_host=np.zeros(4096, np.uint8))
-    layer = _Layer.__new__(_Layer)
-    layer.pager, layer.path, layer.meta, layer._plan = pager, "layer", meta, None
-    layer.checked = bytearray(3)
-    layer.fd = os.open(f, os.O_RDONLY)
-    try:
-        (r_down, r_gate), _, _ = layer._layout()
-        layer._read_one(2, 0)
-        layer._read_one(1, 1)
-        host = pager._staging_host
-        for j, e in ((0, 2), (1, 1)):
-            for (start, nb, off) in (r_down, r_gate):
-                assert np.array_equal(host[start + j * nb:start + (j + 1) * nb], pages[e, off:off + nb])
-        assert layer.checked[2] and layer.checked[1]
-        meta["crc32"][0] ^= 1  # a page whose checksum does not match
-        with pytest.raises(RQError, match="corrupt expert page"):
-            layer._read_one(0, 0)
-    finally:
-        os.close(layer.fd)
-
-
+    for preadv in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            if not preadv:
+                mp.delattr(os, "preadv", raising=False)
+            pager = types.SimpleNamespace(verify=True, dir=tmp_path, _staging_host=np.zeros(2 * used, np.uint8))
+            layer = _Layer.__new__(_Layer)
+            layer.pager, layer.path, layer.meta = pager, "layer", dict(meta, crc32=list(meta["crc32"]))
+            layer.checked = bytearray(3)
+            layer.fd = os.open(f, os.O_RDONLY)
+            try:
+                layer._read_one(2, 1)
+                host = pager._staging_host
+                assert np.array_equal(host[used:], pages[2, :used]) and not host[:used].any()
+                layer._read_one(1, 0)
+                assert np.array_equal(host[:used], pages[1, :used]) and np.array_equal(host[used:], pages[2, :used])
+                assert layer.checked[2] and layer.checked[1]
+                layer.meta["crc32"][0] ^= 1  # a page whose checksum does not match
+                with pytest.raises(RQError, match="corrupt expert page"):
+                    layer._read_one(0, 0)
+            finally:
+                os.close(layer.fd)

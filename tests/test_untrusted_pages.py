@@ -241,8 +241,10 @@ def _tensor0(key, value):
     (lambda idx: [idx["layers"][BANK]["tensors"][0].update(shape=[96, 32])], "shape"),
     (lambda idx: idx.update(layers=None), "no layers"),
     (lambda idx: idx["layers"].update({BANK: [1]}), "not an object"),
+    (lambda idx: idx["layers"][BANK]["tensors"][1].update(offset=idx["layers"][BANK]["tensors"][0]["offset"]),
+     "overlap"),
 ], ids=["count", "count-and-crc", "type-count", "type-file", "type-tensors", "dtype", "shape-nbytes",
-        "shape-model", "no-layers", "layer-list"])
+        "shape-model", "no-layers", "layer-list", "overlap"])
 def test_malformed_index_is_one_line(bundled, tmp_path, edit, needle):
     ck = _copy(bundled, tmp_path)
     _edit_index(ck, edit)

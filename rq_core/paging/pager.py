@@ -6,8 +6,8 @@ A decode step runs layer by layer: one host sync per MoE layer to read its routi
 after that read replays as two traced graphs (rq_core.models.base.paged_experts): the second takes the banks as
 inputs and reads the slots through an expert -> slot table on the device, and it is built before the read, so the
 host builds the layers after a MoE layer while the device runs the ones before it. The read comes at the next MoE
-layer (or the step's end): the misses are read together, in parallel (os.preadv, a thread each, into a staging
-buffer laid out tensor by tensor), and copied into their slots and the table written, in place (rq_core.paging.
+layer (or the step's end): the misses are read together, in parallel (os.preadv, a thread each, a page a row of a
+host staging buffer), and copied into their slots and the table written, in place (rq_core.paging.
 transfer: on CUDA by the copy engine, so no page of managed memory migrates), before the graph that reads them runs.
 With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
 sampled token in one sync. Where a layer missed an expert, the layers before it computed what an all-resident model
@@ -47,7 +47,6 @@ from rq_core.paging.transfer import Copier, host_cast
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
-STAGING_ALIGN = 64  # bytes from the staging buffer's start where each tensor's rows begin (a multiple of any dtype's size)
 SPECULATE = ("auto", "always", "off")
 RESERVE_DIVISOR = 100  # budget // RESERVE_DIVISOR (1%) of a memory budget is left out of the plan's parts
 SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
@@ -61,18 +60,6 @@ def check_policy(policy: str, what: str = "pager policy") -> None:
         raise RQError(GONE[policy])
     if policy not in POLICIES:
         raise RQError(f"unknown {what} {policy!r} (choose from: {', '.join(POLICIES)})")
-
-
-def _pread_into(fd: int, views: list, offset: int) -> int:
-    """os.preadv where the platform lacks it: one pread a view."""
-    n = 0
-    for v in views:
-        buf = os.pread(fd, len(v), offset + n)
-        v[:len(buf)] = buf
-        n += len(buf)
-        if len(buf) < len(v):
-            break
-    return n
 
 
 @dataclass
@@ -119,7 +106,6 @@ class _Layer:
         self.lru: OrderedDict[int, int] = OrderedDict()  # expert -> slot, least recent first
         self.free = list(range(self.slots))
         self.lut = np.zeros(self.E, np.int32)  # expert -> slot (0 for experts not resident: never read)
-        self._plan: Optional[tuple] = None  # where a batch of pages lies in the staging buffer (_layout)
         # Banks take the dtype the model holds (e.g. float32 after model.set_dtype on the CPU), pages
         # are cast on load, so paged and resident runs compute the same numbers.
         self.dtypes = {t["name"]: target_dtype(module, t) for t in meta["tensors"]}
@@ -139,52 +125,21 @@ class _Layer:
     def resident_bytes(self) -> int:
         return self.expert_bytes * self.slots
 
-    def _layout(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]], int]:
-        """Where a batch of this layer's pages goes in the staging buffer: per tensor (start, bytes an expert, page
-        offset), its rows for the batch's experts one after another (one contiguous slice a tensor: the slot writes
-        read it as it is); the gaps of a page between its tensors ((after which tensor, bytes), read into a scratch
-        so the checksum sees the whole page); the scratch's bytes. Made once, for stage_experts pages."""
-        if self._plan is None:
-            cap, start, regions = self.pager.stage_experts, 0, []
-            for t in self.meta["tensors"]:
-                regions.append((start, t["nbytes"], t["offset"]))
-                start = -(-(start + cap * t["nbytes"]) // STAGING_ALIGN) * STAGING_ALIGN
-            gaps, pos = [], 0
-            for i in sorted(range(len(regions)), key=lambda i: regions[i][2]):
-                _, nb, off = regions[i]
-                if off < pos:
-                    raise RQError(f"layer {self.path}: page tensors overlap (a damaged index?)")
-                gaps.append((i, off - pos))
-                pos = off + nb
-            gaps.append((-1, self.meta["used_bytes"] - pos))
-            if gaps[-1][1] < 0:
-                raise RQError(f"layer {self.path}: page tensors run past the page's used bytes (a damaged index?)")
-            self._plan = (regions, gaps, sum(g for _, g in gaps))
-        return self._plan
-
     def _read_one(self, e: int, j: int) -> None:
-        """Expert e's page into staging row j of every tensor (one preadv, scattered), checked on its first read."""
-        regions, gaps, scratch_bytes = self._layout()
-        host = self.pager._staging_host
-        scratch = memoryview(bytearray(scratch_bytes))
-        iov, s0 = [], 0
-        for i, g in gaps:  # in page order: the gap before tensor i, then tensor i's bytes (i = -1: the tail)
-            if g:
-                iov.append(scratch[s0:s0 + g])
-                s0 += g
-            if i >= 0:
-                start, nb, _ = regions[i]
-                iov.append(memoryview(host[start + j * nb:start + (j + 1) * nb]))
+        """Expert e's page into row j of the staging buffer (its used bytes), checked on its first read."""
         used = self.meta["used_bytes"]
+        view = memoryview(self.pager._staging_host[j * used:(j + 1) * used])
         off = e * self.meta["page_bytes"]
-        n = os.preadv(self.fd, iov, off) if hasattr(os, "preadv") else _pread_into(self.fd, iov, off)
+        if hasattr(os, "preadv"):
+            n = os.preadv(self.fd, [view], off)
+        else:  # no preadv on this platform
+            buf = os.pread(self.fd, used, off)
+            n = len(buf)
+            view[:n] = buf
         if n != used:
             raise RQError(f"layer {self.path} expert {e}: short read (truncated page file?)")
         if self.pager.verify and not self.checked[e]:
-            crc = 0
-            for v in iov:
-                crc = zlib.crc32(v, crc)
-            if crc != self.meta["crc32"][e]:
+            if zlib.crc32(view) != self.meta["crc32"][e]:
                 raise RQError(f"corrupt expert page: layer {self.path} expert {e} (checksum mismatch in "
                               f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the "
                               "checkpoint again")
@@ -197,9 +152,8 @@ class _Layer:
             self._load(experts[i:i + cap], slots[i:i + cap])
 
     def _load(self, experts: list[int], slots: list[int]) -> None:
-        n = len(experts)
+        n, used = len(experts), self.meta["used_bytes"]
         pager = self.pager
-        regions, _, _ = self._layout()
         pool = pager._pool
         t0 = time.perf_counter()
         if pool is not None and n > 1:
@@ -214,18 +168,18 @@ class _Layer:
                 self._read_one(e, j)
         st = pager.stats
         st.read_s += time.perf_counter() - t0
-        st.bytes_read += n * self.meta["used_bytes"]
+        st.bytes_read += n * used
         st.read_batches += 1
         host, cp = pager._staging_host, pager.copier
-        for t, (start, nb, _) in zip(self.meta["tensors"], regions):
-            name = t["name"]
+        for t in self.meta["tensors"]:
+            name, off, nb = t["name"], t["offset"], t["nbytes"]
             proj, part = name.split(".")
             raw, row = self._raw[name], self._raw[name].nbytes // self.slots
             bank = self.module[proj][part]  # the same memory (a traced graph's inputs come back as new objects)
             if bank.nbytes != raw.nbytes or Copier.address(bank) != raw.ctypes.data:
                 raise RQError(f"internal: layer {self.path}'s {name} bank was replaced after the pager attached")
             for j, s in enumerate(slots):
-                src = host[start + j * nb:start + (j + 1) * nb]
+                src = host[j * used + off:j * used + off + nb]
                 if row != nb:  # the model computes in another dtype than the pages hold (float32 on the CPU)
                     src = host_cast(src, t["dtype"], self.dtypes[name])
                     if src is None or src.nbytes != row:
@@ -528,9 +482,6 @@ class ExpertPager:
             self.top_k = top_k
             self._token_fits = all(l.serves_a_token() for l in self.layers.values())  # fixed from here on
             n = staging_bytes(self._index, self._bank_paths, self._slots, self._threads, top_k)
-            for l in self.layers.values():  # the tensors' aligned starts: a few bytes more at most
-                start, nb, _ = l._layout()[0][-1]
-                n = max(n, start + self.stage_experts * nb)
             self.stats.staging_bytes = n
             self._staging_host = self.copier.host_buffer(n)  # host memory, not MLX's: its peak does not count it
             self.stats.staging_host_resident = self.copier.pinned
@@ -561,7 +512,7 @@ class ExpertPager:
 def staging_bytes(index: dict, banks: Iterable[str], slots: int, threads: int = READ_THREADS,
                   top_k: int = READ_THREADS) -> int:
     """Bytes of the pager's staging buffer (host memory): min(slots, threads, top_k) pages (used bytes) of the largest
-    layer of `banks` (their paths); the buffer made may be a few bytes more (its tensors' aligned starts)."""
+    layer of `banks` (their paths)."""
     n = max(1, min(slots, threads, top_k))
     return max((min(n, m["num_experts"]) * m["used_bytes"] for p, m in index["layers"].items() if p in banks),
                default=0)

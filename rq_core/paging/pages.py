@@ -360,6 +360,10 @@ def check_layer(meta: Any, where: str) -> None:
             raise bad(f"{name}: nbytes does not match its shape and dtype")
         if t["offset"] + t["nbytes"] > meta["used_bytes"]:
             raise bad(f"{name}: lies outside the expert's page")
+    spans = sorted((t["offset"], t["offset"] + t["nbytes"], t["name"]) for t in tensors)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:  # each tensor is copied into its own bank from its own bytes
+            raise bad(f"tensors {a} and {b} overlap in the expert's page")
 
 
 def load_index(ckpt: str | os.PathLike, *, pages: Optional[str | os.PathLike] = None,

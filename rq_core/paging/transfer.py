@@ -4,10 +4,9 @@ The pager writes experts into slot banks and an expert -> slot table that graphs
 and reads each MoE layer's routing back. On Metal and the CPU an array's memory is the host's: a numpy view of it is
 read and written directly. On CUDA MLX allocates managed memory, whose pages migrate to whichever side touches them:
 a host write or read moves a page to the host, and the next kernel that touches it (or any small array MLX later
-allocates on it) stalls on a fault to move it back (H200: small gathers and norms after a routing read took 26-88 us
-against 2 us). There the copies go through the copy engine (cudaMemcpy, on device 0: the GPU MLX uses by default),
-which reads and writes the pages where they are, from page-locked host memory, and `fence` waits for them before a
-graph that reads them is launched.
+allocates on it) stalls on a fault to move it back. There the copies go through the copy engine (cudaMemcpy, on
+device 0: the GPU MLX uses by default), which reads and writes the pages where they are, from page-locked host
+memory, and `fence` waits for them before a graph that reads them is launched.
 """
 
 from __future__ import annotations

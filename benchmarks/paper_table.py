@@ -135,9 +135,11 @@ def disk_bytes(p: Path) -> int:
 
 
 RUN_KEYS = ("prompt_tokens", "generated_tokens", "stop_reason", "prefill_s", "prefill_tok_per_s", "decode_tok_per_s",
-            "steady_decode_tok_per_s", "first_step_s", "peak_memory_bytes", "peak_rss_bytes", "kv_bytes",
-            "kv_bytes_fp16", "kv_mode")
+            "steady_decode_tok_per_s", "first_step_s", "decode_s", "peak_memory_bytes", "prefill_peak_memory_bytes",
+            "decode_peak_memory_bytes", "peak_rss_bytes", "kv_bytes", "kv_bytes_fp16", "kv_mode")
 PAGER_KEYS = ("hit_rate", "hits", "misses", "bytes_read", "evictions", "slots")
+# the pager's counters over the decode steps alone: a step's time apart (reading pages, waiting for the routing)
+PAGER_DECODE_KEYS = PAGER_KEYS + ("host_syncs", "sync_s", "host_s", "read_s")
 PLAN_KEYS = ("planned_peak_bytes", "min_budget_bytes", "slots_per_layer", "experts_per_layer", "top_k", "fits",
              "resident_bytes", "kv_bytes", "budget_bytes")
 
@@ -159,6 +161,8 @@ def run_cell(ckpt: Path, budget: str, kv: str, pf: Path, tokens: int, timeout: f
         return {"error": error_line(r), "wall_s": r["wall_s"], "child_peak_rss_bytes": r["child_peak_rss_bytes"]}
     out = {k: d.get(k) for k in RUN_KEYS}
     out["pager"] = {k: (d.get("pager") or {}).get(k) for k in PAGER_KEYS}
+    if d.get("pager_decode"):
+        out["pager_decode"] = {k: d["pager_decode"].get(k) for k in PAGER_DECODE_KEYS}
     out["wall_s"] = r["wall_s"]
     out["child_peak_rss_bytes"] = r["child_peak_rss_bytes"]
     return out
@@ -227,8 +231,9 @@ def gb(n) -> str:
 
 
 def table(res: dict) -> str:
-    lines = ["| model | budget | KV | context | expert slots / layer | planned peak GB | MLX peak GB | RSS GB "
-             "| measured/planned (MLX, RSS) | decode tok/s | TTFT s | hit rate | KV MB | paper: peak GB, tok/s |",
+    lines = ["| model | budget | KV | context | expert slots / layer | planned peak GB | MLX peak GB (prefill, decode) "
+             "| RSS GB | measured/planned (MLX, RSS) | decode tok/s | TTFT s | hit rate (decode) | KV MB "
+             "| paper: peak GB, tok/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m in res["models"]:
         paper = f"{m['paper']['peak_gb']}, {m['paper']['tok_s']}" if m["paper"] else "-"
@@ -252,19 +257,23 @@ def table(res: dict) -> str:
                 lines.append(f"| {m['config']} | {budget} | {c.get('kv')} | {c.get('context')} | {slots(p)} | "
                              f"{gb(p.get('planned_peak_bytes'))} | error: {err} | | | | | | | {paper} |")
                 continue
-            hr = r["pager"].get("hit_rate")
+            pd = r.get("pager_decode")
+            hr = (pd or r["pager"]).get("hit_rate")
+            hr = "-" if hr is None else f"{100 * hr:.1f}%" + ("" if pd else " (whole run)")
             pk = p.get("planned_peak_bytes")
+            phases = (f" ({gb(r['prefill_peak_memory_bytes'])}, {gb(r['decode_peak_memory_bytes'])})"
+                      if r.get("decode_peak_memory_bytes") else "")
             ratio = "-" if not pk else f"{r['peak_memory_bytes'] / pk:.2f}, {r['peak_rss_bytes'] / pk:.2f}"
             lines.append(
                 f"| {m['config']} | {budget} | {c['kv']} | {r['prompt_tokens']:,} | {slots(p)} | {gb(pk)} | "
-                f"{gb(r['peak_memory_bytes'])} | {gb(r['peak_rss_bytes'])} | "
+                f"{gb(r['peak_memory_bytes'])}{phases} | {gb(r['peak_rss_bytes'])} | "
                 f"{ratio} | {rate(r['steady_decode_tok_per_s'])} | "
-                f"{r['prefill_s']:.2f} | {'-' if hr is None else f'{100 * hr:.1f}%'} | {r['kv_bytes'] / 1e6:.1f} | "
-                f"{paper} |")
+                f"{r['prefill_s']:.2f} | {hr} | {r['kv_bytes'] / 1e6:.1f} | {paper} |")
     lines += ["", f"Synthetic checkpoints (random weights at the recipe's bits, routing {res['routing']}), "
               f"{res['tokens']} greedy tokens after a prompt of the context's length; every cell one `rq run` "
               "process. Decode tok/s: steady (first step apart). TTFT: the prefill. The paper's numbers: Apple M4 Max, "
               "its own checkpoints."]
+    lines += step_table(res)
     cmds = {m.get("command") for m in res["models"] if m.get("command")}
     if len(cmds) > 1:  # rows of several runs (--merge)
         lines += ["", "Rows from several runs (`--merge`): each model's command and date are in the results file."]
@@ -313,6 +322,35 @@ def table(res: dict) -> str:
                 f"{gb(k['peak_memory_bytes'])} | {gb(k['peak_rss_bytes'])} | "
                 f"{k['passed'] if k['tokens_generated'] else 'not judged: no token in the time'} |")
     return "\n".join(lines) + "\n"
+
+
+def step_table(res: dict) -> list[str]:
+    """Where a paged decode step's time goes, per token over the decode steps (the first, with its kernel compile,
+    included): reading pages, waiting for each MoE layer's routing (the device computing the layers before it), the
+    pager's other host work, and the rest (building the step's graphs, the device's work after the last read)."""
+    out = []
+    for m in res["models"]:
+        for c in m["cells"] + ([m["min_budget"]] if m.get("min_budget") else []):
+            r = c.get("run") or {}
+            pd, steps = r.get("pager_decode"), (r.get("decode_tok_per_s") or 0) * (r.get("decode_s") or 0)
+            if not pd or steps < 1 or pd.get("misses") is None:
+                continue
+            n = round(steps)
+            ms = lambda s: f"{1e3 * s / n:.1f}"  # noqa: E731
+            rest = r["decode_s"] - pd["sync_s"] - pd["host_s"]
+            budget = f"min {gb(c['budget_bytes'])} GB" if c.get("budget_bytes") else m["budget"]
+            out.append(f"| {m['config']} | {budget} | {c.get('kv')} | {r['prompt_tokens']:,} "
+                       f"| {ms(r['decode_s'])} | {ms(pd['read_s'])} | {ms(pd['sync_s'])} | "
+                       f"{ms(pd['host_s'] - pd['read_s'])} | {ms(rest)} | {pd['misses'] / n:.1f} | "
+                       f"{pd['bytes_read'] / n / 1e6:.1f} |")
+    if not out:
+        return []
+    return ["", "A decode step's time (ms a token, over all decode steps): reading pages, waiting for each MoE layer's "
+                "routing (the device runs the layers before it meanwhile), the pager's other host work, and the rest "
+                "(building the graphs, the device's work after the last routing read, the first step's kernel compile).",
+            "", "| model | budget | KV | context | decode ms | read pages | wait for routing | pager host, besides reads "
+                "| rest | misses / token | MB read / token |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + out
 
 
 def rate(x: float) -> str:
@@ -496,7 +534,7 @@ def main() -> None:
                 else:
                     say(f"[{fam}] {kv} {ctx}: peak {gb(r['peak_memory_bytes'])} GB (planned {gb(pk)}), "
                         f"{r['steady_decode_tok_per_s']:.2f} tok/s, TTFT {r['prefill_s']:.2f} s, "
-                        f"hit rate {r['pager']['hit_rate']}, wall {r['wall_s']} s")
+                        f"hit rate {(r.get('pager_decode') or r['pager'])['hit_rate']}, wall {r['wall_s']} s")
         first = next((c for c in m["cells"] if c["plan"].get("min_budget_bytes")), None)
         if first and not a.no_min_budget:
             mb = int(first["plan"]["min_budget_bytes"])

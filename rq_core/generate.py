@@ -28,10 +28,14 @@ class GenerationResult:
     # process), and the decode rate without it
     first_step_s: float = 0.0
     steady_decode_tok_per_s: float = 0.0
-    peak_memory_bytes: int = 0  # MLX's peak allocation (mx.get_peak_memory)
+    peak_memory_bytes: int = 0  # MLX's peak allocation (mx.get_peak_memory): the larger of the two phases'
+    prefill_peak_memory_bytes: int = 0  # MLX's peak from the start to the first token (the prompt's pass)
+    decode_peak_memory_bytes: int = 0  # MLX's peak from the first token on (what the decode steps hold)
     peak_rss_bytes: int = 0  # the process' peak resident set
     kv_bytes: int = 0  # bytes held by all caches at the end
     kv_bytes_fp16: int = 0  # what fp16 caches would hold for the same tokens
+    # with an expert pager: its counters over the decode steps alone (the prompt's passes read most experts)
+    pager_decode: Optional[dict] = None
     stop_reason: str = "length"  # "eos" | "length" | "context" | "stop" (on_token returned true)
 
     def as_dict(self) -> dict:
@@ -182,10 +186,13 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     read = _read_array(y, logits)
     mx.eval(read)
     res.prefill_s = time.perf_counter() - t0
+    res.prefill_peak_memory_bytes = int(mx.get_peak_memory())
+    mx.reset_peak_memory()
 
     # With an expert pager a step is not queued ahead (decode_steps): the next step's misses are written into the
     # slot banks in place, and a step still in flight would read them.
     pager = getattr(model, "expert_pager", None)
+    pager_before = pager.report().as_dict() if pager is not None else None
     t1 = time.perf_counter()
     steps = 0  # decode steps whose token was read
     for steps, tok in enumerate(decode_steps(model, cache, y, read, max_tokens, temp=temp, top_p=top_p,
@@ -210,7 +217,10 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     res.decode_tok_per_s = steps / res.decode_s if res.decode_s > 0 else 0.0
     rest = res.decode_s - res.first_step_s
     res.steady_decode_tok_per_s = (steps - 1) / rest if steps > 1 and rest > 0 else res.decode_tok_per_s
-    res.peak_memory_bytes = int(mx.get_peak_memory())
+    res.decode_peak_memory_bytes = int(mx.get_peak_memory())
+    res.peak_memory_bytes = max(res.prefill_peak_memory_bytes, res.decode_peak_memory_bytes)
+    if pager is not None:
+        res.pager_decode = pager.report().since(pager_before)
     res.peak_rss_bytes = _peak_rss()
     res.kv_bytes, res.kv_bytes_fp16 = cache_bytes(cache)
     return res

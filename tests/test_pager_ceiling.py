@@ -45,6 +45,16 @@ def test_measured_peak_is_within_the_budget(pages, slots, speculate):
     measured = res.peak_memory_bytes - baseline + st.staging_bytes
     assert res.tokens == ref
     assert st.misses > 0 and st.staging_bytes > 0
+    # the run's peak is its larger phase's; the decode counters are the run's less the prompt's passes
+    assert res.peak_memory_bytes == max(res.prefill_peak_memory_bytes, res.decode_peak_memory_bytes)
+    assert 0 < res.decode_peak_memory_bytes and 0 < res.prefill_peak_memory_bytes
+    dec = res.pager_decode
+    assert 0 <= dec["misses"] <= st.misses and 0 < dec["hits"] <= st.hits and dec["bytes_read"] <= st.bytes_read
+    assert dec["hit_rate"] == dec["hits"] / (dec["hits"] + dec["misses"])
+    if speculate == "off":  # one routing read a MoE layer a step, each naming top-k distinct experts
+        moe_layers, top_k = len(pager.layers), pager.top_k
+        assert dec["host_syncs"] == moe_layers * (N - 1)
+        assert dec["hits"] + dec["misses"] == moe_layers * top_k * (N - 1)
     assert measured <= budget, (measured, budget)
     # the plan against the measured peak: measured 2.6% to 3.3% below it over these six cases (the cast batch the plan
     # counts is float32 here, the pages' staging besides); 5% is 1.5x the worst (peaks move by allocator rounding)

@@ -32,8 +32,11 @@ def test_tiny_table_end_to_end(tmp_path):
     assert run["kv_bytes"] > 0
     assert plan["fits"] and plan["slots_per_layer"] < plan["experts_per_layer"]  # the budget pages experts
     assert run["pager"]["misses"] > 0 and run["pager"]["hit_rate"] is not None
+    assert run["peak_memory_bytes"] == max(run["prefill_peak_memory_bytes"], run["decode_peak_memory_bytes"])
+    dec = run["pager_decode"]  # the decode steps' own counters: the breakdown table's
+    assert dec["host_syncs"] > 0 and dec["sync_s"] >= 0 and dec["host_s"] >= dec["read_s"] >= 0
     assert 0.5 < c["measured_over_planned"] < 1.5
-    assert "| qwen3-30b-a3b |" in d["table"]
+    assert "| qwen3-30b-a3b |" in d["table"] and "| decode ms | read pages |" in d["table"]
     assert d["host"]["cpu_cores"] >= 1 and d["host"]["accelerator"]
     assert m["checkpoint"]["disk_over_planned"] > 0 and "experts_stored_once" in m["checkpoint"]
 

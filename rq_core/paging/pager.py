@@ -87,6 +87,17 @@ class PagerStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def since(self, before: dict) -> dict:
+        """The counters since `before` (an earlier as_dict()), the hit rate theirs; sizes and settings as now."""
+        now = self.as_dict()
+        d = {k: (v - before[k] if k in _COUNTERS else v) for k, v in now.items()}
+        d["hit_rate"] = d["hits"] / (d["hits"] + d["misses"]) if d["hits"] + d["misses"] else None
+        return d
+
+
+_COUNTERS = ("hits", "misses", "bytes_read", "evictions", "host_syncs", "sync_s", "host_s", "read_batches", "read_s",
+             "speculated", "respun", "reruns")
+
 
 def _nbytes(t: dict, dtype: mx.Dtype) -> int:
     return t["nbytes"] // getattr(mx, t["dtype"]).size * dtype.size

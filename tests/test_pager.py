@@ -65,6 +65,22 @@ def _paged_and_resident(ck, slots: int, speculate: str, **gen):
     return ref, got, st
 
 
+def test_pages_read_in_pieces_give_identical_tokens(packed, monkeypatch):
+    """Where a layer misses fewer experts than there are read threads, each page is read in pieces by several
+    threads (the tiny pages are cut here as a real model's are): the all-resident tokens, every page checked."""
+    from rq_core.paging import pager as pager_mod
+
+    monkeypatch.setattr(pager_mod, "SPAN_MIN", 64)
+    spans = []
+    real = pager_mod._Layer._read_span
+    monkeypatch.setattr(pager_mod._Layer, "_read_span",
+                        lambda self, e, j, a, b: (spans.append(b - a), real(self, e, j, a, b))[1])
+    ck = packed["qwen3_moe"]
+    ref, got, st = _paged_and_resident(ck, 2, "off", max_tokens=16, temp=1.0)
+    assert got.tokens == ref.tokens and st.misses > 0
+    assert len(spans) > st.misses and sum(spans) == st.bytes_read
+
+
 @pytest.mark.parametrize("family", list(TINY))
 def test_layer_by_layer_steps_give_identical_tokens(packed, family):
     """speculate="off": a MoE layer's second graph is built before its routing is read, and its experts come in
@@ -132,7 +148,9 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
     class Runtime:
         def __init__(self, rc):
             self.rc, self.copies, self.syncs, self.cleared, self.held, self.freed = rc, [], 0, 0, [], []
+            self.queued = []  # cudaMemcpyAsync's calls: (dst, src, n, kind, stream)
             self.cudaMemcpy = Function(self._copy)
+            self.cudaMemcpyAsync = Function(self._copy_async)
             self.cudaDeviceSynchronize = Function(self._sync)
             self.cudaHostAlloc = Function(self._alloc)
             self.cudaFreeHost = Function(self.freed.append)
@@ -151,6 +169,10 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
                 ctypes.memmove(dst, src, n)
             return self.rc
 
+        def _copy_async(self, dst, src, n, kind, stream):
+            self.queued.append((dst, src, n, kind, stream))
+            return self._copy(dst, src, n, kind)
+
         def _sync(self):
             self.syncs += 1
             return 0
@@ -166,7 +188,8 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
         cp = transfer.Copier()
         assert cp.device_copies
         # pointers and sizes, not Python objects: ctypes told the argument types before any call
-        assert rt.cudaMemcpy.argtypes and rt.cudaHostAlloc.argtypes and rt.cudaFreeHost.argtypes
+        assert rt.cudaMemcpy.argtypes and rt.cudaMemcpyAsync.argtypes and rt.cudaHostAlloc.argtypes \
+            and rt.cudaFreeHost.argtypes
         src = np.full(6, 7.0 + rc, np.float32)
         cp.write(raw, 48, src)
         assert rt.copies[-1] == (raw.ctypes.data + 48, src.ctypes.data, 24, transfer.MEMCPY_DEFAULT)
@@ -184,8 +207,17 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
         assert buf.nbytes == 64 and cp.pinned == (rc == 0) and rt.cleared == 3 * rc
         held = [ctypes.addressof(b) for b in rt.held]
         assert ([buf.ctypes.data] == held) == (rc == 0) and len(held) == (rc == 0)
-        cp.close()
-        assert rt.freed == held and not cp.pinned
+        # from page-locked memory a copy is queued (default stream), and the fence waits for it; from pageable
+        # memory (above) it is waited for in the call
+        assert rt.queued == []
+        buf[:24] = np.full(6, 3.0, np.float32).view(np.uint8)
+        syncs = rt.syncs
+        cp.write(raw, 0, buf[:24])
+        assert a[0].tolist() == [3.0] * 6
+        assert rt.queued == ([(raw.ctypes.data, buf.ctypes.data, 24, transfer.MEMCPY_DEFAULT, None)] if rc == 0
+                             else [])
+        cp.close()  # queued copies may still read the buffer: close waits for them before freeing it
+        assert rt.freed == held and not cp.pinned and rt.syncs == syncs + (rc == 0)
     rt = Runtime(0)
     monkeypatch.setattr(transfer, "_cudart", lambda: rt)
     cp = transfer.Copier()
@@ -633,18 +665,18 @@ def test_a_page_that_fails_to_read_leaves_no_expert_resident(packed, monkeypatch
     pager = ExpertPager(model, ck, slots=2)
     pager._ready(2)
     layer = next(iter(pager.layers.values()))
-    real = pager_mod._Layer._read_one
+    real = pager_mod._Layer._read_span
 
-    def broken(self, e, j):
+    def broken(self, e, j, a, b):
         if e == 1:
             raise RQError("corrupt expert page")
-        return real(self, e, j)
+        return real(self, e, j, a, b)
 
-    monkeypatch.setattr(pager_mod._Layer, "_read_one", broken)
+    monkeypatch.setattr(pager_mod._Layer, "_read_span", broken)
     with pytest.raises(RQError, match="corrupt"):
         layer.acquire(np.array([0, 1]))
     assert not layer.lru and sorted(layer.free) == [0, 1]
-    monkeypatch.setattr(pager_mod._Layer, "_read_one", real)
+    monkeypatch.setattr(pager_mod._Layer, "_read_span", real)
     layer.acquire(np.array([0, 1]))
     assert sorted(layer.lru) == [0, 1] and pager.stats.misses == 4
     pager.close()
@@ -664,17 +696,17 @@ def test_a_failed_batch_raises_only_after_its_other_reads_are_done(packed, monke
     pager = ExpertPager(model, ck, slots=4, threads=2)
     pager._ready(2)
     layer = next(iter(pager.layers.values()))
-    real = pager_mod._Layer._read_one
+    real = pager_mod._Layer._read_span
     done = []
 
-    def slow_or_broken(self, e, j):
+    def slow_or_broken(self, e, j, a, b):
         if e == 0:
             raise RQError("corrupt expert page")
         time.sleep(0.3)
-        real(self, e, j)
+        real(self, e, j, a, b)
         done.append(e)
 
-    monkeypatch.setattr(pager_mod._Layer, "_read_one", slow_or_broken)
+    monkeypatch.setattr(pager_mod._Layer, "_read_span", slow_or_broken)
     with pytest.raises(RQError, match="corrupt"):
         layer.acquire(np.array([0, 1]))
     assert done == [1]
@@ -682,8 +714,9 @@ def test_a_failed_batch_raises_only_after_its_other_reads_are_done(packed, monke
 
 
 def test_a_page_reads_into_its_own_row_of_the_staging_buffer(tmp_path):
-    """One read a page: expert e's used bytes land in row j of the staging buffer (the other rows untouched), the
-    checksum covers them, and a page whose checksum does not match is refused in one line; also without preadv."""
+    """Expert e's used bytes land in row j of the staging buffer (the other rows untouched), whole or in pieces, the
+    checksum covers them, and a page whose checksum does not match is refused in one line; also without preadv. A
+    lone miss is cut into pieces for the read threads, several misses are read a page a thread."""
     import os
     import types
     import zlib
@@ -709,14 +742,29 @@ def test_a_page_reads_into_its_own_row_of_the_staging_buffer(tmp_path):
             layer.checked = bytearray(3)
             layer.fd = os.open(f, os.O_RDONLY)
             try:
-                layer._read_one(2, 1)
+                layer._read_span(2, 1, 0, used)
                 host = pager._staging_host
                 assert np.array_equal(host[used:], pages[2, :used]) and not host[:used].any()
-                layer._read_one(1, 0)
+                layer._read_span(1, 0, 1000, used)  # in two pieces, the later first
+                assert not host[:1000].any()
+                layer._read_span(1, 0, 0, 1000)
                 assert np.array_equal(host[:used], pages[1, :used]) and np.array_equal(host[used:], pages[2, :used])
-                assert layer.checked[2] and layer.checked[1]
+                layer._check(2, 1)
+                layer._check(1, 0)
+                assert layer.checked[2] and layer.checked[1] and not layer.checked[0]
+                layer._read_span(0, 0, 0, used)
                 layer.meta["crc32"][0] ^= 1  # a page whose checksum does not match
                 with pytest.raises(RQError, match="corrupt expert page"):
-                    layer._read_one(0, 0)
+                    layer._check(0, 0)
+                assert not layer.checked[0]
             finally:
                 os.close(layer.fd)
+    from rq_core.paging.pager import SPAN_MIN
+
+    layer = _Layer.__new__(_Layer)
+    for used, threads, n, want in ((3 * 2 ** 20, 8, 1, 8), (3 * 2 ** 20, 8, 2, 4), (3 * 2 ** 20, 8, 8, 1),
+                                   (SPAN_MIN + 5, 8, 1, 1), (5 * SPAN_MIN, 8, 1, 5), (3 * 2 ** 20, 1, 1, 1)):
+        layer.pager, layer.meta = types.SimpleNamespace(_threads=threads), {"used_bytes": used}
+        spans = layer._spans(n)
+        assert len(spans) == want and spans[0][0] == 0 and spans[-1][1] == used
+        assert all(b1 == a2 for (_, b1), (a2, _) in zip(spans, spans[1:])) and all(a < b for a, b in spans)

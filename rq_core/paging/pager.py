@@ -6,8 +6,8 @@ A decode step runs layer by layer: one host sync per MoE layer to read its routi
 after that read replays as two traced graphs (rq_core.models.base.paged_experts): the second takes the banks as
 inputs and reads the slots through an expert -> slot table on the device, and it is built before the read, so the
 host builds the layers after a MoE layer while the device runs the ones before it. The read comes at the next MoE
-layer (or the step's end): the misses are read together, in parallel (os.preadv, a thread each, a page a row of a
-host staging buffer), and copied into their slots and the table written, in place (rq_core.paging.
+layer (or the step's end): the misses are read together, in parallel (os.preadv on a pool of threads, a page a row of
+a host staging buffer, a lone miss cut into pieces), and copied into their slots and the table written, in place (rq_core.paging.
 transfer: on CUDA by the copy engine, so no page of managed memory migrates), before the graph that reads them runs.
 With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
 sampled token in one sync. Where a layer missed an expert, the layers before it computed what an all-resident model
@@ -47,6 +47,7 @@ from rq_core.paging.transfer import Copier, host_cast
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
 READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
+SPAN_MIN = 256 << 10  # the smallest piece of a page one read thread takes (smaller pieces cost more than they save)
 SPECULATE = ("auto", "always", "off")
 RESERVE_DIVISOR = 100  # budget // RESERVE_DIVISOR (1%) of a memory budget is left out of the plan's parts
 SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
@@ -136,25 +137,27 @@ class _Layer:
     def resident_bytes(self) -> int:
         return self.expert_bytes * self.slots
 
-    def _read_one(self, e: int, j: int) -> None:
-        """Expert e's page into row j of the staging buffer (its used bytes), checked on its first read."""
+    def _read_span(self, e: int, j: int, a: int, b: int) -> None:
+        """Bytes [a, b) of expert e's page into row j of the staging buffer."""
         used = self.meta["used_bytes"]
-        view = memoryview(self.pager._staging_host[j * used:(j + 1) * used])
-        off = e * self.meta["page_bytes"]
+        view = memoryview(self.pager._staging_host[j * used + a:j * used + b])
+        off = e * self.meta["page_bytes"] + a
         if hasattr(os, "preadv"):
             n = os.preadv(self.fd, [view], off)
         else:  # no preadv on this platform
-            buf = os.pread(self.fd, used, off)
+            buf = os.pread(self.fd, b - a, off)
             n = len(buf)
             view[:n] = buf
-        if n != used:
+        if n != b - a:
             raise RQError(f"layer {self.path} expert {e}: short read (truncated page file?)")
-        if self.pager.verify and not self.checked[e]:
-            if zlib.crc32(view) != self.meta["crc32"][e]:
-                raise RQError(f"corrupt expert page: layer {self.path} expert {e} (checksum mismatch in "
-                              f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the "
-                              "checkpoint again")
-            self.checked[e] = 1
+
+    def _check(self, e: int, j: int) -> None:
+        """Expert e's page (in row j) against its CRC32, on its first read in this process."""
+        used = self.meta["used_bytes"]
+        if zlib.crc32(memoryview(self.pager._staging_host[j * used:(j + 1) * used])) != self.meta["crc32"][e]:
+            raise RQError(f"corrupt expert page: layer {self.path} expert {e} (checksum mismatch in "
+                          f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the checkpoint again")
+        self.checked[e] = 1
 
     def load(self, experts: list[int], slots: list[int]) -> None:
         """Read `experts` (in parallel, into the staging buffer) and copy them into `slots` of the banks, in place."""
@@ -162,21 +165,40 @@ class _Layer:
         for i in range(0, len(experts), cap):  # more than the buffer holds: a long prefill's passes, a top-k > cap
             self._load(experts[i:i + cap], slots[i:i + cap])
 
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        """How each of n pages is cut for the read threads: whole pages where there are as many pages as threads, else
+        pieces of at least SPAN_MIN bytes, so that one layer's single miss is read by several threads too."""
+        used, threads = self.meta["used_bytes"], self.pager._threads
+        parts = max(1, min(threads // max(n, 1), used // SPAN_MIN))
+        step = -(-used // parts)
+        return [(a, min(a + step, used)) for a in range(0, used, step)]
+
     def _load(self, experts: list[int], slots: list[int]) -> None:
         n, used = len(experts), self.meta["used_bytes"]
         pager = self.pager
         pool = pager._pool
+        pager.copier.fence()  # the last batch's copies out of the staging rows have landed before they are read over
         t0 = time.perf_counter()
-        if pool is not None and n > 1:
-            futures = [pool.submit(self._read_one, e, j) for j, e in enumerate(experts)]
+        check = [(e, j) for j, e in enumerate(experts) if pager.verify and not self.checked[e]]
+        spans = self._spans(n) if pool is not None else [(0, used)]
+        if n * len(spans) > 1:
+            futures = [pool.submit(self._read_span, e, j, a, b) for j, e in enumerate(experts) for a, b in spans]
             # every read finished before any error is raised: a read still running would write into rows the next
             # batch reads into
             wait(futures)
             for f in futures:
                 f.result()
+            if len(check) > 1:  # zlib releases the GIL over a large buffer
+                futures = [pool.submit(self._check, e, j) for e, j in check]
+                wait(futures)
+                for f in futures:
+                    f.result()
+                check = []
         else:
             for j, e in enumerate(experts):
-                self._read_one(e, j)
+                self._read_span(e, j, 0, used)
+        for e, j in check:
+            self._check(e, j)
         st = pager.stats
         st.read_s += time.perf_counter() - t0
         st.bytes_read += n * used

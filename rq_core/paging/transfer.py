@@ -6,7 +6,9 @@ read and written directly. On CUDA MLX allocates managed memory, whose pages mig
 a host write or read moves a page to the host, and the next kernel that touches it (or any small array MLX later
 allocates on it) stalls on a fault to move it back. There the copies go through the copy engine (cudaMemcpy, on
 device 0: the GPU MLX uses by default), which reads and writes the pages where they are, from page-locked host
-memory, and `fence` waits for them before a graph that reads them is launched.
+memory, and `fence` waits for them before a graph that reads them is launched. A copy from page-locked memory is
+queued (cudaMemcpyAsync) rather than waited for one by one: a layer's misses are many small copies (each tensor of
+each expert), and the fence waits for them all at once.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class Copier:
             try:
                 if lib is not None:
                     lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                    lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                    ctypes.c_void_p]
                     lib.cudaDeviceSynchronize.argtypes = []
                     lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
                     lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
@@ -66,6 +70,7 @@ class Copier:
                 self._lib = None
         self._dirty = False
         self._pinned: list[int] = []  # page-locked host buffers made by host_buffer, freed by close
+        self._pinned_spans: list[tuple[int, int]] = []  # their (start, end) addresses
         if self._lib is not None:  # and where close() is never called, when the copier is dropped
             weakref.finalize(self, Copier._free, self._lib, self._pinned)
 
@@ -82,6 +87,7 @@ class Copier:
             p = ctypes.c_void_p()
             if self._lib.cudaHostAlloc(ctypes.byref(p), max(n, 1), 0) == 0 and p.value:
                 self._pinned.append(p.value)
+                self._pinned_spans.append((p.value, p.value + n))
                 return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p.value))
             self._lib.cudaGetLastError()
         return np.zeros(n, np.uint8)
@@ -94,7 +100,9 @@ class Copier:
     def close(self) -> None:
         """Free the page-locked buffers (their views must not be used after)."""
         if self._lib is not None:
+            self.fence()  # queued copies may still read them
             Copier._free(self._lib, self._pinned)
+            self._pinned_spans.clear()
 
     @property
     def device_copies(self) -> bool:
@@ -117,15 +125,21 @@ class Copier:
         return ctypes.addressof(ctypes.c_char.from_buffer(memoryview(a)))
 
     def write(self, dst: np.ndarray, offset: int, src: np.ndarray) -> None:
-        """src's bytes into the raw view `dst` at byte `offset`; call `fence` before a graph that reads them runs."""
+        """src's bytes into the raw view `dst` at byte `offset`; call `fence` before a graph that reads them runs, and
+        before src's memory is written again (a copy from page-locked memory is only queued)."""
         n = src.nbytes
         if offset < 0 or offset + n > dst.nbytes:
             raise ValueError(f"a write of {n} bytes at {offset} into {dst.nbytes}")
         src = np.ascontiguousarray(src)
-        if self._lib is not None and self._lib.cudaMemcpy(dst.ctypes.data + offset, src.ctypes.data, n,
-                                                          MEMCPY_DEFAULT) == 0:
-            self._dirty = True
-            return
+        if self._lib is not None:
+            p = src.ctypes.data
+            if any(a <= p and p + n <= b for a, b in self._pinned_spans):
+                rc = self._lib.cudaMemcpyAsync(dst.ctypes.data + offset, p, n, MEMCPY_DEFAULT, None)
+            else:  # pageable memory (the table): the runtime stages it, and a queued copy would not keep it alive
+                rc = self._lib.cudaMemcpy(dst.ctypes.data + offset, p, n, MEMCPY_DEFAULT)
+            if rc == 0:
+                self._dirty = True
+                return
         if self._lib is not None:
             self._lib.cudaGetLastError()
         dst[offset:offset + n] = src.reshape(-1).view(np.uint8)

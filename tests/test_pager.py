@@ -36,16 +36,42 @@ def packed(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", list(TINY))
-def test_quarter_of_experts_gives_identical_tokens(packed, family):
+def test_quarter_of_experts_gives_identical_tokens(packed, family, monkeypatch):
+    """2 of 8 experts a layer: the all-resident tokens; a prompt chunk whose experts do not fit runs in passes, each
+    computing only the rows of the experts it holds (every (token, k) row once over a call's passes)."""
+    from rq_core.models.base import SwitchGLU
+    from rq_core.paging.pages import expert_banks
+
     if family not in packed:
         pytest.skip(f"model family {family} not in this build yet")
     ck = packed[family]
     ref = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
     model = load(ck, tokenizer=False).model
     pager = ExpertPager(model, ck, slots=2, verify=True)  # 2 of 8 experts per layer
+    rows, calls = [], []
+    grouped = SwitchGLU.compute_grouped
+
+    def count(self, x, idx):
+        rows.append(idx.size)
+        return grouped(self, x, idx)
+
+    monkeypatch.setattr(SwitchGLU, "compute_grouped", count)
+    for module in expert_banks(model).values():  # each a class of its own, the pager's
+        cls = type(module)
+        paged_call = cls.__call__
+
+        def wrapped(self, x, indices, _call=paged_call):
+            n = len(rows)
+            y = _call(self, x, indices)
+            calls.append((indices.size, rows[n:]))
+            return y
+
+        monkeypatch.setattr(cls, "__call__", wrapped)
     got = generate(model, PROMPT, max_tokens=24, seed=0, prefill_chunk=16)
     st = pager.report()
     assert got.tokens == ref.tokens
+    passed = [(n, r) for n, r in calls if len(r) > 1]  # calls served in passes
+    assert passed and all(sum(r) == n for n, r in passed), passed
     assert st.misses > 0 and st.bytes_read > 0
     assert st.slots == 2 and st.hits > 0 and 0 < st.hit_rate < 1 and st.evictions > 0
     assert st.resident_bytes > 0

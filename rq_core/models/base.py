@@ -684,9 +684,7 @@ class SwitchGLU(nn.Module):
         x = mx.expand_dims(x, (-2, -3))
         if indices.size >= 64:  # a prompt: token copies grouped by expert
             x, idx, inv_order = _gather_sort(x, indices)
-            up = self.up_proj(x, idx, sorted_indices=True)
-            h = self.activation(self.gate_proj(x, idx, sorted_indices=True), up) if self.gated else self.activation(up)
-            x = self.down_proj(h, idx, sorted_indices=True)
+            x = self.compute_grouped(x, idx)
             return mx.unflatten(x[inv_order], 0, indices.shape).squeeze(-2)
         # the rows of x each output reads, as constants: without them every gather builds (and on a GPU launches)
         # an arange, and a copy where it broadcasts, a projection
@@ -694,6 +692,14 @@ class SwitchGLU(nn.Module):
         up = self.up_proj(x, indices, lhs_indices=tokens)
         h = self.activation(self.gate_proj(x, indices, lhs_indices=tokens), up) if self.gated else self.activation(up)
         return self.down_proj(h, indices, lhs_indices=pairs).squeeze(-2)
+
+
+    def compute_grouped(self, rows: mx.array, idx: mx.array) -> mx.array:
+        """Token copies rows [R, 1, D] grouped by expert, idx [R] (non-decreasing) into the banks: [R, 1, D], as a
+        prompt's rows are computed (the expert pager's prefill passes compute each pass's rows alone through it)."""
+        up = self.up_proj(rows, idx, sorted_indices=True)
+        h = self.activation(self.gate_proj(rows, idx, sorted_indices=True), up) if self.gated else self.activation(up)
+        return self.down_proj(h, idx, sorted_indices=True)
 
 
 def paged_experts(switch: nn.Module, x: mx.array) -> Any:

@@ -569,30 +569,41 @@ def _patch(module: Any, layer: _Layer) -> None:
             y = old.compute(self, x, layer.resident(needed)[indices])  # remapped on the device
             mx.eval(y)
             return y
-        # More distinct experts than slots (a long prefill chunk): serve them in passes of `slots`
-        # experts; each (token, k) output comes from exactly one pass. The resident ones go first, so the first
-        # pass reads only what it lacks and no pass evicts an expert a later pass needs: each missing expert is
-        # read once (in index order, a pass evicted resident experts that a later pass then read back).
+        # More distinct experts than slots (a long prefill chunk): serve them in passes of `slots` experts, each
+        # computing only the (token, k) rows of its experts, grouped by slot, as the all-resident model computes a
+        # prompt's rows grouped by expert. The resident ones go first, so the first pass reads only what it lacks
+        # and no pass evicts an expert a later pass needs: each missing expert is read once.
         lru = layer.lru
         order = [e for e in needed.tolist() if e in lru]
         order += [e for e in needed.tolist() if e not in lru]
-        order = np.asarray(order, dtype=needed.dtype)
-        y = None
+        flat = idx.reshape(-1)
+        rank = np.empty(layer.E, np.int64)
+        rank[order] = np.arange(len(order))
+        pass_of = rank[flat] // layer.slots
+        tokens = x.reshape(-1, x.shape[-1])
+        k = idx.shape[-1]
+        outs, rows_all = [], []
         for i in range(0, len(order), layer.slots):
-            part = order[i:i + layer.slots]
+            part = np.asarray(order[i:i + layer.slots], dtype=needed.dtype)
             t0 = time.perf_counter()
             layer.acquire(part)
             layer.pager.stats.host_s += time.perf_counter() - t0
-            lut = np.full(layer.E, layer.lut[int(part[0])], np.int32)
-            lut[part] = layer.lut[part]
-            yp = old.compute(self, x, mx.array(lut[idx]))
-            mask = mx.array(np.isin(idx, part))[..., None]
-            y = mx.where(mask, yp, 0) if y is None else mx.where(mask, yp, y)
+            rows = np.flatnonzero(pass_of == i // layer.slots)
+            slot = layer.lut[flat[rows]]
+            by_slot = np.argsort(slot, kind="stable")
+            rows, slot = rows[by_slot], slot[by_slot]
+            xr = mx.expand_dims(tokens[mx.array(rows // k)], -2)
+            outs.append(old.compute_grouped(self, xr, mx.array(slot)))
+            rows_all.append(rows)
             layer.pager.stats.host_syncs += 1
             t0 = time.perf_counter()
-            mx.eval(y)  # the next pass overwrites slots this one reads
+            mx.eval(outs[-1])  # the next pass overwrites slots this one reads
             layer.pager.stats.sync_s += time.perf_counter() - t0
-        return y
+        rows = np.concatenate(rows_all)
+        back = np.empty_like(rows)
+        back[rows] = np.arange(len(rows))
+        y = mx.concatenate(outs)[mx.array(back)]
+        return y.reshape(*idx.shape, y.shape[-1])
 
     module.__class__ = type(f"Paged{old.__name__}", (old,), {"__call__": __call__})
     module.__dict__["pager_layer"] = layer

@@ -78,7 +78,12 @@ def test_decode_step_takes_the_fused_kernel_with_the_window(gpu):
     out = _step(c, 10)
     assert float(out[0, 0, 0, 0]) == 7.0 and len(gpu) == 1
     call = gpu[0]
-    assert call["window"] is not None and call["window"][0].shape[2] == c.fp16_len == 4
+    # the segment goes as the whole buffers and its rows (no view a step): those rows are the segment's tokens
+    wk, wv, first, rows = call["window"]
+    assert rows == c.fp16_len == 4
+    sk, sv = c.fp16_segment()
+    assert mx.array_equal(wk[:, :, first:first + rows], sk) and mx.array_equal(wv[:, :, first:first + rows], sv)
+    assert call["launches"] is c.fused_launches
     assert call["valid_len"] == c.packed_len and call["key_bits"] == 7 and call["key_levels"] is c.k_levels
 
 

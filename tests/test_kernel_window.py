@@ -23,13 +23,15 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
                      key_bits=key_bits, pair_points=pair_points)
     scale = 1.0 / math.sqrt(d)
     qin, q64, kc, vc, consts, views = EK._case_inputs(c, T, bits, scale, qdtype, key_bits)
-    wcap = NW + 3  # a cache buffer: rows past the window hold junk the kernel must not read
+    # a cache buffer: the window is rows f0 .. f0 + NW (meta names them); the rows before and after hold junk the kernel
+    # must not read
+    f0 = 2
+    wcap = f0 + NW + 3
     wk = (rng.standard_normal((B, Hkv, wcap, d)) * 1.5).astype(np.float16)
     wv = (rng.standard_normal((B, Hkv, wcap, d)) * 1.5).astype(np.float16)
-    wk[:, :, NW:] = 1000.0
-    wv[:, :, NW:] = 1000.0
-    for n in ("wk", "wv"):
-        views[n] = ((B, Hkv, NW, d), (Hkv * wcap * d, wcap * d, d, 1))
+    for w in (wk, wv):
+        w[:, :, :f0] = 1000.0
+        w[:, :, f0 + NW:] = 1000.0
     nrg = K.row_blocks(G, L)
     R, groups = G // nrg * L, B * Hkv * nrg
     vh = K.fused_vhalves(d)  # blocks a group and split (value-dim halves)
@@ -40,11 +42,11 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
                 ("R", R), ("LQ", L), ("HKV", Hkv), ("NRG", nrg), ("CAUSAL", 0), ("ROT", rot), ("THREADS", nth), ("SACC", 2),
                 ("PF", pf or (1 if stage else 2)), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge),
                 ("WCAUSAL", int(causal and L > 1))]
-    views.pop("k_norms")  # T comes from tlen: the buffers go in whole, as the cache's do
+    views.pop("k_norms")  # T comes from meta: the buffers go in whole, as the cache's do
     outs = EK.emulate("attn_fused_window", template,
                       dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"],
                            v_codes=vc, v_norms=c["vnorm"], counter=np.zeros(groups, np.uint32),
-                           tlen=np.zeros(T, np.uint32), wk=wk, wv=wv),
+                           meta=np.array([T, (f0 << 8) | NW], np.int32), wk=wk, wv=wv),
                       EK.fused_outputs((B, G * Hkv, L, d), qdtype, groups, ns, R),
                       (groups * vh, ns), nth, views=views, types={"q": qdtype, "out": qdtype, "wk": "f16", "wv": "f16"},
                       backend=backend)
@@ -56,8 +58,8 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
     klv = KC.half_levels(c["klevels"]).astype(np.float64)  # the keys' own levels where they have their own width
     Kp = klv[c["kidx"][:, :, :T]] * c["knorm"][:, :, :T, None].astype(np.float64) / math.sqrt(d)
     Vp = lv[c["vidx"][:, :, :T]] * c["vnorm"][:, :, :T, None].astype(np.float64) / math.sqrt(d)
-    Kw = KC.rotate64(wk[:, :, :NW].astype(np.float64), c["mats"], np.arange(Hkv), rot, False)
-    Vw = KC.rotate64(wv[:, :, :NW].astype(np.float64), c["mats"], np.arange(Hkv), rot, False)
+    Kw = KC.rotate64(wk[:, :, f0:f0 + NW].astype(np.float64), c["mats"], np.arange(Hkv), rot, False)
+    Vw = KC.rotate64(wv[:, :, f0:f0 + NW].astype(np.float64), c["mats"], np.arange(Hkv), rot, False)
     Ka, Va = np.concatenate([Kp, Kw], 2)[:, hk], np.concatenate([Vp, Vw], 2)[:, hk]
     s = np.einsum("bhld,bhtd->bhlt", qt, Ka) * scale
     if causal and L > 1:  # window token j (position T + j) is seen by query l iff j <= NW - L + l

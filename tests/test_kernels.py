@@ -166,7 +166,7 @@ def test_prelude_body_part_names_ids_and_preludes_define_the_same_names():
 def test_full_source_signature_matches_spec():
     src = K.full_source("attn_fused", "metal", CASES["attn_fused"], {"q": "f16"})
     assert "const device float16_t* q [[buffer(0)]]" in src
-    assert "const constant int* tlen_shape" in src and "k_codes_strides" in src
+    assert "const device int32_t* meta" in src and "k_codes_strides" in src
     assert "uint3 threadgroups_per_grid [[threadgroups_per_grid]]" in src
     src = K.full_source("attn_fused", "cuda", CASES["attn_fused"], {"q": "f16"})
     assert "const __half* q," in src and "using TQ = __half;" in src and "constexpr int D = 128;" in src
@@ -568,6 +568,59 @@ def test_fused_launch_plan_follows_shapes(monkeypatch):
     assert launch(20000)[1][1] < long[1][1]  # half the SMs: fewer splits
     w = mx.zeros((1, Hkv, 40, D), mx.float16)
     assert dict(launch(1000, (w, w))[0])["WCAUSAL"] == 0
+
+
+def test_kept_launches_serve_a_class_and_pass_lengths_as_values(monkeypatch):
+    """With `launches` (a cache's dict), a call of a class already seen reuses its FusedLaunch; the valid length and
+    the window's rows go to the kernel as meta's values (the window as its whole buffers); a longer context past a split
+    boundary, a grown buffer or changed settings make a new launch; the kernel itself is the same as without a dict."""
+    import mlx.core as mx
+
+    from rq_core.kernels import config as env
+
+    seen = []
+
+    class Recorder:
+        def __call__(self, *, inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None, **_):
+            seen.append(dict(inputs=inputs, grid=grid, template=tuple(template), init=init_value))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(env, "_CONFIG", env.KernelConfig(disk_cache=False))
+    monkeypatch.setattr(K, "backend", lambda: "cuda")
+    monkeypatch.setattr(K, "cuda_sm_count", lambda: 132)
+    monkeypatch.setattr(K, "_fused_kernel", lambda *a, **k: Recorder())
+    G, Hkv, D = 8, 4, 128
+    q = mx.zeros((1, G * Hkv, 1, D), mx.float16)
+    lv = mx.zeros((8,), mx.float32)
+    fk = mx.zeros((1, Hkv, 512, D), mx.float16)
+    kept: dict = {}
+
+    def call(T, cap=4096, first=37, rows=32, launches=kept):
+        codes, norms = mx.zeros((1, Hkv, cap, 12), mx.uint32), mx.zeros((1, Hkv, cap), mx.float16)
+        K.fused_attention(q, None, codes, norms, codes, norms, lv, bits=3, scale=0.1, valid_len=T, offset=T, rot=0,
+                          window=(fk, fk, first, rows), want_lse=False, launches=launches)
+        return seen[-1]
+
+    a = call(1000)
+    assert len(kept) == 1 and a["inputs"][8].tolist() == [1000, (37 << 8) | 32]
+    assert a["inputs"][9] is fk and a["inputs"][10] is fk  # the buffers, no view
+    b = call(1001, first=38)
+    assert len(kept) == 1 and b["inputs"][8].tolist() == [1001, (38 << 8) | 32] and b["grid"] == a["grid"]
+    assert b["inputs"][8] is call(1001, first=38)["inputs"][8]  # one meta array for every layer of a step
+    call(1200)  # past a 128-token split boundary: another class
+    assert len(kept) == 2
+    call(1200, cap=4352)  # the buffers grew
+    assert len(kept) == 3
+    with env.override(poison=True):  # changed settings: a launch made under them
+        poisoned = call(1200)
+    assert poisoned["init"] is not None and math.isnan(poisoned["init"]) and len(kept) == 4
+    # the same call without a dict: the same kernel arguments
+    fresh = call(1001, first=38, launches=None)
+    assert fresh["grid"] == b["grid"] and fresh["template"] == b["template"]
+    with pytest.raises(K.KernelUnsupported, match="window rows"):
+        call(1000, first=500, rows=32)  # past the buffer
+    with pytest.raises(K.KernelUnsupported, match="window of 200"):
+        call(1000, rows=200)
 
 
 def test_executor_programs_compiled_once_per_source(tmp_path, monkeypatch):

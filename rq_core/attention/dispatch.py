@@ -89,6 +89,8 @@ class PackedStore(Protocol):
 
     def fp16_segment(self) -> tuple[mx.array, mx.array]: ...
 
+    def fp16_buffers(self) -> tuple[mx.array, mx.array, int, int]: ...
+
     def dense_rotation(self) -> mx.array: ...
 
 
@@ -203,14 +205,15 @@ def _fused(store: PackedStore, queries: mx.array, *, scale: float, offset: int,
     if Hq % Hkv or store.k_codes.shape[3] * 32 != nf * (key_bits if split else bits) \
             or store.v_codes.shape[3] * 32 != nf * bits or (pair and (not split or store.k_levels.ndim != 2)):
         return None, f"code rows of {store.k_codes.shape[3]} / {store.v_codes.shape[3]} words"
-    window = store.fp16_segment() if store.fp16_len else None
+    # the segment as the buffers and its rows (no view made); the launches made for this cache's calls kept on it
+    window = store.fp16_buffers() if store.fp16_len else None
     try:
         rot, mats = kernels.rotation_args(store.rotation)
         return kernels.fused_attention(
             queries, mats, store.k_codes, store.k_norms, store.v_codes, store.v_norms, levels, bits=bits, scale=scale,
             valid_len=store.packed_len, offset=offset, causal=causal, rot=rot, window=window,
             key_bits=key_bits if split else None, key_levels=store.k_levels if split else None,
-            want_lse=False)[0], ""
+            want_lse=False, launches=getattr(store, "fused_launches", None))[0], ""
     except kernels.KernelUnsupported as e:
         return None, str(e)
 

@@ -361,6 +361,7 @@ class IsoQuantCache:
         self._dense_r: mx.array | None = None  # the rotation as [H, d, d] matrices (a prompt chunk's decoded path)
         # a bounded prefill's queued layers: this cache's own until with_edge_layers gives all of a model's one queue
         self.inflight = InflightQueue()
+        self.fused_launches: dict = {}  # the fused attention's prepared launches (rq_core.attention.dispatch._fused)
 
     @property
     def offset(self) -> int:
@@ -375,6 +376,11 @@ class IsoQuantCache:
     def fp16_segment(self) -> tuple[mx.array, mx.array]:
         """Keys and values of the fp16 segment (the tokens after the packed ones), as views."""
         return self._fp16()
+
+    def fp16_buffers(self) -> tuple[mx.array, mx.array, int, int]:
+        """The fp16 segment as (keys buffer, values buffer, first row, rows): no view made (the fused kernel reads the
+        rows it is told)."""
+        return self._fk, self._fv, self._f0, self.fp16_len
 
     def dense_rotation(self) -> mx.array:
         """The rotation as [H, d, d] matrices, y = R x (made once)."""

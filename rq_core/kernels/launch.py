@@ -83,14 +83,16 @@ class Spec:
 
 SPECS: dict[str, Spec] = {
     # one launch; its scratch is one output (fused_scratch_size: o_part, ml_part, then lse), each more output costing
-    # MLX host time a launch. counter: a kernel-owned zeroed buffer (_counter). tlen: any array of valid_len elements
-    # (its shape carries T: a view shared by every layer of a step)
+    # MLX host time a launch. counter: a kernel-owned zeroed buffer (_counter). meta: int32 [valid_len, the window's
+    # first row << 8 | its rows] (_meta: one array a step, shared by every layer; lengths as values, not shapes, so
+    # a step makes no view and a launch's arguments keep their shapes from step to step)
     "attn_fused": Spec("attn_fused.body",
-                       ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "tlen"),
+                       ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "meta"),
                        ("out", "scratch"), contiguous=False),
-    # plus the cache's fp16 window (wk / wv: its newest tokens, read through strides) as one more split
+    # plus the cache's fp16 window (wk / wv: its whole buffers, the rows meta names read through strides) as one more
+    # split
     "attn_fused_window": Spec("attn_fused.body",
-                              ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "tlen",
+                              ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "meta",
                                "wk", "wv"),
                               ("out", "scratch"), contiguous=False, defines="#define RQ_WINDOW 1\n"),
     "rotate_query": Spec("rotate.body", ("inp", "mats", "iparams"), ("out",)),
@@ -217,10 +219,20 @@ def render(name: str, backend: str) -> tuple[str, str]:
 # Backend detection and compilation
 
 
+_BACKEND: list = [None, None]  # [the settings it was found under, the backend]: a decode step asks in every layer
+
+
 def backend() -> str | None:
     """'metal' or 'cuda' when MLX has that GPU backend and a device; None on CPU-only installs or with
     RQ_KERNELS=0."""
-    if not env.config().kernels:
+    cfg = env.config()
+    if _BACKEND[0] is not cfg:
+        _BACKEND[:] = [cfg, _find_backend(cfg)]
+    return _BACKEND[1]
+
+
+def _find_backend(cfg: env.KernelConfig) -> str | None:
+    if not cfg.kernels:
         return None
     try:
         if mx.metal.is_available():
@@ -538,22 +550,20 @@ def _counter(n: int) -> mx.array:
     return view
 
 
-_TLEN: dict = {"buf": None, "views": {}}
+_META: dict = {}
+WINDOW_FIRST_MAX = 1 << 23  # the window's first row goes in meta's second word above its 8 bits of rows
 
 
-def _length_view(T: int) -> mx.array:
-    """A uint32 array of T elements whose shape tells attn_fused the valid length: a view of one zeroed buffer,
-    cached for the last few lengths, so every layer of a decode step shares one graph node."""
-    hit = _TLEN["views"].get(T)
+def _meta(T: int, first: int = 0, rows: int = 0) -> mx.array:
+    """attn_fused's int32 meta [T, first << 8 | rows], cached for the last few values: every layer of a decode step
+    (one length, one window position) shares one array, made on the host (8 bytes: MLX's scalar pool, which the GPU
+    reads in place)."""
+    key = (T, (first << 8) | rows)
+    hit = _META.get(key)
     if hit is None:
-        buf = _TLEN["buf"]
-        if buf is None or buf.shape[0] < T:
-            buf = _TLEN["buf"] = mx.zeros((max(T, 1 << 16) if buf is None else max(T, 2 * buf.shape[0]),), mx.uint32)
-            mx.eval(buf)
-            _TLEN["views"].clear()
-        if len(_TLEN["views"]) >= 8:
-            _TLEN["views"].pop(next(iter(_TLEN["views"])))
-        hit = _TLEN["views"][T] = buf[:T]
+        if len(_META) >= 8:
+            _META.pop(next(iter(_META)))
+        hit = _META[key] = mx.array(key, dtype=mx.int32)
     return hit
 
 
@@ -706,13 +716,74 @@ def _fused_config(D: int, bits: int, R: int, be: str, nth: int, stage: int | Non
     return nth, stage, pf, vdec
 
 
+class FusedLaunch:
+    """attn_fused for one class of calls (shapes, dtypes, settings, the context's splits and thread count), its codebook,
+    rotation and launch arguments prepared: a decode step launches it for every layer, and a call builds the launch
+    and nothing else (checks, plans and the kernel-cache bookkeeping ran when it was made: fused_launch)."""
+
+    # Not traced (mx.compile) for replay: on the H200 a replayed launch cost more host time a layer than a built one
+    # (48 layers, 2K context: 97 against 82 us with the rest of the cache's attend)
+    __slots__ = ("kernel", "static", "template", "grid", "threadgroup", "out_shapes", "out_dtypes", "groups",
+                 "init_value", "window", "cast", "config", "_launched")
+
+    def __init__(self, kernel, static: list, template: list, grid: tuple, nth: int, out_shapes: list, out_dtypes: list,
+                 groups: int, window: bool, cast: bool, config: env.KernelConfig) -> None:
+        self.kernel, self.static, self.template, self.grid = kernel, static, template, grid
+        self.threadgroup = (nth, 1, 1)
+        self.out_shapes, self.out_dtypes, self.groups, self.window, self.cast = out_shapes, out_dtypes, groups, window, cast
+        self.init_value = float("nan") if config.poison else None
+        self.config = config  # the settings it was made under (a changed config makes a new one)
+        self._launched = False
+
+    def __call__(self, q: mx.array, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array, v_norms: mx.array,
+                 valid_len: int, window: tuple | None = None) -> list[mx.array]:
+        """[out, scratch] of one launch. window: (keys, values, first, rows): the rows first .. first + rows of the
+        fp16 buffers [B, Hkv, cap, D]."""
+        meta = _meta(valid_len, window[2], window[3]) if window is not None else _meta(valid_len)
+        inputs = [q.astype(mx.float32) if self.cast else q, *self.static, k_codes, k_norms, v_codes, v_norms,
+                  _counter(self.groups), meta]
+        if window is not None:
+            inputs += window[:2]
+        kw = dict(inputs=inputs, template=self.template, grid=self.grid, threadgroup=self.threadgroup,
+                  output_shapes=self.out_shapes, output_dtypes=self.out_dtypes, init_value=self.init_value)
+        if self._launched:
+            return self.kernel(**kw)
+        self._launched = True  # the first launch leaves the compiled kernel in MLX's PTX cache (_launch)
+        return _launch(self.kernel, **kw)
+
+
+def fused_launch(qshape: tuple, qdtype, mats: mx.array | None, kshape: tuple, vshape: tuple, levels: mx.array, *,
+                 bits: int, scale: float, valid_len: int, offset: int = 0, causal: bool = False,
+                 rot: int = ROT_WHT | ROT_SO4, blocks: int | None = None, nth: int | None = None, pf: int | None = None,
+                 vdec: int | None = None, stage: int | None = None, window: bool = False,
+                 key_bits: int | None = None, key_levels: mx.array | None = None) -> FusedLaunch:
+    """The prepared launch fused_attention makes for these shapes and settings (KernelUnsupported where the kernel
+    declines them). It serves every call whose context has the same splits (ceil(valid_len / 128), at most
+    MAX_SPLITS), thread count (fused_threads) and offset relative to valid_len."""
+    be = backend()
+    if be is None:
+        raise KernelUnsupported("no GPU backend")
+    cast = qdtype not in (mx.float16, mx.bfloat16, mx.float32)
+    qd = mx.float32 if cast else qdtype
+    plan = _fused_launch_plan(be, tuple(qshape), qd, tuple(kshape), tuple(vshape), tuple(levels.shape),
+                              None if key_levels is None else tuple(key_levels.shape), bits, key_bits, scale,
+                              min(-(-valid_len // 128), MAX_SPLITS), 0 if window else offset - valid_len, causal, rot,
+                              blocks, fused_threads(valid_len) if nth is None else nth, pf, vdec, stage, window,
+                              _device_facts(be))
+    nth, minb, kb_own, groups, template, grid, out_shapes, out_dtypes = plan
+    cfg = env.config()
+    k = _fused_kernel(be, nth, minb, window, cfg.minify)
+    static = [_mats(mats), _consts(levels, scale, key_levels if kb_own else None)]
+    return FusedLaunch(k, static, template, grid, nth, out_shapes, out_dtypes, groups, window, cast, cfg)
+
+
 def fused_attention(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
                     v_norms: mx.array, levels: mx.array, *, bits: int, scale: float, valid_len: int, offset: int = 0,
                     causal: bool = False, rot: int = ROT_WHT | ROT_SO4, blocks: int | None = None,
                     nth: int | None = None, pf: int | None = None, vdec: int | None = None,
-                    stage: int | None = None, window: tuple[mx.array, mx.array] | None = None,
+                    stage: int | None = None, window: tuple | None = None,
                     key_bits: int | None = None, key_levels: mx.array | None = None,
-                    want_lse: bool = True) -> tuple[mx.array, mx.array | None]:
+                    want_lse: bool = True, launches: dict | None = None) -> tuple[mx.array, mx.array | None]:
     """Attention over packed codes in one launch (metal/attn_fused.body): rotation + scores + online softmax + values
     per context split, the last block of each (batch, kv head) merging the splits and rotating back.
 
@@ -722,47 +793,53 @@ def fused_attention(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
     k_codes / v_codes [B, Hkv, T_cap, W] and k_norms / v_norms [B, Hkv, T_cap] are whole cache buffers read through
     their strides (no copy op); only the first valid_len rows count. Code rows must start 16-byte aligned: buffers of
     more than 8 bytes do, and so does every row of them, since the shapes taken have rows of 4k words.
-    window: (keys, values) [B, Hkv, NW, D], 1 <= NW <= MMA_TILE, the cache's fp16 segment after the packed tokens
-    (any strides, last dim dense), attended exactly by one more split of the same launch (attn_fused_window); the
-    queries are its last L tokens, so the packed part is seen whole and `causal` masks the window.
+    window: the cache's fp16 segment after the packed tokens, attended exactly by one more split of the same launch
+    (attn_fused_window): (keys, values) [B, Hkv, NW, D], or (keys, values, first, NW): rows first .. first + NW of
+    whole buffers [B, Hkv, cap, D] (no view made); 1 <= NW <= MMA_TILE, any strides, last dim dense. The queries are
+    its last L tokens, so the packed part is seen whole and `causal` masks the window.
     key_bits / key_levels: keys at their own width and codebook (kv.key_bits; k_codes rows of D * key_bits / 32
     words), else the values' `bits` and `levels`; levels [n, 2] (both): pair codebooks.
     blocks / nth / pf / vdec / stage: the grid's target block count, threads per block, the load-ahead depth, the value
     decode and the copy ring (default fused_blocks(), fused_threads(valid_len), FUSED_PF, FUSED_VDEC, FUSED_STAGE;
     stage > 0 forces pf = 1): checks try other configurations. want_lse=False: lse comes back None (no slice of the
     scratch made: a graph node a layer that the caches do not read).
+    launches: a dict kept by a caller whose calls share mats, codebooks, bits, scale, rot and the tuning arguments (a
+    cache's): the FusedLaunch made for a class of calls is kept there, so a decode step's call skips the checks and the
+    plan (its host time a layer).
     Returns (out [B, Hq, L, D] in q's dtype, lse [B, Hq, L] float32, natural log)."""
-    be = backend()
-    if be is None:
-        raise KernelUnsupported("no GPU backend")
     L = q.shape[2]
     if window is not None:
-        wk, wv = window
-        nw = wk.shape[2]
-        if not 1 <= nw <= MMA_TILE or nw < L or wk.dtype not in (mx.float16, mx.bfloat16, mx.float32):
-            raise KernelUnsupported(f"attn_fused: window of {nw} tokens ({wk.dtype}) for {L} queries")
-    qd = q if q.dtype in (mx.float16, mx.bfloat16, mx.float32) else q.astype(mx.float32)
-    # everything else follows from shapes, dtypes and settings: planned once per class (a decode step asks for every
-    # layer, and the checks and plans took most of this function's ~20 us of host time a call)
-    # the context enters the plan only through the thread count, the splits (ceil(T / 128), at most MAX_SPLITS) and
-    # the queries' offset relative to it, so a decode step (one more token each) finds the plan made for the step before
-    plan = _fused_launch_plan(be, tuple(q.shape), qd.dtype, tuple(k_codes.shape), tuple(v_codes.shape),
-                              tuple(levels.shape), None if key_levels is None else tuple(key_levels.shape), bits,
-                              key_bits, scale, min(-(-valid_len // 128), MAX_SPLITS),
-                              0 if window is not None else offset - valid_len, causal, rot, blocks,
-                              fused_threads(valid_len) if nth is None else nth, pf, vdec, stage, window is not None,
-                              _device_facts(be))
-    nth, minb, kb_own, groups, template, grid, out_shapes, out_dtypes = plan
-    cfg = env.config()
-    k = _fused_kernel(be, nth, minb, window is not None, cfg.minify)
-    res = _launch(
-        k, inputs=[qd, _mats(mats), _consts(levels, scale, key_levels if kb_own else None), k_codes, k_norms,
-                   v_codes, v_norms, _counter(groups), _length_view(valid_len)] + (list(window) if window else []),
-        template=template, grid=grid, threadgroup=(nth, 1, 1), output_shapes=out_shapes, output_dtypes=out_dtypes,
-        init_value=float("nan") if cfg.poison else None)
+        window = check_window(window, L)
+    launch = key = None
+    if launches is not None:
+        key = (q.shape, q.dtype, k_codes.shape, v_codes.shape, min(-(-valid_len // 128), MAX_SPLITS),
+               fused_threads(valid_len) if nth is None else nth, 0 if window is not None else offset - valid_len, causal,
+               window is not None, env.config())
+        launch = launches.get(key)
+    if launch is None:
+        launch = fused_launch(q.shape, q.dtype, mats, k_codes.shape, v_codes.shape, levels, bits=bits, scale=scale,
+                              valid_len=valid_len, offset=offset, causal=causal, rot=rot, blocks=blocks, nth=nth, pf=pf,
+                              vdec=vdec, stage=stage, window=window is not None, key_bits=key_bits,
+                              key_levels=key_levels)
+        if launches is not None:
+            if len(launches) >= 8:  # the classes of a context that has grown past them
+                launches.pop(next(iter(launches)))
+            launches[key] = launch
+    res = launch(q, k_codes, k_norms, v_codes, v_norms, valid_len, window)
     B, Hq = q.shape[0], q.shape[1]
     lse = res[1][-B * Hq * L:].reshape(B, Hq, L) if want_lse else None
     return res[0], lse
+
+
+def check_window(window: tuple, L: int) -> tuple:
+    """A window argument as (keys, values, first, rows), checked (KernelUnsupported where the kernel cannot take it)."""
+    wk, wv, *pos = window
+    first, nw = pos if pos else (0, wk.shape[2])
+    if not 1 <= nw <= MMA_TILE or nw < L or wk.dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        raise KernelUnsupported(f"attn_fused: window of {nw} tokens ({wk.dtype}) for {L} queries")
+    if not 0 <= first < WINDOW_FIRST_MAX or first + nw > min(wk.shape[2], wv.shape[2]):
+        raise KernelUnsupported(f"attn_fused: window rows {first}..{first + nw} of buffers of {wk.shape[2]}")
+    return wk, wv, first, nw
 
 
 def fused_plan_declines(be: str, qshape: tuple, qdtype, kshape: tuple, vshape: tuple, lvshape: tuple,
@@ -1020,7 +1097,7 @@ def decode_rows(codes: mx.array, norms: mx.array, levels: mx.array, *, bits: int
 
 # input dtype per input name (everything else is float32); outputs are float32
 INPUT_TYPES = {"k_codes": "u32", "v_codes": "u32", "k_norms": "f16", "v_norms": "f16", "iparams": "i32", "counter": "u32",
-               "tlen": "u32", "codes": "u32", "norms": "f16"}
+               "meta": "i32", "codes": "u32", "norms": "f16"}
 _TYPE_NAMES = {"metal": {"f32": "float", "u32": "uint32_t", "f16": "float16_t", "i32": "int32_t", "bf16": "bfloat16_t"},
                "cuda": {"f32": "float", "u32": "uint32_t", "f16": "__half", "i32": "int32_t", "bf16": "__nv_bfloat16"}}
 # Metal attributes MLX adds to the signature when the body names them (the prelude uses these three)

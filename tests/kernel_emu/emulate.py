@@ -422,7 +422,7 @@ def run_fused(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B
     nth = nth or K.fused_threads(T)
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     counter = np.zeros(groups, np.uint32)
-    views.pop("k_norms")  # T comes from tlen: the buffers go in whole (capacity past T), as the cache's do
+    views.pop("k_norms")  # T comes from meta: the buffers go in whole (capacity past T), as the cache's do
     tq = qdtype
     pk, pv = pair_points or (0, 0)
     template = [("TQ", tq), ("D", d), ("BITS", bits), ("KBITS", key_bits or bits), ("PK", pk), ("PV", pv),
@@ -430,7 +430,7 @@ def run_fused(rng, *, G, d, T, L=1, bits=3, rot=3, causal=False, qdtype="f32", B
                 ("SACC", sacc), ("PF", pf), ("VDEC", vdec), ("STAGE", stage), ("MERGE", merge)]
     outs = emulate("attn_fused", template,
                    dict(q=qin, mats=mats, consts=consts, k_codes=kc, k_norms=c["knorm"], v_codes=vc,
-                        v_norms=c["vnorm"], counter=counter, tlen=np.zeros(T, np.uint32)),
+                        v_norms=c["vnorm"], counter=counter, meta=np.array([T, 0], np.int32)),
                    fused_outputs((B, G * Hkv, L, d), tq, groups, ns, R),
                    (groups * vh, ns), nth, views=views, types={"q": tq, "out": tq}, seed=seed, offsets=offsets,
                    layout=layout, backend=backend)

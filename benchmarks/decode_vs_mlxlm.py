@@ -15,6 +15,10 @@ context with random K/V through the cache's own append (rq: rq_core.tools.profil
 then --tokens greedy tokens through the runner's own loop (rq_core.generate.generate; mlx_lm.generate.generate_step).
 tok/s counts the tokens after the first over the time from the first to the last (both loops are timed alike).
 Before timing, the two models' logits on a short prompt are compared (max abs difference).
+With --prefill N,...: each runner also prefills the same N random token ids into a fresh cache through its own path
+(rq_core.generate.generate, prompt chunks of 512 and the KV mode's prefill; mlx-lm's generate_step, chunks of 2048)
+up to its first token, interleaved the same way: prompt tok/s (N over the time to the first token) and the prefill's
+peak memory.
 
 Results: benchmarks/results/decode_vs_mlxlm.json; a run replaces its families' rows and keeps the others'.
 CPU check at tiny scale: --config PATH (any config JSON) --layers 2 --contexts 64,256 --tokens 8 --repeats 2.
@@ -169,6 +173,42 @@ def mlx_cell(model, context: int, tokens: int, seed: int = 0) -> dict:
     return out
 
 
+def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
+    """The same n random token ids for every runner's prefill."""
+    return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed + 1)).tolist()
+
+
+def rq_prefill(model, kv, ids: list[int]) -> dict:
+    """rq's prefill of `ids` (rq_core.generate.generate) up to its first token: prompt tok/s and the phase's peak."""
+    from rq_core.generate import generate
+
+    res = generate(model, ids, max_tokens=1, temp=0.0, kv=kv)
+    out = {"prefill_tok_per_s": res.prefill_tok_per_s, "prefill_s": res.prefill_s,
+           "peak_memory_bytes": res.prefill_peak_memory_bytes}
+    del res
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
+def mlx_prefill(model, ids: list[int]) -> dict:
+    """mlx-lm's prefill of `ids` (its generate_step) up to its first token."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    tok, _ = next(generate_step(mx.array(ids, mx.int32), model, max_tokens=1, prompt_cache=cache))
+    int(tok)
+    secs = time.perf_counter() - t0
+    out = {"prefill_tok_per_s": len(ids) / secs, "prefill_s": secs, "peak_memory_bytes": int(mx.get_peak_memory())}
+    del cache
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
 def rq_cell(model, kv, context: int, tokens: int, seed: int = 0) -> dict:
     from rq_core.tools.bench import decode_cell
 
@@ -194,6 +234,28 @@ def build_rows(runs: dict, contexts: list[int], cfg: dict, label: str) -> list[d
                          "peak_memory_bytes": max(x["peak_memory_bytes"] for x in xs),
                          "kv_bytes": xs[-1].get("kv_bytes"), "generated_tokens": xs[-1]["generated_tokens"],
                          "fill_s": spread([x["fill_s"] for x in xs])})
+    return rows
+
+
+def build_prefill_rows(runs: dict, lengths: list[int], label: str) -> list[dict]:
+    from rq_core.tools.bench import spread
+
+    rows = []
+    for n in lengths:
+        if not runs.get((n, "mlx-lm fp16")):
+            continue
+        ref = spread([x["prefill_tok_per_s"] for x in runs[(n, "mlx-lm fp16")]])["median"]
+        ref_peak = max(x["peak_memory_bytes"] for x in runs[(n, "mlx-lm fp16")])
+        for r in RUNNERS:
+            xs = runs.get((n, r))
+            if not xs:
+                continue
+            s = spread([x["prefill_tok_per_s"] for x in xs])
+            peak = max(x["peak_memory_bytes"] for x in xs)
+            rows.append({"config": label, "prompt_tokens": n, "runner": r, "prefill_tok_per_s": s,
+                         "prefill_tok_per_s_runs": [x["prefill_tok_per_s"] for x in xs],
+                         "ratio_to_mlx_lm_fp16": s["median"] / ref if ref > 0 else None,
+                         "peak_memory_bytes": peak, "peak_ratio_to_mlx_lm_fp16": peak / ref_peak if ref_peak else None})
     return rows
 
 
@@ -251,6 +313,25 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
         if on_partial is not None:  # saved after each repetition: a run cut short keeps what it measured
             on_partial({**info, "repeats_done": rep + 1}, build_rows(runs, contexts, cfg, label))
     rows = build_rows(runs, contexts, cfg, label)
+    lengths = [n for n in a.prefill if not limit or n + 1 <= limit]
+    info["prefill_skipped_beyond_max_position_embeddings"] = [n for n in a.prefill if n not in lengths]
+    prefill_runs: dict[tuple[int, str], list[dict]] = {}
+    pcells = {"rq fp16": lambda ids: rq_prefill(rq.model, fp16, ids),
+              "rq isoquant3": lambda ids: rq_prefill(rq.model, iso, ids),
+              "mlx-lm fp16": lambda ids: mlx_prefill(theirs, ids)}
+    if lengths:
+        for fn in pcells.values():  # warm-up: the prefill's kernels compiled, untimed
+            fn(prompt_ids(vocab, min(lengths, key=int), a.seed)[:64])
+    for rep in range(a.prefill_repeats if lengths else 0):
+        order = list(RUNNERS[rep % 3:] + RUNNERS[:rep % 3])
+        for n in lengths:
+            ids = prompt_ids(vocab, n, a.seed)
+            for r in order:
+                x = pcells[r](ids)
+                prefill_runs.setdefault((n, r), []).append(x)
+                print(f"  {label} prefill repeat {rep} {n} tokens {r}: {x['prefill_tok_per_s']:.1f} tok/s, "
+                      f"peak {x['peak_memory_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+    prefill_rows = build_prefill_rows(prefill_runs, lengths, label)
     # the same check in float32, after timing (casting copies the scales, biases and norms): rounding apart, the two
     # models should compute the same function
     from rq_core.models.base import set_decode_graphs
@@ -269,10 +350,26 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
     mx.clear_cache()
     if not a.keep and not reused:
         shutil.rmtree(ck, ignore_errors=True)
-    return {"info": info, "rows": rows}
+    return {"info": info, "rows": rows, "prefill": prefill_rows}
 
 
-def table(rows: list[dict], infos: dict) -> str:
+def prefill_table(rows: list[dict], infos: dict) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "Prefill: the same random prompt through each runner's own prefill, up to its first token.", "",
+             "| model | prompt tokens | runner | prefill tok/s median (min-max) | vs mlx-lm fp16 | peak GiB | peak vs mlx-lm |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        d = r["prefill_tok_per_s"]
+        ratio = "-" if r["ratio_to_mlx_lm_fp16"] is None else f"{r['ratio_to_mlx_lm_fp16']:.2f}x"
+        peak = "-" if r["peak_ratio_to_mlx_lm_fp16"] is None else f"{r['peak_ratio_to_mlx_lm_fp16']:.2f}x"
+        lines.append(f"| {r['config']} ({infos[r['config']]['layers']} layers) | {r['prompt_tokens']} | {r['runner']} | "
+                     f"{d['median']:.0f} ({d['min']:.0f}-{d['max']:.0f}) | {ratio} | "
+                     f"{r['peak_memory_bytes'] / 2**30:.2f} | {peak} |")
+    return lines
+
+
+def table(rows: list[dict], infos: dict, prefill: list[dict] | None = None) -> str:
     lines = ["| model | context | runner | decode tok/s median (min-max) | vs mlx-lm fp16 | peak GiB |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -285,7 +382,9 @@ def table(rows: list[dict], infos: dict) -> str:
         lines.append(f"| {r['config']} ({infos[r['config']]['layers']} layers{part}) | {r['context']} | {r['runner']} | "
                      f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {ratio} | "
                      f"{r['peak_memory_bytes'] / 2**30:.2f} |")
+    lines += prefill_table(prefill or [], infos)
     lines.append("")
+
     def f32(v: dict, key: str, spec: str) -> str:
         c = v.get("logits_check_float32")
         return "-" if c is None else format(c[key], spec)
@@ -333,6 +432,9 @@ def main() -> None:
     ap.add_argument("--recipe", help="recipe (default: the family's shipped recipe)")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the config's)")
     ap.add_argument("--contexts", type=parse_contexts, default=parse_contexts("2K,32K,128K"))
+    ap.add_argument("--prefill", type=parse_contexts, default=[],
+                    help="prompt lengths to time each runner's prefill at (e.g. 8K,32K; default none)")
+    ap.add_argument("--prefill-repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -340,8 +442,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep checkpoints written by this run")
     ap.add_argument("--out", help="results file (default benchmarks/results/decode_vs_mlxlm.json)")
     a = ap.parse_args()
-    if a.tokens < 2 or a.repeats < 1:
-        ap.error("--tokens must be at least 2 and --repeats at least 1")
+    if a.tokens < 2 or a.repeats < 1 or a.prefill_repeats < 1 or any(n < 2 for n in a.prefill):
+        ap.error("--tokens must be at least 2, --repeats and --prefill-repeats at least 1, --prefill lengths at least 2")
     jobs = [(synth.read_config(c), Path(c).stem) for c in a.config or []]
     if not jobs or a.family:
         jobs += [(synth.read_config(FAMILIES[f]), FAMILIES[f]) for f in (a.family or list(FAMILIES))]
@@ -350,18 +452,22 @@ def main() -> None:
     meta = _readme.meta()
     infos = {k: v for k, v in old.get("models", {}).items()}
     rows = [r for r in old.get("rows", []) if r["config"] not in {lab for _, lab in jobs}]
+    prefill = [r for r in old.get("prefill", []) if r["config"] not in {lab for _, lab in jobs}]
     for cfg, label in jobs:
         def partial(info, part, label=label):
             infos[label] = {**info, "run": meta, "partial": True}
             cur = [r for r in rows if r["config"] != label] + part
-            _readme.save(RESULTS, {"models": infos, "rows": cur}, table(cur, infos), path=out)
+            pre = [r for r in prefill if r["config"] != label]
+            _readme.save(RESULTS, {"models": infos, "rows": cur, "prefill": pre}, table(cur, infos, pre), path=out)
 
         res = run_family(cfg, Path(a.dir), a, label, on_partial=partial)
         infos[label] = {**res["info"], "run": meta}
         rows = [r for r in rows if r["config"] != label] + res["rows"]
+        prefill = [r for r in prefill if r["config"] != label] + res["prefill"]
         infos = {k: infos[k] for k in infos if any(r["config"] == k for r in rows)}
-        body = table(rows, infos)
-        _readme.save(RESULTS, {"models": infos, "rows": rows}, body, path=out)  # after each family: partial runs count
+        body = table(rows, infos, prefill)
+        # after each family: partial runs count
+        _readme.save(RESULTS, {"models": infos, "rows": rows, "prefill": prefill}, body, path=out)
     print(body)
 
 

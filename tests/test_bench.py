@@ -87,7 +87,8 @@ def test_decode_vs_mlxlm_at_tiny_scale(tmp_path):
     out = tmp_path / "res.json"
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "decode_vs_mlxlm.py"), *args, "--recipe",
                         str(root / "tests" / "data" / "tiny-rtn.toml"), "--contexts", "40,120", "--tokens", "4",
-                        "--repeats", "2", "--dir", str(tmp_path / "ck"), "--out", str(out)],
+                        "--repeats", "2", "--prefill", "60,300", "--prefill-repeats", "1", "--dir", str(tmp_path / "ck"),
+                        "--out", str(out)],
                        capture_output=True, text=True, timeout=600, cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -109,6 +110,14 @@ def test_decode_vs_mlxlm_at_tiny_scale(tmp_path):
         if row["runner"] == "mlx-lm fp16":
             assert row["ratio_to_mlx_lm_fp16"] == 1.0
     assert not (tmp_path / "ck" / "qwen3_moe").exists()  # written by the run, removed without --keep
+    # prefill: every runner on the same prompt; 300 tokens are past the tiny configs' 256 positions: skipped, said so
+    assert len(res["prefill"]) == 3 * 3
+    for row in res["prefill"]:
+        assert row["prompt_tokens"] == 60 and row["prefill_tok_per_s"]["min"] > 0 and row["peak_memory_bytes"] > 0
+        if row["runner"] == "mlx-lm fp16":
+            assert row["ratio_to_mlx_lm_fp16"] == 1.0 and row["peak_ratio_to_mlx_lm_fp16"] == 1.0
+    assert all(m["prefill_skipped_beyond_max_position_embeddings"] == [300] for m in res["models"].values())
+    assert "| qwen3_moe (2 layers) | 60 | rq isoquant3 |" in res["table"]
 
 
 def test_decode_vs_mlxlm_table_of_merged_and_cut_short_runs():

@@ -370,18 +370,31 @@ def prefill_table(rows: list[dict], infos: dict) -> list[str]:
 
 
 def table(rows: list[dict], infos: dict, prefill: list[dict] | None = None) -> str:
-    lines = ["| model | context | runner | decode tok/s median (min-max) | vs mlx-lm fp16 | peak GiB |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    """A row per (model, context): each runner's decode tok/s median (min-max), rq's over mlx-lm's, peaks."""
+    lines = ["| model | context | rq fp16 tok/s | rq isoquant3 tok/s | mlx-lm fp16 tok/s | rq fp16 / mlx-lm | "
+             "rq isoquant3 / mlx-lm | peak GiB (rq fp16, rq isoquant3, mlx-lm) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cells: dict = {}
     for r in rows:
-        d = r["decode_tok_per_s"]
-        ratio = "-" if r["ratio_to_mlx_lm_fp16"] is None else f"{r['ratio_to_mlx_lm_fp16']:.2f}x"
-        inf = infos[r["config"]]
+        cells.setdefault((r["config"], r["context"]), {})[r["runner"]] = r
+    for (config, context), by in cells.items():
+        inf = infos[config]
         done = inf.get("repeats_done", inf["repeats"])
         part = ((f", {done} of {inf['repeats']} repetitions" if done < inf["repeats"] else ", float32 check not reached")
                 if inf.get("partial") else "")
-        lines.append(f"| {r['config']} ({infos[r['config']]['layers']} layers{part}) | {r['context']} | {r['runner']} | "
-                     f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | {ratio} | "
-                     f"{r['peak_memory_bytes'] / 2**30:.2f} |")
+
+        def rate(runner: str) -> str:
+            d = by.get(runner, {}).get("decode_tok_per_s")
+            return "-" if d is None else f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f})"
+
+        def ratio(runner: str) -> str:
+            x = by.get(runner, {}).get("ratio_to_mlx_lm_fp16")
+            return "-" if x is None else f"{x:.2f}x"
+
+        peaks = ", ".join("-" if r not in by else f"{by[r]['peak_memory_bytes'] / 2**30:.2f}" for r in RUNNERS)
+        lines.append(f"| {config} ({inf['layers']} layers{part}) | {context} | {rate('rq fp16')} | "
+                     f"{rate('rq isoquant3')} | {rate('mlx-lm fp16')} | {ratio('rq fp16')} | {ratio('rq isoquant3')} | "
+                     f"{peaks} |")
     lines += prefill_table(prefill or [], infos)
     lines.append("")
 

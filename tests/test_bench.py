@@ -143,7 +143,8 @@ def test_decode_vs_mlxlm_table_of_merged_and_cut_short_runs():
     rows = [{"config": k, "context": 64, "runner": "rq fp16", "decode_tok_per_s": {"median": 2, "min": 1, "max": 3},
              "ratio_to_mlx_lm_fp16": None, "peak_memory_bytes": 2**30} for k in infos]
     text = table(rows, infos)
-    assert "| a (2 layers) |" in text and "| b (2 layers, 2 of 3 repetitions) |" in text
+    assert "| a (2 layers) | 64 | 2.0 (1.0-3.0) | - | - | - | - | 1.00, -, - |" in text  # a row per model and context
+    assert "| b (2 layers, 2 of 3 repetitions) |" in text
     assert "| c (2 layers, float32 check not reached) |" in text
     assert "(mlx-lm's Mamba dt clamped as rq's: a)" in text and "stored dtype from float32: rq 0.5, mlx-lm 0.5" in text
     assert "b 0.5 / - " in text and "Rows from several runs" in text and "; c D (each model's command" in text

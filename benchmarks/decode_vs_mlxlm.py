@@ -354,18 +354,28 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
 
 
 def prefill_table(rows: list[dict], infos: dict) -> list[str]:
+    """A row per (model, prompt length): each runner's prompt tok/s median (min-max), rq's over mlx-lm's, peaks."""
     if not rows:
         return []
     lines = ["", "Prefill: the same random prompt through each runner's own prefill, up to its first token.", "",
-             "| model | prompt tokens | runner | prefill tok/s median (min-max) | vs mlx-lm fp16 | peak GiB | peak vs mlx-lm |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| model | prompt tokens | rq fp16 tok/s | rq isoquant3 tok/s | mlx-lm fp16 tok/s | rq fp16 / mlx-lm | "
+             "rq isoquant3 / mlx-lm | peak GiB (rq fp16, rq isoquant3, mlx-lm) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    cells: dict = {}
     for r in rows:
-        d = r["prefill_tok_per_s"]
-        ratio = "-" if r["ratio_to_mlx_lm_fp16"] is None else f"{r['ratio_to_mlx_lm_fp16']:.2f}x"
-        peak = "-" if r["peak_ratio_to_mlx_lm_fp16"] is None else f"{r['peak_ratio_to_mlx_lm_fp16']:.2f}x"
-        lines.append(f"| {r['config']} ({infos[r['config']]['layers']} layers) | {r['prompt_tokens']} | {r['runner']} | "
-                     f"{d['median']:.0f} ({d['min']:.0f}-{d['max']:.0f}) | {ratio} | "
-                     f"{r['peak_memory_bytes'] / 2**30:.2f} | {peak} |")
+        cells.setdefault((r["config"], r["prompt_tokens"]), {})[r["runner"]] = r
+    for (config, n), by in cells.items():
+        def rate(runner: str) -> str:
+            d = by.get(runner, {}).get("prefill_tok_per_s")
+            return "-" if d is None else f"{d['median']:.0f} ({d['min']:.0f}-{d['max']:.0f})"
+
+        def ratio(runner: str) -> str:
+            x = by.get(runner, {}).get("ratio_to_mlx_lm_fp16")
+            return "-" if x is None else f"{x:.2f}x"
+
+        peaks = ", ".join("-" if r not in by else f"{by[r]['peak_memory_bytes'] / 2**30:.2f}" for r in RUNNERS)
+        lines.append(f"| {config} ({infos[config]['layers']} layers) | {n} | {rate('rq fp16')} | {rate('rq isoquant3')} | "
+                     f"{rate('mlx-lm fp16')} | {ratio('rq fp16')} | {ratio('rq isoquant3')} | {peaks} |")
     return lines
 
 

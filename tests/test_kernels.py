@@ -166,7 +166,7 @@ def test_prelude_body_part_names_ids_and_preludes_define_the_same_names():
 def test_full_source_signature_matches_spec():
     src = K.full_source("attn_fused", "metal", CASES["attn_fused"], {"q": "f16"})
     assert "const device float16_t* q [[buffer(0)]]" in src
-    assert "const device int32_t* meta" in src and "k_codes_strides" in src
+    assert "const constant int32_t* meta" in src and "k_codes_strides" in src  # 2 elements: constant, as MLX has it
     assert "uint3 threadgroups_per_grid [[threadgroups_per_grid]]" in src
     src = K.full_source("attn_fused", "cuda", CASES["attn_fused"], {"q": "f16"})
     assert "const __half* q," in src and "using TQ = __half;" in src and "constexpr int D = 128;" in src
@@ -270,10 +270,11 @@ def _kc():
 def test_counter_pool(monkeypatch):
     """attn_fused's split counters: zeroed views of one pool, successive launches get disjoint slots, the ring wraps."""
     monkeypatch.setattr(K, "_POOL", {"arr": None, "pos": 0, "views": {}})
-    monkeypatch.setattr(K, "COUNTER_POOL", 16)
-    a, b, c = K._counter(4), K._counter(4), K._counter(8)
-    assert a.dtype == K.mx.uint32 and a.shape == (4,) and int(a.sum()) == 0
-    assert K._POOL["pos"] == 16 and K._counter(4) is a  # wrapped: the first slot again, cached view
+    monkeypatch.setattr(K, "COUNTER_POOL", 32)
+    a, b, c = K._counter(4), K._counter(4), K._counter(12)  # slots of at least 8: 8, 8, 12
+    assert a.dtype == K.mx.uint32 and a.shape == (8,) and c.shape == (12,) and int(a.sum()) == 0
+    assert K._POOL["pos"] == 28 and K._counter(4) is a  # wrapped: the first slot again, cached view
+    assert K._POOL["pos"] == 8
 
 
 def test_rotation_args():
@@ -611,9 +612,19 @@ def test_kept_launches_serve_a_class_and_pass_lengths_as_values(monkeypatch):
     assert len(kept) == 2
     call(1200, cap=4352)  # the buffers grew
     assert len(kept) == 3
+    # any other argument too: a scale, a codebook array, a tuning argument (one dict serving calls that differ)
+    codes, norms = mx.zeros((1, Hkv, 4096, 12), mx.uint32), mx.zeros((1, Hkv, 4096), mx.float16)
+    for kw in (dict(scale=0.2), dict(stage=0)):
+        K.fused_attention(q, None, codes, norms, codes, norms, lv, bits=3, valid_len=1200, offset=1200, rot=0,
+                          window=(fk, fk, 37, 32), want_lse=False, launches=kept, **{"scale": 0.1, **kw})
+    assert len(kept) == 5 and float(seen[-2]["inputs"][2][-1]) == pytest.approx(0.2)  # consts end with the scale
+    lv2 = mx.zeros((8,), mx.float32)
+    K.fused_attention(q, None, codes, norms, codes, norms, lv2, bits=3, scale=0.1, valid_len=1200, offset=1200, rot=0,
+                      window=(fk, fk, 37, 32), want_lse=False, launches=kept)
+    assert len(kept) == 6 and all(launch.sources[1] is not None for launch in kept.values())
     with env.override(poison=True):  # changed settings: a launch made under them
         poisoned = call(1200)
-    assert poisoned["init"] is not None and math.isnan(poisoned["init"]) and len(kept) == 4
+    assert poisoned["init"] is not None and math.isnan(poisoned["init"]) and len(kept) == 7
     # the same call without a dict: the same kernel arguments
     fresh = call(1001, first=38, launches=None)
     assert fresh["grid"] == b["grid"] and fresh["template"] == b["template"]
@@ -621,6 +632,23 @@ def test_kept_launches_serve_a_class_and_pass_lengths_as_values(monkeypatch):
         call(1000, first=500, rows=32)  # past the buffer
     with pytest.raises(K.KernelUnsupported, match="window of 200"):
         call(1000, rows=200)
+
+
+def test_inputs_a_kernel_writes_or_passes_on_are_never_metal_constants():
+    """MLX's Metal kernels take an input of fewer than 8 elements as `const constant T*`: attn_fused's counters (atomics,
+    written) and the rotation's placeholder (passed where a device pointer is expected) must never be that small, for
+    any count of (batch, kv head) groups; meta (read in place) is declared constant in the rendering, as MLX does."""
+    import mlx.core as mx
+
+    for n in (1, 2, 4, 7, 8, 9, 64):
+        views = [K._counter(n) for _ in range(3)]
+        assert all(v.size >= max(n, K.METAL_CONSTANT_BELOW) and v.dtype == mx.uint32 for v in views)
+        assert all(int(v.sum()) == 0 for v in views)
+    assert K._mats(None).size >= K.METAL_CONSTANT_BELOW
+    for name, spec in K.SPECS.items():
+        src = K.full_source(name, "metal", CASES[name]) if name in CASES else None
+        for inp in spec.small:
+            assert src is None or f"const constant int32_t* {inp}" in src
 
 
 def test_executor_programs_compiled_once_per_source(tmp_path, monkeypatch):

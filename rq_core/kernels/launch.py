@@ -78,6 +78,7 @@ class Spec:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     contiguous: bool = True  # False: the kernel reads views (shape/strides) as they are
+    small: tuple[str, ...] = ()  # inputs of fewer than METAL_CONSTANT_BELOW elements at every launch (constant on Metal)
     defines: str = ""  # preprocessor lines put before the body (one body, several kernels)
 
 
@@ -88,13 +89,14 @@ SPECS: dict[str, Spec] = {
     # a step makes no view and a launch's arguments keep their shapes from step to step)
     "attn_fused": Spec("attn_fused.body",
                        ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "meta"),
-                       ("out", "scratch"), contiguous=False),
+                       ("out", "scratch"), contiguous=False, small=("meta",)),
     # plus the cache's fp16 window (wk / wv: its whole buffers, the rows meta names read through strides) as one more
     # split
     "attn_fused_window": Spec("attn_fused.body",
                               ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "meta",
                                "wk", "wv"),
-                              ("out", "scratch"), contiguous=False, defines="#define RQ_WINDOW 1\n"),
+                              ("out", "scratch"), contiguous=False, small=("meta",),
+                              defines="#define RQ_WINDOW 1\n"),
     "rotate_query": Spec("rotate.body", ("inp", "mats", "iparams"), ("out",)),
     "rotate_inverse": Spec("rotate.body", ("inp", "mats", "iparams"), ("out",)),
     "qk_dot": Spec("qk_dot.body", ("q_rot", "levels", "k_codes", "k_norms", "iparams", "fparams"), ("scores",)),
@@ -224,7 +226,7 @@ _BACKEND: list = [None, None]  # [the settings it was found under, the backend]:
 
 def backend() -> str | None:
     """'metal' or 'cuda' when MLX has that GPU backend and a device; None on CPU-only installs or with
-    RQ_KERNELS=0."""
+    RQ_KERNELS=0. Asked of MLX once per settings object (env.set_config / override ask again)."""
     cfg = env.config()
     if _BACKEND[0] is not cfg:
         _BACKEND[:] = [cfg, _find_backend(cfg)]
@@ -373,13 +375,17 @@ def _consts(levels: mx.array, scale: float, key_levels: mx.array | None = None) 
     return hit[2]
 
 
+# MLX's Metal kernels take an input of fewer than this many elements in constant memory (`const constant T*`), which a
+# kernel can neither write (attn_fused's counters are atomics) nor pass where a device pointer is expected: the
+# counters' slots and the rotation's placeholder are never smaller
+METAL_CONSTANT_BELOW = 8
 _NO_MATS: list = []
 
 
 def _mats(mats: mx.array | None) -> mx.array:
     if mats is None:  # the kernels never read it then; one evaluated placeholder, not an op per call
         if not _NO_MATS:
-            _NO_MATS.append(mx.zeros((1,), mx.float32))
+            _NO_MATS.append(mx.zeros((METAL_CONSTANT_BELOW,), mx.float32))
             mx.eval(_NO_MATS[0])
         return _NO_MATS[0]
     return mats.astype(mx.float32)
@@ -530,6 +536,7 @@ def _counter(n: int) -> mx.array:
     """
     if n > 1024:
         raise KernelUnsupported(f"{n} (batch, kv head) pairs in one attn_fused launch")
+    n = max(n, METAL_CONSTANT_BELOW)  # a slot of at least 8 (the kernel uses the first n): device memory on Metal
     if _POOL["arr"] is None:
         arr = mx.zeros((COUNTER_POOL,), mx.uint32)
         mx.eval(arr)
@@ -724,7 +731,7 @@ class FusedLaunch:
     # Not traced (mx.compile) for replay: on the H200 a replayed launch cost more host time a layer than a built one
     # (48 layers, 2K context: 97 against 82 us with the rest of the cache's attend)
     __slots__ = ("kernel", "static", "template", "grid", "threadgroup", "out_shapes", "out_dtypes", "groups",
-                 "init_value", "window", "cast", "config", "_launched")
+                 "init_value", "window", "cast", "config", "sources", "_launched")
 
     def __init__(self, kernel, static: list, template: list, grid: tuple, nth: int, out_shapes: list, out_dtypes: list,
                  groups: int, window: bool, cast: bool, config: env.KernelConfig) -> None:
@@ -733,6 +740,7 @@ class FusedLaunch:
         self.out_shapes, self.out_dtypes, self.groups, self.window, self.cast = out_shapes, out_dtypes, groups, window, cast
         self.init_value = float("nan") if config.poison else None
         self.config = config  # the settings it was made under (a changed config makes a new one)
+        self.sources: tuple = ()  # the arrays it was made from (mats, levels, key levels): kept alive with it
         self._launched = False
 
     def __call__(self, q: mx.array, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array, v_norms: mx.array,
@@ -774,7 +782,9 @@ def fused_launch(qshape: tuple, qdtype, mats: mx.array | None, kshape: tuple, vs
     cfg = env.config()
     k = _fused_kernel(be, nth, minb, window, cfg.minify)
     static = [_mats(mats), _consts(levels, scale, key_levels if kb_own else None)]
-    return FusedLaunch(k, static, template, grid, nth, out_shapes, out_dtypes, groups, window, cast, cfg)
+    launch = FusedLaunch(k, static, template, grid, nth, out_shapes, out_dtypes, groups, window, cast, cfg)
+    launch.sources = (mats, levels, key_levels)
+    return launch
 
 
 def fused_attention(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
@@ -803,18 +813,20 @@ def fused_attention(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
     decode and the copy ring (default fused_blocks(), fused_threads(valid_len), FUSED_PF, FUSED_VDEC, FUSED_STAGE;
     stage > 0 forces pf = 1): checks try other configurations. want_lse=False: lse comes back None (no slice of the
     scratch made: a graph node a layer that the caches do not read).
-    launches: a dict kept by a caller whose calls share mats, codebooks, bits, scale, rot and the tuning arguments (a
-    cache's): the FusedLaunch made for a class of calls is kept there, so a decode step's call skips the checks and the
-    plan (its host time a layer).
+    launches: a dict the caller keeps (a cache's): the FusedLaunch made for a class of calls (every argument but the
+    arrays' contents and the context within its 128-token split) is kept there, so a decode step's call skips the
+    checks and the plan (its host time a layer).
     Returns (out [B, Hq, L, D] in q's dtype, lse [B, Hq, L] float32, natural log)."""
     L = q.shape[2]
     if window is not None:
         window = check_window(window, L)
     launch = key = None
     if launches is not None:
+        # everything the launch depends on; arrays by identity (a kept launch holds them, so no id is reused meanwhile)
         key = (q.shape, q.dtype, k_codes.shape, v_codes.shape, min(-(-valid_len // 128), MAX_SPLITS),
                fused_threads(valid_len) if nth is None else nth, 0 if window is not None else offset - valid_len, causal,
-               window is not None, env.config())
+               window is not None, env.config(), id(mats), id(levels), id(key_levels), bits, key_bits, scale, rot,
+               blocks, pf, vdec, stage)
         launch = launches.get(key)
     if launch is None:
         launch = fused_launch(q.shape, q.dtype, mats, k_codes.shape, v_codes.shape, levels, bits=bits, scale=scale,
@@ -1130,8 +1142,8 @@ def full_source(name: str, be: str, template: list[tuple[str, object]],
                 args.append(f"    const __grid_constant__ Shape {n}_shape")
             if f"{n}_strides" in source:
                 args.append(f"    const __grid_constant__ Strides {n}_strides")
-        else:
-            args.append(f"  const device {t}* {n} [[buffer({slot})]]")
+        else:  # MLX's rule: fewer than METAL_CONSTANT_BELOW elements go in constant memory (meta's 2 always do)
+            args.append(f"  const {'constant' if n in spec.small else 'device'} {t}* {n} [[buffer({slot})]]")
             slot += 1
             if f"{n}_shape" in source:
                 args.append(f"  const constant int* {n}_shape [[buffer({slot})]]")

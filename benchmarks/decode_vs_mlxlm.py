@@ -353,59 +353,40 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
     return {"info": info, "rows": rows, "prefill": prefill_rows}
 
 
-def prefill_table(rows: list[dict], infos: dict) -> list[str]:
-    """A row per (model, prompt length): each runner's prompt tok/s median (min-max), rq's over mlx-lm's, peaks."""
-    if not rows:
-        return []
-    lines = ["", "Prefill: the same random prompt through each runner's own prefill, up to its first token.", "",
-             "| model | prompt tokens | rq fp16 tok/s | rq isoquant3 tok/s | mlx-lm fp16 tok/s | rq fp16 / mlx-lm | "
-             "rq isoquant3 / mlx-lm | peak GiB (rq fp16, rq isoquant3, mlx-lm) |",
+def side_by_side(rows: list[dict], infos: dict, along: str, metric: str, digits: int) -> list[str]:
+    """A table row per (model, `along` value): each runner's `metric` median (min-max), rq's over mlx-lm's, peaks."""
+    lines = [f"| model | {along.replace('_', ' ')} | rq fp16 tok/s | rq isoquant3 tok/s | mlx-lm fp16 tok/s | "
+             "rq fp16 / mlx-lm | rq isoquant3 / mlx-lm | peak GiB (rq fp16, rq isoquant3, mlx-lm) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     cells: dict = {}
     for r in rows:
-        cells.setdefault((r["config"], r["prompt_tokens"]), {})[r["runner"]] = r
-    for (config, n), by in cells.items():
-        def rate(runner: str) -> str:
-            d = by.get(runner, {}).get("prefill_tok_per_s")
-            return "-" if d is None else f"{d['median']:.0f} ({d['min']:.0f}-{d['max']:.0f})"
-
-        def ratio(runner: str) -> str:
-            x = by.get(runner, {}).get("ratio_to_mlx_lm_fp16")
-            return "-" if x is None else f"{x:.2f}x"
-
-        peaks = ", ".join("-" if r not in by else f"{by[r]['peak_memory_bytes'] / 2**30:.2f}" for r in RUNNERS)
-        lines.append(f"| {config} ({infos[config]['layers']} layers) | {n} | {rate('rq fp16')} | {rate('rq isoquant3')} | "
-                     f"{rate('mlx-lm fp16')} | {ratio('rq fp16')} | {ratio('rq isoquant3')} | {peaks} |")
-    return lines
-
-
-def table(rows: list[dict], infos: dict, prefill: list[dict] | None = None) -> str:
-    """A row per (model, context): each runner's decode tok/s median (min-max), rq's over mlx-lm's, peaks."""
-    lines = ["| model | context | rq fp16 tok/s | rq isoquant3 tok/s | mlx-lm fp16 tok/s | rq fp16 / mlx-lm | "
-             "rq isoquant3 / mlx-lm | peak GiB (rq fp16, rq isoquant3, mlx-lm) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    cells: dict = {}
-    for r in rows:
-        cells.setdefault((r["config"], r["context"]), {})[r["runner"]] = r
-    for (config, context), by in cells.items():
+        cells.setdefault((r["config"], r[along]), {})[r["runner"]] = r
+    for (config, at), by in cells.items():
         inf = infos[config]
         done = inf.get("repeats_done", inf["repeats"])
         part = ((f", {done} of {inf['repeats']} repetitions" if done < inf["repeats"] else ", float32 check not reached")
                 if inf.get("partial") else "")
 
         def rate(runner: str) -> str:
-            d = by.get(runner, {}).get("decode_tok_per_s")
-            return "-" if d is None else f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f})"
+            d = by.get(runner, {}).get(metric)
+            return "-" if d is None else f"{d['median']:.{digits}f} ({d['min']:.{digits}f}-{d['max']:.{digits}f})"
 
         def ratio(runner: str) -> str:
             x = by.get(runner, {}).get("ratio_to_mlx_lm_fp16")
             return "-" if x is None else f"{x:.2f}x"
 
         peaks = ", ".join("-" if r not in by else f"{by[r]['peak_memory_bytes'] / 2**30:.2f}" for r in RUNNERS)
-        lines.append(f"| {config} ({inf['layers']} layers{part}) | {context} | {rate('rq fp16')} | "
-                     f"{rate('rq isoquant3')} | {rate('mlx-lm fp16')} | {ratio('rq fp16')} | {ratio('rq isoquant3')} | "
-                     f"{peaks} |")
-    lines += prefill_table(prefill or [], infos)
+        lines.append(f"| {config} ({inf['layers']} layers{part}) | {at} | {rate('rq fp16')} | {rate('rq isoquant3')} | "
+                     f"{rate('mlx-lm fp16')} | {ratio('rq fp16')} | {ratio('rq isoquant3')} | {peaks} |")
+    return lines
+
+
+def table(rows: list[dict], infos: dict, prefill: list[dict] | None = None) -> str:
+    """The decode table (a row per model and context), the prefill table where there are prefill rows, the notes."""
+    lines = side_by_side(rows, infos, "context", "decode_tok_per_s", 1)
+    if prefill:
+        lines += ["", "Prefill: the same random prompt through each runner's own prefill, up to its first token.", ""]
+        lines += side_by_side(prefill, infos, "prompt_tokens", "prefill_tok_per_s", 0)
     lines.append("")
 
     def f32(v: dict, key: str, spec: str) -> str:

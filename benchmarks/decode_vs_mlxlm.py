@@ -320,8 +320,10 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
               "rq isoquant3": lambda ids: rq_prefill(rq.model, iso, ids),
               "mlx-lm fp16": lambda ids: mlx_prefill(theirs, ids)}
     if lengths:
-        for fn in pcells.values():  # warm-up: the prefill's kernels compiled, untimed
-            fn(prompt_ids(vocab, min(lengths, key=int), a.seed)[:64])
+        # warm-up, untimed: the shortest length whole, so every chunk shape's kernels are compiled before timing (a few
+        # tokens would leave the full chunks' kernels to the first timed prefill)
+        for fn in pcells.values():
+            fn(prompt_ids(vocab, min(lengths), a.seed))
     for rep in range(a.prefill_repeats if lengths else 0):
         order = list(RUNNERS[rep % 3:] + RUNNERS[:rep % 3])
         for n in lengths:

@@ -559,6 +559,7 @@ def _counter(n: int) -> mx.array:
 
 _META: dict = {}
 WINDOW_FIRST_MAX = 1 << 23  # the window's first row goes in meta's second word above its 8 bits of rows
+assert MMA_TILE < 256, "meta holds the window's rows (at most MMA_TILE) in 8 bits"
 
 
 def _meta(T: int, first: int = 0, rows: int = 0) -> mx.array:
@@ -728,16 +729,16 @@ class FusedLaunch:
     rotation and launch arguments prepared: a decode step launches it for every layer, and a call builds the launch
     and nothing else (checks, plans and the kernel-cache bookkeeping ran when it was made: fused_launch)."""
 
-    # Not traced (mx.compile) for replay: on the H200 a replayed launch cost more host time a layer than a built one
-    # (48 layers, 2K context: 97 against 82 us with the rest of the cache's attend)
+    # Not traced (mx.compile) for replay: measured once on the H200, a replayed launch cost more host time a layer than
+    # a built one (48 layers, 2K context, the cache's whole attend: 97 against 82 us)
     __slots__ = ("kernel", "static", "template", "grid", "threadgroup", "out_shapes", "out_dtypes", "groups",
-                 "init_value", "window", "cast", "config", "sources", "_launched")
+                 "init_value", "cast", "config", "sources", "_launched")
 
     def __init__(self, kernel, static: list, template: list, grid: tuple, nth: int, out_shapes: list, out_dtypes: list,
-                 groups: int, window: bool, cast: bool, config: env.KernelConfig) -> None:
+                 groups: int, cast: bool, config: env.KernelConfig) -> None:
         self.kernel, self.static, self.template, self.grid = kernel, static, template, grid
         self.threadgroup = (nth, 1, 1)
-        self.out_shapes, self.out_dtypes, self.groups, self.window, self.cast = out_shapes, out_dtypes, groups, window, cast
+        self.out_shapes, self.out_dtypes, self.groups, self.cast = out_shapes, out_dtypes, groups, cast
         self.init_value = float("nan") if config.poison else None
         self.config = config  # the settings it was made under (a changed config makes a new one)
         self.sources: tuple = ()  # the arrays it was made from (mats, levels, key levels): kept alive with it
@@ -745,8 +746,8 @@ class FusedLaunch:
 
     def __call__(self, q: mx.array, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array, v_norms: mx.array,
                  valid_len: int, window: tuple | None = None) -> list[mx.array]:
-        """[out, scratch] of one launch. window: (keys, values, first, rows): the rows first .. first + rows of the
-        fp16 buffers [B, Hkv, cap, D]."""
+        """[out, scratch] of one launch. window: (keys, values, first, rows), checked (check_window): the rows
+        first .. first + rows of the fp16 buffers [B, Hkv, cap, D]; given exactly when the launch was made for one."""
         meta = _meta(valid_len, window[2], window[3]) if window is not None else _meta(valid_len)
         inputs = [q.astype(mx.float32) if self.cast else q, *self.static, k_codes, k_norms, v_codes, v_norms,
                   _counter(self.groups), meta]
@@ -782,7 +783,7 @@ def fused_launch(qshape: tuple, qdtype, mats: mx.array | None, kshape: tuple, vs
     cfg = env.config()
     k = _fused_kernel(be, nth, minb, window, cfg.minify)
     static = [_mats(mats), _consts(levels, scale, key_levels if kb_own else None)]
-    launch = FusedLaunch(k, static, template, grid, nth, out_shapes, out_dtypes, groups, window, cast, cfg)
+    launch = FusedLaunch(k, static, template, grid, nth, out_shapes, out_dtypes, groups, cast, cfg)
     launch.sources = (mats, levels, key_levels)
     return launch
 

@@ -109,7 +109,7 @@ def on_paper(hop_s: float) -> dict:
         for r, (a, b) in enumerate(dist.split(sizes, ranks)):
             sc = dist.slice_config(cfg, None, a, b)
             per_tok, fixed = kv_bytes(sc, rec.kv.mode, rec.kv.bits, rec.kv.edge_layers, rec.kv.edge_bits)
-            kvb = per_tok * cache_tokens(ctx) + fixed
+            kvb = per_tok * cache_tokens(ctx, rec.kv.mode) + fixed
             pre = prefill_fp16_bytes(sc, rec.kv.mode, ctx, rec.kv.prefill_fp16, chunk)
             act = activation_bytes(sc, chunk)
             n_moe, E, k = _moe_info(sc)

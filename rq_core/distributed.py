@@ -25,7 +25,7 @@ import mlx.nn as nn
 
 from rq_core.errors import RQError
 from rq_core.models import text_config
-from rq_core.models.base import Remote
+from rq_core.models.base import Remote, decode_layer
 
 T = TypeVar("T")
 TIMEOUT_ENV = "RQ_PEER_TIMEOUT"  # seconds without progress before a rank gives up (default DEFAULT_TIMEOUT)
@@ -226,7 +226,11 @@ class Pipeline:
             h = mx.distributed.recv_like(h, self.rank + 1, group=self.group)
         for i in range(self.start, self.end):
             c = cache[i] if cache is not None else None
-            h = layers[i](h, c) if call is None else call(i, layers[i], h, c)
+            if call is not None:
+                h = call(i, layers[i], h, c)
+            else:
+                out = decode_layer(layers[i], h, c)
+                h = layers[i](h, c) if out is None else out
         if self.end < len(layers):  # the later layers are on rank - 1
             h = mx.distributed.send(h, self.rank - 1, group=self.group)
         if cache is not None:  # a slot of a layer held elsewhere: this slice's output, so its recv/send run

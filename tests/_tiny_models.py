@@ -3,6 +3,7 @@ written in the Hugging Face layout (per-expert tensors) plus the golden tokenize
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -58,6 +59,16 @@ TINY = {
         },
     },
 }
+
+# Gemma 4 with the parts the plain tiny config leaves out: per-layer inputs and a KV-sharing layer
+GEMMA_PLE = copy.deepcopy(TINY["gemma4"])
+GEMMA_PLE["text_config"].update({"hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 320,
+                                 "num_kv_shared_layers": 1, "num_hidden_layers": 4,
+                                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
+                                                 "full_attention"]})
+# every family, and Gemma 4 with those parts: name -> config (None: the family's TINY config)
+FAMILY_CASES = {"qwen3_moe": None, "qwen2_moe": None, "nemotron_h": None, "gemma4": None,
+                "gemma4-ple-shared": GEMMA_PLE}
 
 
 def available(family: str) -> bool:

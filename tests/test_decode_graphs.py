@@ -3,23 +3,13 @@ layers compute op by op, for every family and cache kind (with the expert pager:
 
 from __future__ import annotations
 
-import copy
-
 import mlx.core as mx
 import pytest
 
-from _tiny_models import TINY, make_tiny
+from _tiny_models import FAMILY_CASES as CASES, make_tiny
 from rq_core.cache.kv_cache import KVSettings
 from rq_core.checkpoint import load
 from rq_core.models.base import set_decode_graphs
-
-# Gemma 4 with the parts the plain tiny config leaves out: per-layer inputs and a KV-sharing layer
-GEMMA_PLE = copy.deepcopy(TINY["gemma4"])
-GEMMA_PLE["text_config"].update({"hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 320,
-                                 "num_kv_shared_layers": 1, "num_hidden_layers": 4,
-                                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention",
-                                                 "full_attention"]})
-CASES = {"qwen3_moe": None, "qwen2_moe": None, "nemotron_h": None, "gemma4": None, "gemma4-ple-shared": GEMMA_PLE}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -97,10 +97,32 @@ def test_cache_check_runs_and_can_fail(monkeypatch):
     res = G.run_cache(mx, rng, mode="isoquant3", context=300, window=8, **kw)
     res += G.run_cache(mx, rng, mode="turbo3", context=300, window=0, **kw)
     res += G.run_cache(mx, rng, mode="isoquant3", context=5000, window=8, prefill_chunk=2048, **kw)
-    assert len(res) == 10 and all(ok for ok, _ in res), res  # 7 numbers, each cache's decode path
+    # 7 numbers, each cache's decode path, and (no GPU: none) its traced steps where it has a window
+    assert len(res) == 12 and all(ok for ok, _ in res), res
     real = dispatch.attend
     monkeypatch.setattr(dispatch, "attend", lambda store, q, **k: real(store, q, **k) * 1.01)
     assert not any(ok for ok, m in G.run_cache(mx, rng, mode="isoquant3", context=300, window=8, **kw) if "rel.err" in m)
+
+
+def test_cache_check_runs_the_traced_steps(monkeypatch):
+    """gpu_check's traced decode steps (decode_inputs, traced_attend inside mx.compile, decode_commit), the launch
+    stood in for by MLX ops: they agree with the float64 reference, and fail for a cache whose step writes the new
+    token one row off."""
+    from _ref_launch import RefLaunch
+
+    from rq_core.attention import dispatch
+    from rq_core.cache.kv_cache import IsoQuantCache
+
+    monkeypatch.setattr(dispatch, "decode_launch", lambda store, qshape, qdtype, scale: RefLaunch(store))
+    kw = dict(hq=8, hkv=2, d=64, steps=3, pair_points=())
+    res = G.run_cache(mx, np.random.default_rng(6), mode="isoquant3", context=300, window=8, **kw)
+    traced = [m for ok, m in res if m.startswith("traced decode step ")]
+    assert len(traced) == 3 and all(ok for ok, m in res if m.startswith("traced decode step ")), res
+    real = IsoQuantCache.decode_commit
+    monkeypatch.setattr(IsoQuantCache, "decode_commit", lambda self, fk, fv: (real(self, fk, fv),
+                                                                               setattr(self, "_f0", self._f0 + 1)))
+    res = G.run_cache(mx, np.random.default_rng(6), mode="isoquant3", context=300, window=8, **kw)
+    assert not all(ok for ok, m in res if m.startswith("traced decode step "))
 
 
 @needs_emu

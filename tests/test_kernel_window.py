@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the kernel 
 def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool = False, bits: int = 3,
                rot: int = 3, B: int = 1, Hkv: int = 2, blocks: int = 8, nth: int = 128, stage: int = 0, vdec: int = 1, merge: int = 0, key_bits: int | None = None,
                pair_points: tuple[int, int] | None = None, qdtype: str = "f32", pf: int | None = None,
-               backend: str = "cuda") -> dict:
+               backend: str = "cuda", plan_T: int | None = None) -> dict:
     c = KC.make_case(rng, B=B, Hkv=Hkv, G=G, L=L, d=d, T=T, bits=bits, dense=bool(rot & 4), signs=bool(rot & 8),
                      key_bits=key_bits, pair_points=pair_points)
     scale = 1.0 / math.sqrt(d)
@@ -35,7 +35,8 @@ def run_window(rng, *, G: int, d: int, T: int, NW: int, L: int = 1, causal: bool
     nrg = K.row_blocks(G, L)
     R, groups = G // nrg * L, B * Hkv * nrg
     vh = K.fused_vhalves(d)  # blocks a group and split (value-dim halves)
-    ns = min(K.fused_splits(T, groups * vh, blocks), K.MAX_SPLITS - 1) + 1  # the window's split first
+    # the window's split first; plan_T: splits planned for more tokens than there are (a cache plans for its capacity)
+    ns = min(K.fused_splits(plan_T or T, groups * vh, blocks), K.MAX_SPLITS - 1) + 1
     mats = c["mats"].astype(np.float32) if rot & 6 else np.zeros(1, np.float32)
     pk, pv = pair_points or (0, 0)
     template = [("TQ", qdtype), ("D", d), ("BITS", bits), ("KBITS", key_bits or bits), ("PK", pk), ("PV", pv),
@@ -95,10 +96,14 @@ WINDOW_CASES = [
          pair_points=(128, 32)),
     dict(G=4, d=512, T=300, NW=9, L=2, causal=True, bits=4, nth=256, pf=1, vdec=2, merge=1, blocks=12, qdtype="bf16"),
     dict(G=8, d=512, T=300, NW=20, nth=256, pf=1, vdec=2, merge=1, blocks=12, qdtype="f16", rot=11),
+    # splits planned for a cache's capacity, far past its tokens: splits with few rows and splits with none
+    dict(G=8, d=128, T=37, NW=32, nth=256, stage=2, vdec=2, plan_T=3072, blocks=64),
+    dict(G=8, d=128, T=300, NW=5, nth=256, stage=2, vdec=2, merge=1, plan_T=1024, blocks=64),
+    dict(G=4, d=128, T=90, NW=9, L=3, causal=True, nth=128, plan_T=16384, blocks=64),  # verify rows, causal
 ]
 # the Metal rendering on the classes that differ most (causal window, copy ring, head dim 256, the pair decode with the
 # one-barrier merge, row blocks, head dim 512 with pair codebooks and with scalar codes)
-METAL_WINDOW = {1, 2, 4, 8, 12, 13, 15}
+METAL_WINDOW = {1, 2, 4, 8, 12, 13, 15, 16}
 
 
 @pytest.mark.parametrize("backend,case", [pytest.param(be, c, id=f"{be}-case{i}") for be in ("cuda", "metal")

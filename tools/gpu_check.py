@@ -232,6 +232,27 @@ def run_cache(mx, rng, *, mode: str, context: int, window: int, steps: int = 3, 
     path = getattr(cache, "attention_path", None)
     out.append((path is not None and path[0] == ("fused" if why is None else "reference"),
                 f"decode path {path}" + (f" (declined: {why})" if why else "")))
+    # the same steps as a layer's traced decode graph takes them (rq_core.models.base.decode_layer): the cache's
+    # decode_inputs, its traced_attend inside mx.compile (the new token's row written there), decode_commit
+    traced = 0
+    for i in range(steps if window > 1 else 0):
+        prep = cache.decode_inputs()
+        if prep is None:
+            break
+        launch, arrays = prep
+        fn = mx.compile(lambda *a, launch=launch: type(cache).traced_attend(launch, list(a[3:]), *a[:3]))
+        q = rng.standard_normal((1, hq, 1, d)).astype(np.float16)
+        k = rng.standard_normal((1, hkv, 1, d)).astype(np.float16)
+        v = rng.standard_normal((1, hkv, 1, d)).astype(np.float16)
+        o, fk, fv = fn(mx.array(q), mx.array(k), mx.array(v), *arrays)
+        cache.decode_commit(fk, fv)
+        got = np.array(o.astype(mx.float32), dtype=np.float64)
+        err = min(float(np.linalg.norm(got - r) / np.linalg.norm(r))
+                  for r in (cache_reference(cache, q, scale), cache_reference(cache, q, scale, half=True)))
+        out.append((bool(np.isfinite(got).all()) and err < TOL_CACHE, f"traced decode step {i}: rel.err {err:.2e}"))
+        traced += 1
+    if window > 1:
+        out.append(((traced > 0) == (why is None), f"traced decode steps {traced}"))
     return out
 
 
@@ -247,7 +268,10 @@ def cache_cases(quick: bool) -> list[dict]:
              dict(mode="isoquant3", context=5000, window=32, hq=32, hkv=2, bits=4, pair_points=()),
              dict(mode="isoquant3", context=9000, window=32, hq=32, hkv=2, prefill_chunk=2048),
              dict(mode="isoquant3", context=5000, window=32, hq=16, hkv=2, d=512),
-             dict(mode="isoquant3", context=5000, window=32, hq=16, hkv=2, d=512, bits=4, pair_points=())]
+             dict(mode="isoquant3", context=5000, window=32, hq=16, hkv=2, d=512, bits=4, pair_points=()),
+             # short contexts: the caches' launches are planned for the most splits, most of them short or empty
+             dict(mode="isoquant3", context=40, window=8), dict(mode="isoquant3", context=300, window=32, hq=32, hkv=2),
+             dict(mode="isoquant3", context=200, window=32, hq=16, hkv=2, d=512)]
     if not quick:
         cases += [dict(mode="isoquant3", context=40000, window=32), dict(mode="isoquant3", context=5000, window=32,
                                                                           rotation="rwht_so4")]

@@ -70,6 +70,7 @@ class PackedStore(Protocol):
     offset: int
     packed_len: int
     fp16_len: int
+    fp16_window: int
     prefilling: bool
     prefill_inflight: int
     inflight: InflightQueue
@@ -196,26 +197,69 @@ def _fused(store: PackedStore, queries: mx.array, *, scale: float, offset: int,
 
     if not kernels.available():
         return None, "no GPU kernels here"
-    levels, bits, key_bits = store.levels, store.bits, store.key_bits
-    pair = store.v_book.kind == "pair"  # pair codebooks (kv.pair_points): both tables [n, 2]
-    B, Hq, L, D = queries.shape
-    Hkv = store.k_codes.shape[1]
-    split = key_bits is not None and (key_bits != bits or pair)
-    nf = D // 2 if pair else D
-    if Hq % Hkv or store.k_codes.shape[3] * 32 != nf * (key_bits if split else bits) \
-            or store.v_codes.shape[3] * 32 != nf * bits or (pair and (not split or store.k_levels.ndim != 2)):
+    split = _own_key_codes(store, queries.shape)
+    if split is None:
         return None, f"code rows of {store.k_codes.shape[3]} / {store.v_codes.shape[3]} words"
     # the segment as the buffers and its rows (no view made); the launches made for this cache's calls kept on it
     window = store.fp16_buffers() if store.fp16_len else None
     try:
         rot, mats = kernels.rotation_args(store.rotation)
         return kernels.fused_attention(
-            queries, mats, store.k_codes, store.k_norms, store.v_codes, store.v_norms, levels, bits=bits, scale=scale,
-            valid_len=store.packed_len, offset=offset, causal=causal, rot=rot, window=window,
-            key_bits=key_bits if split else None, key_levels=store.k_levels if split else None,
-            want_lse=False, launches=getattr(store, "fused_launches", None))[0], ""
+            queries, mats, store.k_codes, store.k_norms, store.v_codes, store.v_norms, store.levels, bits=store.bits,
+            scale=scale, valid_len=store.packed_len, offset=offset, causal=causal, rot=rot, window=window,
+            key_bits=store.key_bits if split else None, key_levels=store.k_levels if split else None,
+            want_lse=False, launches=getattr(store, "fused_launches", None), plan_len=_plan_len(store))[0], ""
     except kernels.KernelUnsupported as e:
         return None, str(e)
+
+
+def _plan_len(store: PackedStore) -> int:
+    """The packed tokens a cache's fused launches are planned for: at least as many as give the most splits, and its
+    capacity (from which the long contexts' thread count): so its launch keeps its class (and a layer's traced decode
+    graph its trace) from the first decode step to the next capacity step. A short context's splits are then short
+    or empty (the kernel divides the valid rows among them); the merge reads them all."""
+    from rq_core.kernels import launch as kernels
+
+    return max(store.k_codes.shape[2], 128 * kernels.MAX_SPLITS)
+
+
+def _own_key_codes(store: PackedStore, qshape: tuple) -> bool | None:
+    """Whether the keys go to the kernel with their own width and table (kv.key_bits, pair codebooks); None where the
+    code rows do not fit the queries' head dim (or the query heads are not a multiple of the kv heads)."""
+    pair = store.v_book.kind == "pair"  # pair codebooks (kv.pair_points): both tables [n, 2]
+    key_bits, bits = store.key_bits, store.bits
+    Hq, D, Hkv = qshape[1], qshape[3], store.k_codes.shape[1]
+    split = key_bits is not None and (key_bits != bits or pair)
+    nf = D // 2 if pair else D
+    if Hq % Hkv or store.k_codes.shape[3] * 32 != nf * (key_bits if split else bits) \
+            or store.v_codes.shape[3] * 32 != nf * bits or (pair and (not split or store.k_levels.ndim != 2)):
+        return None
+    return split
+
+
+def decode_launch(store: PackedStore, qshape: tuple, qdtype, scale: float):
+    """The fused launch (rq_core.kernels.launch.FusedLaunch) of a one-token decode step whose new token goes to the fp16
+    segment (so it is not empty) and whose queries have `qshape` [B, Hq, 1, D], or None where `attend` would not take
+    the fused path for it (a traced decode graph runs it: rq_core.models.base.decode_layer). The same launch `attend` makes
+    (planned for _plan_len), from the store's state before the token is appended; its window (the segment with the new
+    token: at most fp16_window rows) is one split."""
+    from rq_core.kernels import launch as kernels
+
+    if env.config().attention != "fused" or not kernels.available() or store.packed_len == 0 or store.prefilling:
+        return None
+    split = _own_key_codes(store, qshape)
+    if qshape[2] != 1 or split is None or not 1 <= store.fp16_window <= kernels.MMA_TILE:
+        return None
+    rot, mats = kernels.rotation_args(store.rotation)
+    try:
+        launch = kernels.kept_launch(store.fused_launches, tuple(qshape), qdtype, mats, store.k_codes.shape,
+                                     store.v_codes.shape, store.levels, bits=store.bits, scale=scale,
+                                     valid_len=store.packed_len, offset=store.offset, rot=rot, window=True,
+                                     key_bits=store.key_bits if split else None,
+                                     key_levels=store.k_levels if split else None, plan_len=_plan_len(store))
+    except kernels.KernelUnsupported:
+        return None
+    return launch
 
 
 def _segments(store: PackedStore, queries: mx.array, *, scale: float, offset: int, causal: bool,

@@ -9,6 +9,7 @@ what generation evaluates between steps.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
@@ -227,6 +228,12 @@ class FP16Cache:
 # IsoQuant / TurboQuant: norm + rotation + Lloyd-Max codebook + packing (docs/FORMAT.md)
 
 
+@functools.lru_cache(maxsize=64)
+def _row(n: int) -> mx.array:
+    """int32 [n]: a traced step's fp16 row (every layer of a step writes the same row)."""
+    return mx.array([n], dtype=mx.int32)
+
+
 def quantize_kv(x: mx.array, rotation, levels: mx.array, bits: int, *, norm_correction: bool = False
                 ) -> tuple[mx.array, mx.array]:
     """Quantize vectors x [B, H, T, d] → (codes uint32 [B, H, T, W], stored norms float16 [B, H, T]).
@@ -298,6 +305,10 @@ class IsoQuantCache:
     """
 
     step = 256  # packed buffer growth, tokens
+    # Made while decoding (or as the prefill ends) on a GPU, the packed buffers have room for an eighth more tokens,
+    # from decode_room[0] to decode_room[1]: each new capacity is a new shape for the layer's traced decode graph
+    # (rq_core.models.base.decode_layer: traced again) and a copy of the codes
+    decode_room = (1024, 8192)
     compress_chunk = 4096  # tokens compressed per graph in end_prefill (bounds temporaries)
     compress_chunk_ops = 16  # the same without the GPU kernels: quantize_kv's MLX ops hold ~90x the tokens' bytes
     # a bounded prefill's decoded attention: layers queued ahead of the one waited for (0: wait for each). H200, Qwen3-
@@ -362,6 +373,8 @@ class IsoQuantCache:
         # a bounded prefill's queued layers: this cache's own until with_edge_layers gives all of a model's one queue
         self.inflight = InflightQueue()
         self.fused_launches: dict = {}  # the fused attention's prepared launches (rq_core.attention.dispatch._fused)
+        self._decode_q: tuple | None = None  # (shape, dtype, scale) of a decode step's queries, once one has attended
+        self._step_launch: tuple | None = None  # (what decode_launch depends on, its launch or None): decode_inputs
 
     @property
     def offset(self) -> int:
@@ -425,7 +438,7 @@ class IsoQuantCache:
         end = self._coded + n
         if self.k_codes is None or end > self.k_codes.shape[2]:
             B, H = kc.shape[:2]
-            cap = ((end + self.step - 1) // self.step) * self.step
+            cap = self.packed_rows(end, decoding=not self.prefilling)
             bufs = [mx.zeros((B, H, cap, self.k_words), mx.uint32), mx.zeros((B, H, cap), mx.float16),
                     mx.zeros((B, H, cap, self.words), mx.uint32), mx.zeros((B, H, cap), mx.float16)]
             if self._coded:
@@ -438,6 +451,16 @@ class IsoQuantCache:
         self.v_codes[:, :, self._coded : end] = vc
         self.v_norms[:, :, self._coded : end] = vn
         self._coded = end
+
+    @classmethod
+    def packed_rows(cls, tokens: int, decoding: bool = True) -> int:
+        """Rows the packed buffers are made with to hold `tokens` tokens (`decoding` where the GPU kernels run, whose
+        decode steps are traced: with decode_room)."""
+        from rq_core.kernels import launch as kernels
+
+        lo, hi = cls.decode_room
+        room = min(max(lo, tokens // 8), hi) if decoding and kernels.available() else 0
+        return -(-(tokens + room) // cls.step) * cls.step
 
     def compress(self, x: mx.array) -> tuple[mx.array, mx.array]:
         return quantize_kv(x, self.rotation, self.levels, self.bits, norm_correction=self.norm_correction)
@@ -503,6 +526,8 @@ class IsoQuantCache:
         from rq_core.attention import dispatch
 
         L = queries.shape[2]
+        if L == 1 and not self.prefilling:
+            self._decode_q = (tuple(queries.shape), queries.dtype, scale)
         self._append_fp16(keys, values)
         if not self.prefilling:
             self._spill(self.fp16_window)
@@ -510,6 +535,57 @@ class IsoQuantCache:
             # a long prompt: its older tokens compressed now (never this chunk's own, which attend to themselves)
             self._spill(max(keys.shape[2], L, self.prefill_fp16))
         return dispatch.attend(self, queries, scale=scale, mask=mask)
+
+    # -- a decode step's attention inside a traced graph (rq_core.models.base.decode_layer) --
+    def decode_inputs(self) -> tuple[object, list[mx.array]] | None:
+        """Ready this cache for a one-token decode step whose attention a traced graph computes (`traced_attend`): what
+        `attend` does before its launch (the oldest fp16 tokens spilled, room for the new one), then (the fused launch,
+        the graph's arrays). None where `attend` would not take the fused path for it (nothing changed then, but
+        tokens spilled that `attend` spills too): the step calls `attend` as written. The graph's new buffers come
+        back through `decode_commit`."""
+        from rq_core.attention import dispatch
+        from rq_core.kernels import config as env
+        from rq_core.kernels import launch as kernels
+
+        if self.prefilling or self._decode_q is None or self.fp16_window < 2 or self._fk is None:
+            return None
+        self._spill(self.fp16_window - 1)  # attend appends, then spills to fp16_window: the same tokens leave
+        if self.packed_len == 0:  # nothing packed yet: attend's SDPA over the fp16 tokens
+            return None
+        if self._f0 + self.fp16_len + 1 > self._fk.shape[2]:
+            self._rebuffer(self.fp16_len + 1)
+        # the launch depends on the settings and the codes' capacity (the rest is this cache's own): asked again when
+        # they change (a step's host time, every layer)
+        key = (env.config(), self._decode_q, self.k_codes.shape, self.v_codes.shape, self._fk.shape, self._fk.dtype)
+        if self._step_launch is None or self._step_launch[0] != key:
+            qshape, qdtype, scale = self._decode_q
+            launch = dispatch.decode_launch(self, qshape, qdtype, scale)
+            self._step_launch = (key, launch)
+        launch = self._step_launch[1]
+        # the window's rows (at most fp16_window <= MMA_TILE: decode_launch) are in the buffer (above); its first row
+        # must fit the meta's field
+        if launch is None or self._f0 >= kernels.WINDOW_FIRST_MAX:
+            return None
+        row = _row(self._f0 + self.fp16_len)
+        meta = kernels.fused_meta(self.packed_len, self._f0, self.fp16_len + 1)
+        return launch, [*launch.static, self._fk, self._fv, row, self.k_codes, self.k_norms, self.v_codes,
+                        self.v_norms, launch.counter(), meta]
+
+    @staticmethod
+    def traced_attend(launch, arrays: list[mx.array], queries: mx.array, keys: mx.array,
+                      values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Inside a traced graph, on `decode_inputs`' arrays: the new token's K/V written to its fp16 row, then the
+        fused launch: (attention output, the new fp16 key and value buffers)."""
+        *static, fk, fv, row, kc, kn, vc, vn, counter, meta = arrays
+        fk = mx.slice_update(fk, keys.astype(fk.dtype), row, axes=(2,))
+        fv = mx.slice_update(fv, values.astype(fv.dtype), row, axes=(2,))
+        return launch.launch(queries, static, kc, kn, vc, vn, counter, meta, (fk, fv))[0], fk, fv
+
+    def decode_commit(self, fk: mx.array, fv: mx.array) -> None:
+        """The buffers a traced step wrote its token into: the token is the fp16 segment's newest."""
+        self._fk, self._fv = fk, fv
+        self.fp16_len += 1
+        self.attention_path = ("fused", None)
 
     def end_prefill(self) -> None:
         self.prefilling = False

@@ -85,7 +85,7 @@ class Spec:
 SPECS: dict[str, Spec] = {
     # one launch; its scratch is one output (fused_scratch_size: o_part, ml_part, then lse), each more output costing
     # MLX host time a launch. counter: a kernel-owned zeroed buffer (_counter). meta: int32 [valid_len, the window's
-    # first row << 8 | its rows] (_meta: one array a step, shared by every layer; lengths as values, not shapes, so
+    # first row << 8 | its rows] (fused_meta: one array a step, shared by every layer; lengths as values, not shapes, so
     # a step makes no view and a launch's arguments keep their shapes from step to step)
     "attn_fused": Spec("attn_fused.body",
                        ("q", "mats", "consts", "k_codes", "k_norms", "v_codes", "v_norms", "counter", "meta"),
@@ -562,7 +562,7 @@ WINDOW_FIRST_MAX = 1 << 23  # the window's first row goes in meta's second word 
 assert MMA_TILE < 256, "meta holds the window's rows (at most MMA_TILE) in 8 bits"
 
 
-def _meta(T: int, first: int = 0, rows: int = 0) -> mx.array:
+def fused_meta(T: int, first: int = 0, rows: int = 0) -> mx.array:
     """attn_fused's int32 meta [T, first << 8 | rows], cached for the last few values: every layer of a decode step
     (one length, one window position) shares one array, made on the host (8 bytes: MLX's scalar pool, which the GPU
     reads in place)."""
@@ -727,32 +727,47 @@ def _fused_config(D: int, bits: int, R: int, be: str, nth: int, stage: int | Non
 class FusedLaunch:
     """attn_fused for one class of calls (shapes, dtypes, settings, the context's splits and thread count), its codebook,
     rotation and launch arguments prepared: a decode step launches it for every layer, and a call builds the launch
-    and nothing else (checks, plans and the kernel-cache bookkeeping ran when it was made: fused_launch)."""
+    and nothing else (checks, plans and the kernel-cache bookkeeping ran when it was made: fused_launch).
 
-    # Not traced (mx.compile) for replay: measured once on the H200, a replayed launch cost more host time a layer than
-    # a built one (48 layers, 2K context, the cache's whole attend: 97 against 82 us)
+    `plan` names the class without the arrays: launches of equal plans differ only in `static` (the rotation and
+    codebook arrays), so a traced decode graph made around one serves the others with their arrays as its inputs."""
+
+    # Not traced (mx.compile) alone for replay: measured once on the H200, a replayed launch cost more host time a layer
+    # than a built one (48 layers, 2K context, the cache's whole attend: 97 against 82 us); a layer's whole decode
+    # graph takes it (rq_core.models.base.decode_layer)
     __slots__ = ("kernel", "static", "template", "grid", "threadgroup", "out_shapes", "out_dtypes", "groups",
-                 "init_value", "cast", "config", "sources", "_launched")
+                 "init_value", "cast", "config", "sources", "plan", "_launched")
 
     def __init__(self, kernel, static: list, template: list, grid: tuple, nth: int, out_shapes: list, out_dtypes: list,
-                 groups: int, cast: bool, config: env.KernelConfig) -> None:
+                 groups: int, cast: bool, config: env.KernelConfig, plan: tuple = ()) -> None:
         self.kernel, self.static, self.template, self.grid = kernel, static, template, grid
         self.threadgroup = (nth, 1, 1)
         self.out_shapes, self.out_dtypes, self.groups, self.cast = out_shapes, out_dtypes, groups, cast
         self.init_value = float("nan") if config.poison else None
         self.config = config  # the settings it was made under (a changed config makes a new one)
         self.sources: tuple = ()  # the arrays it was made from (mats, levels, key levels): kept alive with it
+        self.plan = plan
         self._launched = False
 
     def __call__(self, q: mx.array, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array, v_norms: mx.array,
                  valid_len: int, window: tuple | None = None) -> list[mx.array]:
         """[out, scratch] of one launch. window: (keys, values, first, rows), checked (check_window): the rows
         first .. first + rows of the fp16 buffers [B, Hkv, cap, D]; given exactly when the launch was made for one."""
-        meta = _meta(valid_len, window[2], window[3]) if window is not None else _meta(valid_len)
-        inputs = [q.astype(mx.float32) if self.cast else q, *self.static, k_codes, k_norms, v_codes, v_norms,
-                  _counter(self.groups), meta]
+        meta = fused_meta(valid_len, window[2], window[3]) if window is not None else fused_meta(valid_len)
+        return self.launch(q, self.static, k_codes, k_norms, v_codes, v_norms, self.counter(), meta,
+                           None if window is None else window[:2])
+
+    def counter(self) -> mx.array:
+        """The counter slot a launch takes (successive launches, successive slots: _counter)."""
+        return _counter(self.groups)
+
+    def launch(self, q: mx.array, static: list, k_codes: mx.array, k_norms: mx.array, v_codes: mx.array,
+               v_norms: mx.array, counter: mx.array, meta: mx.array, window: tuple | None = None) -> list[mx.array]:
+        """[out, scratch] with every array given: `static` as this launch's, `meta` as fused_meta makes it, window (keys,
+        values) the fp16 buffers the meta's rows are read from (traced graphs pass their inputs)."""
+        inputs = [q.astype(mx.float32) if self.cast else q, *static, k_codes, k_norms, v_codes, v_norms, counter, meta]
         if window is not None:
-            inputs += window[:2]
+            inputs += window
         kw = dict(inputs=inputs, template=self.template, grid=self.grid, threadgroup=self.threadgroup,
                   output_shapes=self.out_shapes, output_dtypes=self.out_dtypes, init_value=self.init_value)
         if self._launched:
@@ -765,10 +780,14 @@ def fused_launch(qshape: tuple, qdtype, mats: mx.array | None, kshape: tuple, vs
                  bits: int, scale: float, valid_len: int, offset: int = 0, causal: bool = False,
                  rot: int = ROT_WHT | ROT_SO4, blocks: int | None = None, nth: int | None = None, pf: int | None = None,
                  vdec: int | None = None, stage: int | None = None, window: bool = False,
-                 key_bits: int | None = None, key_levels: mx.array | None = None) -> FusedLaunch:
+                 key_bits: int | None = None, key_levels: mx.array | None = None,
+                 plan_len: int | None = None) -> FusedLaunch:
     """The prepared launch fused_attention makes for these shapes and settings (KernelUnsupported where the kernel
-    declines them). It serves every call whose context has the same splits (ceil(valid_len / 128), at most
-    MAX_SPLITS), thread count (fused_threads) and offset relative to valid_len."""
+    declines them). Its splits and threads are planned for `plan_len` packed tokens (default valid_len): it serves
+    every call whose plan_len has the same splits (ceil(plan_len / 128), at most MAX_SPLITS) and thread count
+    (fused_threads), and whose offset relative to valid_len is the same; the kernel divides the valid rows it is
+    given among the splits."""
+    plan_len = valid_len if plan_len is None else plan_len
     be = backend()
     if be is None:
         raise KernelUnsupported("no GPU backend")
@@ -776,14 +795,17 @@ def fused_launch(qshape: tuple, qdtype, mats: mx.array | None, kshape: tuple, vs
     qd = mx.float32 if cast else qdtype
     plan = _fused_launch_plan(be, tuple(qshape), qd, tuple(kshape), tuple(vshape), tuple(levels.shape),
                               None if key_levels is None else tuple(key_levels.shape), bits, key_bits, scale,
-                              min(-(-valid_len // 128), MAX_SPLITS), 0 if window else offset - valid_len, causal, rot,
-                              blocks, fused_threads(valid_len) if nth is None else nth, pf, vdec, stage, window,
+                              min(-(-plan_len // 128), MAX_SPLITS), 0 if window else offset - valid_len, causal, rot,
+                              blocks, fused_threads(plan_len) if nth is None else nth, pf, vdec, stage, window,
                               _device_facts(be))
     nth, minb, kb_own, groups, template, grid, out_shapes, out_dtypes = plan
     cfg = env.config()
     k = _fused_kernel(be, nth, minb, window, cfg.minify)
     static = [_mats(mats), _consts(levels, scale, key_levels if kb_own else None)]
-    launch = FusedLaunch(k, static, template, grid, nth, out_shapes, out_dtypes, groups, cast, cfg)
+    launch = FusedLaunch(k, static, template, grid, nth, out_shapes, out_dtypes, groups, cast, cfg,
+                         plan=(be, nth, minb, window, tuple(map(tuple, template)), grid, tuple(map(tuple, out_shapes)),
+                               tuple(out_dtypes), groups, cast, cfg, tuple(s.shape for s in static),
+                               tuple(s.dtype for s in static)))
     launch.sources = (mats, levels, key_levels)
     return launch
 
@@ -794,7 +816,8 @@ def fused_attention(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
                     nth: int | None = None, pf: int | None = None, vdec: int | None = None,
                     stage: int | None = None, window: tuple | None = None,
                     key_bits: int | None = None, key_levels: mx.array | None = None,
-                    want_lse: bool = True, launches: dict | None = None) -> tuple[mx.array, mx.array | None]:
+                    want_lse: bool = True, launches: dict | None = None,
+                    plan_len: int | None = None) -> tuple[mx.array, mx.array | None]:
     """Attention over packed codes in one launch (metal/attn_fused.body): rotation + scores + online softmax + values
     per context split, the last block of each (batch, kv head) merging the splits and rotating back.
 
@@ -817,31 +840,47 @@ def fused_attention(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
     launches: a dict the caller keeps (a cache's): the FusedLaunch made for a class of calls (every argument but the
     arrays' contents and the context within its 128-token split) is kept there, so a decode step's call skips the
     checks and the plan (its host time a layer).
+    plan_len: the packed tokens the splits and threads are planned for (default valid_len; >= valid_len). A cache
+    passes its capacity, so that its launch stays one class as its context grows (fused_launch).
     Returns (out [B, Hq, L, D] in q's dtype, lse [B, Hq, L] float32, natural log)."""
     L = q.shape[2]
     if window is not None:
         window = check_window(window, L)
-    launch = key = None
-    if launches is not None:
-        # everything the launch depends on; arrays by identity (a kept launch holds them, so no id is reused meanwhile)
-        key = (q.shape, q.dtype, k_codes.shape, v_codes.shape, min(-(-valid_len // 128), MAX_SPLITS),
-               fused_threads(valid_len) if nth is None else nth, 0 if window is not None else offset - valid_len, causal,
-               window is not None, env.config(), id(mats), id(levels), id(key_levels), bits, key_bits, scale, rot,
-               blocks, pf, vdec, stage)
-        launch = launches.get(key)
-    if launch is None:
-        launch = fused_launch(q.shape, q.dtype, mats, k_codes.shape, v_codes.shape, levels, bits=bits, scale=scale,
-                              valid_len=valid_len, offset=offset, causal=causal, rot=rot, blocks=blocks, nth=nth, pf=pf,
-                              vdec=vdec, stage=stage, window=window is not None, key_bits=key_bits,
-                              key_levels=key_levels)
-        if launches is not None:
-            if len(launches) >= 8:  # the classes of a context that has grown past them
-                launches.pop(next(iter(launches)))
-            launches[key] = launch
+    launch = kept_launch(launches, tuple(q.shape), q.dtype, mats, k_codes.shape, v_codes.shape, levels, bits=bits,
+                         scale=scale, valid_len=valid_len, offset=offset, causal=causal, rot=rot, blocks=blocks, nth=nth,
+                         pf=pf, vdec=vdec, stage=stage, window=window is not None, key_bits=key_bits,
+                         key_levels=key_levels, plan_len=plan_len)
     res = launch(q, k_codes, k_norms, v_codes, v_norms, valid_len, window)
     B, Hq = q.shape[0], q.shape[1]
     lse = res[1][-B * Hq * L:].reshape(B, Hq, L) if want_lse else None
     return res[0], lse
+
+
+def kept_launch(launches: dict | None, qshape: tuple, qdtype, mats: mx.array | None, kshape: tuple, vshape: tuple,
+                levels: mx.array, *, bits: int, scale: float, valid_len: int, offset: int = 0, causal: bool = False,
+                rot: int = ROT_WHT | ROT_SO4, blocks: int | None = None, nth: int | None = None, pf: int | None = None,
+                vdec: int | None = None, stage: int | None = None, window: bool = False, key_bits: int | None = None,
+                key_levels: mx.array | None = None, plan_len: int | None = None) -> FusedLaunch:
+    """fused_launch's launch for these arguments, kept in `launches` (a cache's dict; None: made anew) for the calls of
+    its class: every argument but the arrays' contents and a context planned alike (fused_launch)."""
+    plan_len = valid_len if plan_len is None else max(plan_len, valid_len)
+    key = None
+    if launches is not None:
+        # everything the launch depends on; arrays by identity (a kept launch holds them, so no id is reused meanwhile)
+        key = (qshape, qdtype, tuple(kshape), tuple(vshape), min(-(-plan_len // 128), MAX_SPLITS),
+               fused_threads(plan_len) if nth is None else nth, 0 if window else offset - valid_len, causal, window,
+               env.config(), id(mats), id(levels), id(key_levels), bits, key_bits, scale, rot, blocks, pf, vdec, stage)
+        launch = launches.get(key)
+        if launch is not None:
+            return launch
+    launch = fused_launch(qshape, qdtype, mats, kshape, vshape, levels, bits=bits, scale=scale, valid_len=valid_len,
+                          offset=offset, causal=causal, rot=rot, blocks=blocks, nth=nth, pf=pf, vdec=vdec, stage=stage,
+                          window=window, key_bits=key_bits, key_levels=key_levels, plan_len=plan_len)
+    if launches is not None:
+        if len(launches) >= 8:  # the classes of a context that has grown past them
+            launches.pop(next(iter(launches)))
+        launches[key] = launch
+    return launch
 
 
 def check_window(window: tuple, L: int) -> tuple:

@@ -384,7 +384,8 @@ def decode_graph(method: Optional[Callable] = None, *, reads_banks: bool = False
     @functools.wraps(method)
     def run(self: nn.Module, x: mx.array, *args: Any) -> Any:
         graphs = self.__dict__.get("_decode_graphs")
-        if x.ndim < 2 or x.shape[1] != 1 or graphs is False or (calls_experts and "_bank_inputs" in self.__dict__):
+        if x.ndim < 2 or x.shape[1] != 1 or graphs is False or (calls_experts and "_bank_inputs" in self.__dict__) \
+                or getattr(_LAYER_GRAPH, "tracing", False):
             return method(self, x, *args)
         if graphs is None:
             graphs = self.__dict__["_decode_graphs"] = {}
@@ -402,6 +403,120 @@ def decode_graph(method: Optional[Callable] = None, *, reads_banks: bool = False
         return fn(x, *(_scalar(a) if isinstance(a, int) else a for a in args))
 
     return run
+
+
+_LAYER_GRAPH = threading.local()  # tracing=True while a decode_layer graph is traced on this thread
+LAYER_GRAPHS_KEPT = 4  # a layer's decode_layer graphs (launch plans) kept: a context grows through a few
+
+
+class _TracedKV:
+    """A compressed cache inside its layer's traced decode graph (decode_layer): the arrays its decode_inputs gave are
+    inputs of the graph, `attend` runs the cache's traced_attend on them, the fp16 buffers it writes are outputs."""
+
+    def __init__(self, cache_type: type, launch: Any, query: tuple, offset: mx.array, arrays: list) -> None:
+        self.cache_type, self.launch, self.query, self.offset, self.arrays = cache_type, launch, query, offset, arrays
+        self.buffers: tuple = ()
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any = None) -> mx.array:
+        # the launch was made for the queries (shape, dtype, scale) of its cache's last decode step as written
+        if (tuple(queries.shape), queries.dtype, scale) != self.query:
+            raise ValueError(f"decode_layer: queries {queries.shape} {queries.dtype} scale {scale} traced for a launch "
+                             f"made for {self.query}")
+        out, fk, fv = self.cache_type.traced_attend(self.launch, self.arrays, queries, keys, values)
+        self.buffers = (fk, fv)
+        return out
+
+
+def decode_layer(layer: nn.Module, x: mx.array, cache: Any, *extra: Any) -> Any:
+    """A one-token decode step of `layer(x, cache, *extra)` as one traced graph with its compressed cache's attention
+    inside, or None where that does not apply (the caller runs the layer as written). `extra`: the layer's other
+    arguments (arrays, tuples of arrays, None); what the layer returns comes back with the same structure.
+
+    On a GPU a decode step is bound by host time. decode_graph traces what comes before and after the cache's
+    attention; a compressed cache's attention itself (the fp16 window's append and the fused launch) ran as Python
+    between them, every layer, every step. It applies to layers whose class sets `traced_decode`, with a cache that
+    has `decode_inputs` (IsoQuantCache: its launch keeps its class as the context grows, and takes every length as a
+    value), decode graphs on and no expert pager serving the layer (whose routing is read on the host mid-layer).
+    The cache's arrays (codes, norms, fp16 buffers, rotation and codebook, the step's meta) are the graph's inputs and
+    its new fp16 buffers its outputs, so the graph, traced once per launch plan (and by mx.compile per buffer shapes),
+    serves every cache of that layer."""
+    if x.ndim != 3 or x.shape[1] != 1 or not getattr(layer, "traced_decode", False):
+        return None
+    inputs = getattr(cache, "decode_inputs", None)
+    graphs = layer.__dict__.get("_decode_graphs")
+    if inputs is None or graphs is False or _paged(layer):
+        return None
+    prep = inputs()
+    if prep is None:
+        return None
+    launch, arrays = prep
+    extra_arrays, extra_spec = _flatten(extra)
+    if graphs is None:
+        graphs = layer.__dict__["_decode_graphs"] = {}
+    query = cache._decode_q  # (shape, dtype, scale) the launch was made for
+    key = ("decode_layer", launch.plan, query, type(cache), extra_spec)
+    entry = graphs.get(key)
+    if entry is None:
+        kept = [k for k in graphs if isinstance(k, tuple) and k[0] == "decode_layer"]
+        for k in kept[: max(0, len(kept) - LAYER_GRAPHS_KEPT + 1)]:
+            del graphs[k]
+        out_spec: list = []  # the layer's output structure, recorded as the graph is traced
+        fn = mx.compile(functools.partial(_layer_graph, weakref.proxy(layer), type(cache), launch, query, len(arrays),
+                                          extra_spec, out_spec))
+        entry = graphs[key] = (fn, out_spec)
+    fn, out_spec = entry
+    fk, fv, *out = fn(x, _scalar(cache.offset), *arrays, *extra_arrays)
+    cache.decode_commit(fk, fv)
+    return _build(out_spec[0], out)
+
+
+def _layer_graph(layer: nn.Module, cache_type: type, launch: Any, query: tuple, n_arrays: int, extra_spec: Any,
+                 out_spec: list, x: mx.array, offset: mx.array, *inputs: mx.array) -> list[mx.array]:
+    kv = _TracedKV(cache_type, launch, query, offset, list(inputs[:n_arrays]))
+    extra = _build(extra_spec, list(inputs[n_arrays:]))
+    _LAYER_GRAPH.tracing = True  # the layer's decode_graph methods run inside this graph as written
+    try:
+        out = layer(x, kv, *extra)
+    finally:
+        _LAYER_GRAPH.tracing = False
+    if not kv.buffers:
+        raise ValueError("decode_layer: the layer did not attend through its cache")
+    arrays, spec = _flatten(out)
+    out_spec[:] = [spec]
+    return [*kv.buffers, *arrays]
+
+
+def _flatten(obj: Any) -> tuple[list[mx.array], Any]:
+    """(the arrays of a nest of tuples, lists, arrays and None, in order; its structure, hashable)."""
+    if isinstance(obj, mx.array):
+        return [obj], "a"
+    if obj is None:
+        return [], None
+    if isinstance(obj, (tuple, list)):
+        arrays, spec = [], []
+        for o in obj:
+            a, sp = _flatten(o)
+            arrays += a
+            spec.append(sp)
+        return arrays, tuple(spec)
+    raise TypeError(f"decode_layer: an argument of type {type(obj).__name__}")
+
+
+def _build(spec: Any, arrays: list) -> Any:
+    """_flatten's nest again from its structure and arrays (consumed from the front)."""
+    if spec == "a":
+        return arrays.pop(0)
+    if spec is None:
+        return None
+    return tuple(_build(sp, arrays) for sp in spec)
+
+
+def _paged(layer: nn.Module) -> bool:
+    """Whether an expert pager serves one of the layer's routed-expert banks (paged_experts)."""
+    switches = layer.__dict__.get("_switches")
+    if switches is None:
+        switches = layer.__dict__["_switches"] = [m for m in layer.modules() if isinstance(m, SwitchGLU)]
+    return any("pager_layer" in m.__dict__ for m in switches)
 
 
 def set_bank_inputs(module: nn.Module, banks: list) -> None:
@@ -515,7 +630,11 @@ def run_layers(layers: list, h: mx.array, cache: Optional[list] = None, call: Op
             if i > 0 and i == rs.start:
                 h = rs.inputs[i]
             rs.inputs[i], rs.layer = h, i
-        h = layer(h, c) if call is None else call(i, layer, h, c)
+        if call is not None:
+            h = call(i, layer, h, c)
+        else:
+            out = decode_layer(layer, h, c) if rs is None else None
+            h = layer(h, c) if out is None else out
     return h
 
 

@@ -31,6 +31,7 @@ from rq_core.models.base import (
     cache_offset,
     combine_experts,
     decode_graph,
+    decode_layer,
     lm_logits,
     make_rope,
     paged_experts,
@@ -223,6 +224,8 @@ class Experts(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    traced_decode = True  # a decode step's layer with a compressed cache is one graph (base.decode_layer)
+
     def __init__(self, args: ModelArgs, i: int):
         super().__init__()
         d, eps = args.hidden_size, args.rms_norm_eps
@@ -334,7 +337,9 @@ class TextModel(nn.Module):
         kvs: dict[int, tuple] = rs.carry.setdefault("kvs", {}) if rs is not None else {}
 
         def step(i: int, layer: nn.Module, h: mx.array, c: Any) -> mx.array:
-            h, kvs[i] = layer(h, c, ple[:, :, i] if ple is not None else None, kvs.get(self.args.kv_source[i]))
+            extra = (ple[:, :, i] if ple is not None else None, kvs.get(self.args.kv_source[i]))
+            out = decode_layer(layer, h, c, *extra) if rs is None else None
+            h, kvs[i] = layer(h, c, *extra) if out is None else out
             return h
 
         return self.norm(run_layers(self.layers, h, cache, step))

@@ -186,6 +186,8 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    traced_decode = True  # a decode step's attention block with a compressed cache is one graph (base.decode_layer)
+
     def __init__(self, args: ModelArgs, kind: str):
         super().__init__()
         self.block_type = kind

@@ -115,6 +115,8 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    traced_decode = True  # a decode step's layer with a compressed cache is one graph (base.decode_layer)
+
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.self_attn = attention(args, layer_idx)

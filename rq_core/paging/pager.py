@@ -624,7 +624,7 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()) if id(v) not in bank_ids)
     ab = activation_dtype(model).size  # what plain KV caches hold (float32 for a model upcast on the CPU)
     per_tok, fixed = kv_bytes(config, kv_mode, kv_bits, edge_layers, act_bytes=ab)
-    kvb = per_tok * cache_tokens(context) + fixed
+    kvb = per_tok * cache_tokens(context, kv_mode) + fixed
     pre = prefill_fp16_bytes(config, kv_mode, context, prefill_fp16, prefill_chunk, act_bytes=ab)
     act = activation_bytes(config, min(prefill_chunk, max(context, 1)))
     n_moe, E, k = _moe_info(config)

@@ -175,10 +175,14 @@ def prefill_fp16_bytes(config: dict, kv_mode: str, context: int, prefill_fp16: O
     return pre
 
 
-def cache_tokens(context: int) -> int:
-    """Tokens the KV caches hold room for at `context`: they grow in steps of 256 (kv_cache.FP16Cache.step)."""
-    from rq_core.cache.kv_cache import FP16Cache
+def cache_tokens(context: int, kv_mode: str = "fp16") -> int:
+    """Tokens the KV caches hold room for at `context`: they grow in steps of 256 (kv_cache.FP16Cache.step); a
+    compressing cache's packed buffers, made as the prefill ends or while decoding, with room for more
+    (IsoQuantCache.packed_rows)."""
+    from rq_core.cache.kv_cache import FP16Cache, IsoQuantCache
 
+    if kv_mode != "fp16" and context > 0:
+        return IsoQuantCache.packed_rows(context)
     step = FP16Cache.step
     return -(-max(context, 0) // step) * step
 
@@ -225,7 +229,7 @@ def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context:
     resident = sum(role_bytes.values()) - routed_bytes
     per_tok, fixed = kv_bytes(config, recipe.kv.mode, recipe.kv.bits, recipe.kv.edge_layers, recipe.kv.edge_bits)
     ctx = recipe.pager.context if context is None else context
-    kvb = per_tok * cache_tokens(ctx) + fixed
+    kvb = per_tok * cache_tokens(ctx, recipe.kv.mode) + fixed
     pre = prefill_fp16_bytes(config, recipe.kv.mode, ctx, recipe.kv.prefill_fp16, prefill_chunk)
     act = activation_bytes(config, min(prefill_chunk, max(ctx, 1)))
     if budget is None and recipe.pager.memory_budget is not None:

@@ -1,0 +1,185 @@
+"""A decode step's layer as one traced graph with its compressed cache's attention inside (rq_core.models.base.
+decode_layer): the cache's bookkeeping around the graph (the window's spill, its buffers, the codes' growth) gives
+the attention the layers compute op by op. On the CPU the fused kernel is stood in for by MLX ops that read the
+launch's inputs as the kernel does (every length from `meta`, the window's rows from the whole buffers); the kernel
+itself is checked against float64 by tests/test_kernel_window.py and, on a GPU, tools/gpu_check.py."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from _ref_launch import RefLaunch
+from _tiny_models import FAMILY_CASES as CASES, make_tiny
+from rq_core.attention import dispatch
+from rq_core.cache.kv_cache import IsoQuantCache, KVSettings
+from rq_core.checkpoint import load
+from rq_core.models.base import layers_as_written, set_decode_graphs
+
+KV = KVSettings(mode="isoquant3", pair_points=(), fp16_window=4)
+
+
+@pytest.fixture(params=sorted(CASES))
+def model(request, tmp_path):
+    family = request.param.split("-")[0]
+    ck = make_tiny(family, tmp_path / "m", seed=5, config=CASES[request.param], dtype="float32")
+    return load(ck, tokenizer=False).model
+
+
+@pytest.fixture
+def reference_launch(monkeypatch):
+    monkeypatch.setattr(dispatch, "decode_launch", lambda store, qshape, qdtype, scale: RefLaunch(store))
+    # small growth steps: the codes grow (a new shape, traced again) and the window's buffer is rebuilt many times
+    monkeypatch.setattr(IsoQuantCache, "step", 16)
+    monkeypatch.setattr(IsoQuantCache, "decode_room", (8, 8))
+    RefLaunch.calls = 0
+
+
+def _decode(model, steps: int = 45, kv: KVSettings = KV, prompt: int = 21, rollback: int = 0) -> tuple[list, list]:
+    """Logits of `steps` decode steps after a prompt; with `rollback` every that many steps one step is run, rolled
+    back (each cache's mark) and run again, as speculation does."""
+    cache = model.make_cache(kv)
+    model(mx.array([[(5 * i) % 300 + 3 for i in range(prompt)]]), cache=cache)
+    for c in cache:
+        c.end_prefill()
+    out = []
+    for t in range(steps):
+        x = mx.array([[(11 * t) % 300 + 1]])
+        if rollback and t % rollback == rollback - 1:
+            undo = [c.mark() for c in cache]
+            mx.eval(model(mx.array([[7]]), cache=cache))
+            for u in undo:
+                u()
+        out.append(model(x, cache=cache))
+        mx.eval(out[-1])
+    return out, cache
+
+
+def _layer_graphs(model) -> int:
+    return sum(1 for layer in model.layers for k in (layer.__dict__.get("_decode_graphs") or {})
+               if isinstance(k, tuple) and k[0] == "decode_layer")
+
+
+def test_traced_layers_give_the_attention_of_the_layers_op_by_op(model, reference_launch):
+    set_decode_graphs(model, False)
+    plain, plain_cache = _decode(model)
+    assert RefLaunch.calls == 0
+    set_decode_graphs(model, True)
+    traced, cache = _decode(model)
+    # every step after each layer's first went through its graph (the launch is called once per trace)
+    assert _layer_graphs(model) > 0 and RefLaunch.calls > 0
+    compressed = [c for c in cache if isinstance(c, IsoQuantCache)]
+    assert compressed and all(c.attention_path == ("fused", None) for c in compressed)
+    for i, (a, b) in enumerate(zip(plain, traced)):
+        assert mx.allclose(a, b, atol=2e-4, rtol=1e-4), (i, float(mx.abs(a - b).max()))
+    # the caches hold the same tokens in the same places (exactly in the first layer, whose K/V come from the
+    # embeddings alone; later layers' within the attention's rounding)
+    pairs = [(p, c) for p, c in zip(plain_cache, cache) if isinstance(c, IsoQuantCache)]
+    for i, (p, c) in enumerate(pairs):
+        assert (p.packed_len, p.fp16_len, p.offset) == (c.packed_len, c.fp16_len, c.offset)
+        same = mx.array_equal if i == 0 else lambda a, b: mx.allclose(a, b, atol=1e-4)
+        for a, b in zip(p.fp16_segment(), c.fp16_segment()):
+            assert same(a, b)
+        if i == 0:
+            for a, b in ((p.k_codes, c.k_codes), (p.v_norms, c.v_norms)):
+                assert mx.array_equal(a[:, :, : p.packed_len], b[:, :, : c.packed_len])
+
+
+@pytest.mark.parametrize("window,prompt,rollback", [(1, 21, 0), (2, 21, 0), (4, 3, 0), (4, 21, 5)])
+def test_windows_short_prompts_and_rolled_back_steps(model, reference_launch, window, prompt, rollback):
+    """A window of one token (never traced), of two, a prompt shorter than the window (nothing packed at first), and
+    steps rolled back: the traced steps give the layers' attention op by op."""
+    import dataclasses
+
+    kv = dataclasses.replace(KV, fp16_window=window)
+    set_decode_graphs(model, False)
+    plain, _ = _decode(model, 30, kv, prompt, rollback)
+    set_decode_graphs(model, True)
+    traced, cache = _decode(model, 30, kv, prompt, rollback)
+    assert (_layer_graphs(model) > 0) == (window > 1)
+    for i, (a, b) in enumerate(zip(plain, traced)):
+        assert mx.allclose(a, b, atol=2e-4, rtol=1e-4), (i, float(mx.abs(a - b).max()))
+
+
+def test_one_model_two_kv_settings(model, reference_launch):
+    """Caches of other codebooks, widths and rotations on one model (each layer keeps a graph for each launch plan)."""
+    own_keys = KVSettings(mode="isoquant3", key_bits=4, pair_points=(), fp16_window=4)  # the keys' own codebook
+    for kv in (KV, KVSettings(mode="turbo3", fp16_window=4, bits=4), own_keys):
+        set_decode_graphs(model, False)
+        plain, _ = _decode(model, 12, kv)
+        set_decode_graphs(model, True)
+        traced, _ = _decode(model, 12, kv)
+        for a, b in zip(plain, traced):
+            assert mx.allclose(a, b, atol=2e-4, rtol=1e-4), float(mx.abs(a - b).max())
+
+
+def test_a_paged_layer_or_a_resumed_step_runs_as_written(model, reference_launch):
+    from rq_core.models.base import StepResume, SwitchGLU, resuming
+
+    set_decode_graphs(model, True)
+    switches = [m for m in model.modules() if isinstance(m, SwitchGLU)]
+    class Marked:  # as an expert pager marks the banks it serves (not stepping: the experts run as written)
+        def serves_a_token(self) -> bool:
+            return False
+
+        def stepping(self) -> bool:
+            return False
+
+    for s in switches:
+        s.__dict__["pager_layer"] = Marked()
+    try:
+        _decode(model, 5)
+    finally:
+        for s in switches:
+            del s.__dict__["pager_layer"]
+    moe_layers = sum(any(isinstance(m, SwitchGLU) for m in layer.modules()) for layer in model.layers)
+    traced_layers = sum(1 for layer in model.layers if any(
+        isinstance(k, tuple) and k[0] == "decode_layer" for k in (layer.__dict__.get("_decode_graphs") or {})))
+    assert traced_layers <= len(model.layers) - moe_layers  # only layers no pager serves
+    with resuming(StepResume()):
+        cache = model.make_cache(KV)
+        mx.eval(model(mx.array([[3, 4, 5, 6, 7, 8]]), cache=cache))
+        for c in cache:
+            c.end_prefill()
+        calls = RefLaunch.calls
+        for t in (9, 10, 11):
+            mx.eval(model(mx.array([[t]]), cache=cache))
+        assert RefLaunch.calls == calls  # a step that may run again from a layer is built layer by layer
+
+
+def test_one_graph_a_layer_serves_the_next_cache(model, reference_launch):
+    set_decode_graphs(model, True)
+    _decode(model, steps=6)
+
+    def layer_graphs():
+        return {(i, k): id(f) for i, layer in enumerate(model.layers)
+                for k, f in layer.__dict__["_decode_graphs"].items() if k[0] == "decode_layer"}
+
+    kept = layer_graphs()
+    assert kept
+    _decode(model, steps=6)
+    assert layer_graphs() == kept
+
+
+def test_layers_run_as_written_with_graphs_off_or_hooked(model, reference_launch):
+    set_decode_graphs(model, True)
+    with layers_as_written(model):
+        _decode(model, steps=5)
+    assert RefLaunch.calls == 0 and _layer_graphs(model) == 0
+    cache = model.make_cache(KVSettings(mode="fp16"))
+    for t in ([[3, 4, 5]], [[6]], [[7]], [[8]]):
+        mx.eval(model(mx.array(t), cache=cache))
+    assert _layer_graphs(model) == 0  # an fp16 cache's attention is not traced
+
+
+def test_packed_buffers_keep_room_where_decode_steps_are_traced(monkeypatch):
+    import rq_core.kernels.launch as K
+    from rq_core.paging.planner import cache_tokens
+
+    assert IsoQuantCache.packed_rows(2000) == 2048  # no GPU kernels: no traced steps, no room
+    monkeypatch.setattr(K, "available", lambda: True)
+    assert IsoQuantCache.packed_rows(2000) == 3072  # at least 1,024 more
+    assert IsoQuantCache.packed_rows(40000) == 45056  # an eighth more
+    assert IsoQuantCache.packed_rows(200000) == 208384  # at most 8,192 more
+    assert IsoQuantCache.packed_rows(2000, decoding=False) == 2048  # a prompt's buffers: as it needs
+    assert cache_tokens(40000, "isoquant3") == 45056 and cache_tokens(40000, "fp16") == 40192  # the plan counts it

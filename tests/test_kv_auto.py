@@ -31,7 +31,8 @@ NO_FP16 = auto.Fit(fp16=False, compressed=True, fp16_need=30, compressed_need=20
     ("metal", LONG, auto.Fit(), (), "isoquant3", f"from {LONG}"),  # a long context, every shape covered
     ("metal", 4 * LONG, auto.Fit(), (), "isoquant3", "metal"),
     ("metal", LONG - 1, auto.Fit(), (), "fp16", f"below {LONG}"),  # shorter: fp16 decodes faster
-    ("cuda", 4 * LONG, auto.Fit(), (), "fp16", "on cuda"),  # host-bound decode: fp16 wherever it fits
+    ("cuda", LONG, auto.Fit(), (), "isoquant3", f"from {LONG}"),  # as on Metal
+    ("cuda", LONG - 1, auto.Fit(), (), "fp16", f"below {LONG}"),
     ("cuda", 1024, NO_FP16, (), "isoquant3", "does not fit"),  # ... unless the budget forces compression
     ("cuda", 4 * LONG, auto.Fit(), ("head_dim 512: not covered",), "fp16", "declines"),  # a declined shape: never
     ("cuda", 1024, NO_FP16, ("head_dim 512: not covered",), "isoquant3", "does not fit"),  # ... unless forced
@@ -42,26 +43,6 @@ NO_FP16 = auto.Fit(fp16=False, compressed=True, fp16_need=30, compressed_need=20
 def test_choose(backend, context, fit, declined, mode, why):
     got, reason = auto.choose(backend=backend, context=context, fit=fit, declined=declined)
     assert got == mode and why in reason, reason
-
-
-def test_row_blocked_shapes_keep_fp16_unless_the_budget_forces():
-    slow = auto.slower_shapes([(128, 32, 2), (128, 32, 4)])  # Nemotron's 16 query heads a kv head; Qwen3's 8
-    assert len(slow) == 1 and slow[0].startswith("head_dim 128, 32/2 heads: 16")
-    assert auto.choose(backend="metal", context=4 * LONG, slower=slow)[0] == "fp16"
-    assert auto.choose(backend="metal", context=4 * LONG, fit=NO_FP16, slower=slow)[0] == "isoquant3"
-    assert auto.choose(backend="metal", context=4 * LONG)[0] == "isoquant3"
-
-
-@pytest.mark.parametrize("name,rows", [("qwen3-30b-a3b", []), ("gemma4-26b-a4b", []),
-                                       ("nemotron3-nano-30b-a3b", [16]), ("nemotron3-super-120b-a12b", [16])])
-def test_real_configs_row_blocks(name, rows):
-    cfg = json.loads((Path(__file__).parent / "data" / "configs" / f"{name}.json").read_text())
-    from rq_core.models import get_model_module
-
-    module = get_model_module(cfg.get("model_type"))
-    shapes = auto.attention_shapes(module.Model(module.ModelArgs.from_dict(cfg)))  # lazy: no weights made
-    assert [hq // hkv for _, hq, hkv in shapes if hq // hkv > auto.ROWS_PER_KV_HEAD] == rows
-    assert len(auto.slower_shapes(shapes)) == len(rows)
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +81,10 @@ def test_decide_on_the_bundled_model(bundled, monkeypatch):
     # the whole prompt held in fp16 while prefilling (prefill_fp16 4096): the compressed cache needs more; fp16 stays
     kept = auto.decide(m, cfg, SETTINGS, context=1504, budget=27 * 10**6, prefill_chunk=64)
     assert kept.mode == "fp16" and "fp16 needs less" in kept.reason
-    monkeypatch.setattr(auto, "kernel_backend", lambda: "cuda")
-    kept = auto.decide(m, cfg, SETTINGS, context=LONG)  # fp16 fits: host-bound decode keeps it
-    assert kept.mode == "fp16" and "on cuda" in kept.reason
-    monkeypatch.setattr(auto, "kernel_backend", lambda: "metal")  # the kernel takes this model's shape
-    assert auto.decide(m, cfg, SETTINGS, context=LONG).mode == "isoquant3"
-    assert auto.decide(m, cfg, SETTINGS, context=LONG - 1).mode == "fp16"
+    for be in ("cuda", "metal"):  # the kernel takes this model's shape
+        monkeypatch.setattr(auto, "kernel_backend", lambda be=be: be)
+        assert auto.decide(m, cfg, SETTINGS, context=LONG).mode == "isoquant3"
+        assert auto.decide(m, cfg, SETTINGS, context=LONG - 1).mode == "fp16"
     monkeypatch.setattr(auto, "attention_shapes", lambda model: [(128, 6, 4)])  # a shape it declines
     c = auto.decide(m, cfg, SETTINGS, context=LONG)
     assert c.mode == "fp16" and "declines" in c.reason

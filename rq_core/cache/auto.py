@@ -5,12 +5,9 @@ slower on this backend at this context; isoquant3 otherwise.
 
 - CPU (or MLX without GPU kernels): the compressed cache decodes on the reference path, slower than fp16, so fp16
   unless the budget forces compression.
-- CUDA: fp16 unless the budget forces compression. Decode there is bound by host time, so the compressed cache's
-  smaller reads do not show: the whole-model benchmark has it no faster than fp16 at any context it measures.
-- Metal: isoquant3 from LONG_CONTEXT tokens when the fused attention kernel takes every compressed layer's shape
-  (rq_core.attention.dispatch.fused_declines), fp16 below; where the kernel declines a shape the compressed layers
-  would take the reference path, so fp16 unless the budget forces compression. So also where a shape has more query
-  heads a kv head than one matrix fragment holds (the kernel runs it in row blocks, `slower_shapes`).
+- GPU (Metal, CUDA): isoquant3 from LONG_CONTEXT tokens when the fused attention kernel takes every compressed
+  layer's shape (rq_core.attention.dispatch.fused_declines), fp16 below; where the kernel declines a shape the
+  compressed layers would take the reference path, so fp16 unless the budget forces compression.
 """
 
 from __future__ import annotations
@@ -18,20 +15,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from rq_core.kernels.launch import MMA_ROWS
-
 AUTO = "auto"
 COMPRESSED = "isoquant3"  # what auto compresses with
-# From this many tokens of context a Metal GPU with the fused kernel runs the compressed cache rather than fp16. Its
-# memory bandwidth is a tenth of an H200's, so a step's K/V reads weigh more there; no Metal machine has measured the
-# whole model. On CUDA (benchmarks/decode_vs_mlxlm.py, benchmarks/results/decode_vs_mlxlm.json, H200) the compressed
-# whole-model step ran at 0.94x fp16's tok/s at 128K on Gemma 4 26B-A4B and 0.95x at 32K, 1.00x at 32K on
-# Qwen3-30B-A3B: where fp16 fits, CUDA keeps it.
+# From this many tokens of context a GPU with the fused kernel runs the compressed cache rather than fp16. Whole model
+# on an H200 (benchmarks/decode_vs_mlxlm.py, benchmarks/results/decode_vs_mlxlm.json), IsoQuant-3's tok/s against
+# fp16's: at 128K Gemma 4 26B-A4B 1.45x, Nemotron 3 Nano 1.29x; at 32K Qwen3-30B-A3B 1.25x, Nemotron 3 Nano 1.09x,
+# Gemma 4 0.91x (so not below 128K). A Metal GPU's memory bandwidth is a tenth of an H200's, so a step's K/V reads
+# weigh more there; no Metal machine has measured the whole model.
 LONG_CONTEXT = 131072
-# More query heads per kv head than one matrix fragment holds run in the fused kernel's row blocks, each re-reading
-# the codes: Nemotron 3 Nano's 32 over 2 decoded at 0.89x fp16's tok/s at 32K and 0.79x at 128K (H200,
-# decode_vs_mlxlm.json, two repetitions).
-ROWS_PER_KV_HEAD = MMA_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +45,11 @@ class AutoChoice:
 
 
 def choose(*, backend: Optional[str], context: int, fit: Fit = Fit(),
-           declined: Sequence[str] = (), slower: Sequence[str] = ()) -> tuple[str, str]:
+           declined: Sequence[str] = ()) -> tuple[str, str]:
     """(mode, reason) for a run of `context` tokens. backend: 'cuda' or 'metal' where the GPU kernels run, None on
     the CPU; fit: what fits the memory budget at this context; declined: why the fused kernel declines a compressed
-    layer's shape on `backend` (empty: it takes every one); slower: shapes it takes but decodes slower than fp16
-    (`slower_shapes`). Where neither cache fits, the one needing less (the run then fails naming the least budget)."""
+    layer's shape on `backend` (empty: it takes every one). Where neither cache fits, the one needing less (the run
+    then fails naming the least budget)."""
     if not fit.fp16:
         if fit.compressed:
             return COMPRESSED, f"fp16 KV for {context} tokens does not fit the memory budget"
@@ -70,10 +61,6 @@ def choose(*, backend: Optional[str], context: int, fit: Fit = Fit(),
         return "fp16", "on the CPU the compressed cache decodes slower than fp16 (no GPU kernels)"
     if declined:
         return "fp16", f"the fused {backend} kernel declines this model's attention ({declined[0]})"
-    if slower:
-        return "fp16", f"the compressed cache decodes slower than fp16 on this model's attention ({slower[0]})"
-    if backend == "cuda":
-        return "fp16", "on cuda fp16 KV fits the memory budget and decodes at least as fast as the compressed cache"
     if context >= LONG_CONTEXT:
         return COMPRESSED, f"{context} tokens of context on {backend}: from {LONG_CONTEXT} tokens it compresses " \
                            "(K/V reads weigh more than the compressed cache's extra work)"
@@ -122,13 +109,6 @@ def declined_shapes(backend: str, shapes: Iterable[tuple[int, int, int]], settin
     return out
 
 
-def slower_shapes(shapes: Iterable[tuple[int, int, int]]) -> list[str]:
-    """The shapes (head_dim, query heads, kv heads) the fused kernel takes in row blocks (more than ROWS_PER_KV_HEAD
-    query heads a kv head), where the compressed cache was measured slower than fp16 at 32K and 128K."""
-    return [f"head_dim {d}, {hq}/{hkv} heads: {hq // hkv} query heads a kv head, in blocks of {ROWS_PER_KV_HEAD}"
-            for d, hq, hkv in shapes if hq // hkv > ROWS_PER_KV_HEAD]
-
-
 def budget_fit(model: Any, config: dict, budget: Optional[int], settings: Any, *, context: int,
                prefill_chunk: int = 512, index: Optional[dict] = None) -> Fit:
     """What fits `budget` bytes beside the loaded model's weights at `context` tokens: fp16 K/V, and the compressed
@@ -169,4 +149,4 @@ def _choice(model: Callable[[], Any], settings: Any, context: int, fit: Fit) -> 
     be = kernel_backend()
     shapes = attention_shapes(model())
     declined = declined_shapes(be, shapes, settings) if be is not None else []
-    return AutoChoice(*choose(backend=be, context=context, fit=fit, declined=declined, slower=slower_shapes(shapes)))
+    return AutoChoice(*choose(backend=be, context=context, fit=fit, declined=declined))

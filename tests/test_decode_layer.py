@@ -85,7 +85,7 @@ def test_traced_layers_give_the_attention_of_the_layers_op_by_op(model, referenc
                 assert mx.array_equal(a[:, :, : p.packed_len], b[:, :, : c.packed_len])
 
 
-@pytest.mark.parametrize("window,prompt,rollback", [(1, 21, 0), (2, 21, 0), (4, 3, 0), (4, 21, 5)])
+@pytest.mark.parametrize("window,prompt,rollback", [(1, 21, 0), (2, 21, 0), (8, 3, 0), (4, 21, 5)])
 def test_windows_short_prompts_and_rolled_back_steps(model, reference_launch, window, prompt, rollback):
     """A window of one token (never traced), of two, a prompt shorter than the window (nothing packed at first), and
     steps rolled back: the traced steps give the layers' attention op by op."""

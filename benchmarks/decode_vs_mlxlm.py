@@ -233,7 +233,9 @@ def build_rows(runs: dict, contexts: list[int], cfg: dict, label: str) -> list[d
                          "ratio_to_mlx_lm_fp16": s["median"] / ref if ref > 0 else None,
                          "peak_memory_bytes": max(x["peak_memory_bytes"] for x in xs),
                          "kv_bytes": xs[-1].get("kv_bytes"), "generated_tokens": xs[-1]["generated_tokens"],
-                         "fill_s": spread([x["fill_s"] for x in xs])})
+                         "fill_s": spread([x["fill_s"] for x in xs]),
+                         # which attention path the compressed layers took (rq's caches; mlx-lm's record none)
+                         "attention_paths": xs[-1].get("attention_paths")})
     return rows
 
 

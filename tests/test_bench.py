@@ -109,6 +109,8 @@ def test_decode_vs_mlxlm_at_tiny_scale(tmp_path):
         assert row["generated_tokens"] == 4
         if row["runner"] == "mlx-lm fp16":
             assert row["ratio_to_mlx_lm_fp16"] == 1.0
+        if row["runner"] == "rq isoquant3":  # the CPU: the compressed layers' reference path, each counted
+            assert row["attention_paths"] and set(row["attention_paths"]) <= {"reference", "sdpa"}
     assert not (tmp_path / "ck" / "qwen3_moe").exists()  # written by the run, removed without --keep
     # prefill: every runner on the same prompt; 300 tokens are past the tiny configs' 256 positions: skipped, said so
     assert len(res["prefill"]) == 3 * 3

@@ -183,3 +183,15 @@ def test_packed_buffers_keep_room_where_decode_steps_are_traced(monkeypatch):
     assert IsoQuantCache.packed_rows(200000) == 208384  # at most 8,192 more
     assert IsoQuantCache.packed_rows(2000, decoding=False) == 2048  # a prompt's buffers: as it needs
     assert cache_tokens(40000, "isoquant3") == 45056 and cache_tokens(40000, "fp16") == 40192  # the plan counts it
+
+
+def test_a_launch_is_traced_only_for_the_queries_it_was_made_for(model, reference_launch):
+    """The launch holds the shape, dtype and scale of its cache's last decode step as written: a graph traced with
+    other queries is refused, not run with the wrong scale."""
+    set_decode_graphs(model, True)
+    _, cache = _decode(model, steps=3)
+    c = next(c for c in cache if isinstance(c, IsoQuantCache))
+    shape, dtype, scale = c._decode_q
+    c._decode_q = (shape, dtype, scale * 2)
+    with pytest.raises(ValueError, match="traced for a launch made for"):
+        model(mx.array([[9]]), cache=cache)

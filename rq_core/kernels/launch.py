@@ -841,7 +841,8 @@ def fused_attention(q: mx.array, mats: mx.array | None, k_codes: mx.array, k_nor
     arrays' contents and the context within its 128-token split) is kept there, so a decode step's call skips the
     checks and the plan (its host time a layer).
     plan_len: the packed tokens the splits and threads are planned for (default valid_len; >= valid_len). A cache
-    passes its capacity, so that its launch stays one class as its context grows (fused_launch).
+    passes at least its capacity (rq_core.attention.dispatch._plan_len), so that its launch stays one class as its
+    context grows (fused_launch).
     Returns (out [B, Hq, L, D] in q's dtype, lse [B, Hq, L] float32, natural log)."""
     L = q.shape[2]
     if window is not None:

@@ -29,7 +29,7 @@ class RefLaunch:
         if kc.shape[2] != self.plan[1]:  # a real launch's splits are planned for the capacity it was made for
             raise ValueError(f"a launch planned for {self.plan[1]} rows given {kc.shape[2]}")
         c = self.cache
-        d, scale = c.head_dim, c._decode_q[2]
+        d, scale = c.head_dim, c.decode_query[2]
         k_levels, levels = static
         K = dequantize_kv(kc, kn, c.rotation, k_levels, self.plan[2], d)
         V = dequantize_kv(vc, vn, c.rotation, levels, self.plan[3], d)

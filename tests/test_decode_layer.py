@@ -191,7 +191,7 @@ def test_a_launch_is_traced_only_for_the_queries_it_was_made_for(model, referenc
     set_decode_graphs(model, True)
     _, cache = _decode(model, steps=3)
     c = next(c for c in cache if isinstance(c, IsoQuantCache))
-    shape, dtype, scale = c._decode_q
-    c._decode_q = (shape, dtype, scale * 2)
+    shape, dtype, scale = c.decode_query
+    c.decode_query = (shape, dtype, scale * 2)
     with pytest.raises(ValueError, match="traced for a launch made for"):
         model(mx.array([[9]]), cache=cache)

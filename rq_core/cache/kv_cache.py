@@ -373,7 +373,7 @@ class IsoQuantCache:
         # a bounded prefill's queued layers: this cache's own until with_edge_layers gives all of a model's one queue
         self.inflight = InflightQueue()
         self.fused_launches: dict = {}  # the fused attention's prepared launches (rq_core.attention.dispatch._fused)
-        self._decode_q: tuple | None = None  # (shape, dtype, scale) of a decode step's queries, once one has attended
+        self.decode_query: tuple | None = None  # (shape, dtype, scale) of a decode step's queries, once one has attended
         self._step_launch: tuple | None = None  # (what decode_launch depends on, its launch or None): decode_inputs
 
     @property
@@ -527,7 +527,7 @@ class IsoQuantCache:
 
         L = queries.shape[2]
         if L == 1 and not self.prefilling:
-            self._decode_q = (tuple(queries.shape), queries.dtype, scale)
+            self.decode_query = (tuple(queries.shape), queries.dtype, scale)
         self._append_fp16(keys, values)
         if not self.prefilling:
             self._spill(self.fp16_window)
@@ -547,7 +547,7 @@ class IsoQuantCache:
         from rq_core.kernels import config as env
         from rq_core.kernels import launch as kernels
 
-        if self.prefilling or self._decode_q is None or self.fp16_window < 2 or self._fk is None:
+        if self.prefilling or self.decode_query is None or self.fp16_window < 2 or self._fk is None:
             return None
         self._spill(self.fp16_window - 1)  # attend appends, then spills to fp16_window: the same tokens leave
         if self.packed_len == 0:  # nothing packed yet: attend's SDPA over the fp16 tokens
@@ -556,9 +556,9 @@ class IsoQuantCache:
             self._rebuffer(self.fp16_len + 1)
         # the launch depends on the settings and the codes' capacity (the rest is this cache's own): asked again when
         # they change (a step's host time, every layer)
-        key = (env.config(), self._decode_q, self.k_codes.shape, self.v_codes.shape, self._fk.shape, self._fk.dtype)
+        key = (env.config(), self.decode_query, self.k_codes.shape, self.v_codes.shape, self._fk.shape, self._fk.dtype)
         if self._step_launch is None or self._step_launch[0] != key:
-            qshape, qdtype, scale = self._decode_q
+            qshape, qdtype, scale = self.decode_query
             launch = dispatch.decode_launch(self, qshape, qdtype, scale)
             self._step_launch = (key, launch)
         launch = self._step_launch[1]

@@ -453,7 +453,7 @@ def decode_layer(layer: nn.Module, x: mx.array, cache: Any, *extra: Any) -> Any:
     extra_arrays, extra_spec = _flatten(extra)
     if graphs is None:
         graphs = layer.__dict__["_decode_graphs"] = {}
-    query = cache._decode_q  # (shape, dtype, scale) the launch was made for
+    query = cache.decode_query  # (shape, dtype, scale) the launch was made for
     key = ("decode_layer", launch.plan, query, type(cache), extra_spec)
     entry = graphs.get(key)
     if entry is None:

@@ -71,6 +71,12 @@ default CKPT/experts)."""
                          edge_layers=edge_layers)
     p["budget_bytes"] = budget
     p["policy"] = policy
+    if budget is None:  # all resident, no pager: a prompt chunk's experts may run dequantized, a bank at a time
+        from rq_core.models.base import dense_prompt_bank_bytes
+
+        dense = dense_prompt_bank_bytes(ckpt.model, min(prefill_chunk, max(context, 1)) * p["top_k"])
+        p["activation_bytes"] += dense
+        p["planned_peak_bytes"] += dense
     if plan_only:
         if json_out:
             print_json({"plan": p})

@@ -1,6 +1,6 @@
-"""A decode step's layer as one traced graph with its compressed cache's attention inside (rq_core.models.base.
-decode_layer): the cache's bookkeeping around the graph (the window's spill, its buffers, the codes' growth) gives
-the attention the layers compute op by op. On the CPU the fused kernel is stood in for by MLX ops that read the
+"""A decode step's layer as one traced graph with its cache's attention inside (rq_core.models.base.decode_layer): a
+compressed cache's bookkeeping around the graph (the window's spill, its buffers, the codes' growth), or a sliding
+window's ring, gives the attention the layers compute op by op. On the CPU the fused kernel is stood in for by MLX ops that read the
 launch's inputs as the kernel does (every length from `meta`, the window's rows from the whole buffers); the kernel
 itself is checked against float64 by tests/test_kernel_window.py and, on a GPU, tools/gpu_check.py."""
 
@@ -12,9 +12,9 @@ import pytest
 from _ref_launch import RefLaunch
 from _tiny_models import FAMILY_CASES as CASES, make_tiny
 from rq_core.attention import dispatch
-from rq_core.cache.kv_cache import IsoQuantCache, KVSettings
+from rq_core.cache.kv_cache import FP16Cache, IsoQuantCache, KVSettings
 from rq_core.checkpoint import load
-from rq_core.models.base import layers_as_written, set_decode_graphs
+from rq_core.models.base import SlidingWindowCache, layers_as_written, set_decode_graphs
 
 KV = KVSettings(mode="isoquant3", pair_points=(), fp16_window=4)
 
@@ -55,9 +55,10 @@ def _decode(model, steps: int = 45, kv: KVSettings = KV, prompt: int = 21, rollb
     return out, cache
 
 
-def _layer_graphs(model) -> int:
+def _layer_graphs(model, cache_type: type | None = None) -> int:
+    """decode_layer graphs the model's layers hold (for caches of `cache_type`: any)."""
     return sum(1 for layer in model.layers for k in (layer.__dict__.get("_decode_graphs") or {})
-               if isinstance(k, tuple) and k[0] == "decode_layer")
+               if isinstance(k, tuple) and k[0] == "decode_layer" and cache_type in (None, k[3]))
 
 
 def test_traced_layers_give_the_attention_of_the_layers_op_by_op(model, reference_launch):
@@ -96,7 +97,7 @@ def test_windows_short_prompts_and_rolled_back_steps(model, reference_launch, wi
     plain, _ = _decode(model, 30, kv, prompt, rollback)
     set_decode_graphs(model, True)
     traced, cache = _decode(model, 30, kv, prompt, rollback)
-    assert (_layer_graphs(model) > 0) == (window > 1)
+    assert (_layer_graphs(model, IsoQuantCache) > 0) == (window > 1)
     for i, (a, b) in enumerate(zip(plain, traced)):
         assert mx.allclose(a, b, atol=2e-4, rtol=1e-4), (i, float(mx.abs(a - b).max()))
 
@@ -169,7 +170,7 @@ def test_layers_run_as_written_with_graphs_off_or_hooked(model, reference_launch
     cache = model.make_cache(KVSettings(mode="fp16"))
     for t in ([[3, 4, 5]], [[6]], [[7]], [[8]]):
         mx.eval(model(mx.array(t), cache=cache))
-    assert _layer_graphs(model) == 0  # an fp16 cache's attention is not traced
+    assert _layer_graphs(model, FP16Cache) == 0  # a growing fp16 cache's attention is not traced
 
 
 def test_packed_buffers_keep_room_where_decode_steps_are_traced(monkeypatch):
@@ -193,5 +194,60 @@ def test_a_launch_is_traced_only_for_the_queries_it_was_made_for(model, referenc
     c = next(c for c in cache if isinstance(c, IsoQuantCache))
     shape, dtype, scale = c.decode_query
     c.decode_query = (shape, dtype, scale * 2)
-    with pytest.raises(ValueError, match="traced for a launch made for"):
+    with pytest.raises(ValueError, match="traced for a plan made for"):
         model(mx.array([[9]]), cache=cache)
+
+
+@pytest.mark.parametrize("prompt,rollback", [(3, 0), (21, 0), (5, 4)])
+def test_sliding_window_rings_are_traced_filling_and_full(model, prompt, rollback):
+    """fp16 rings of sliding-window layers (Gemma 4's) or of --max-kv-size: a decode step's layer is one graph, masked
+    while the ring fills (a prompt shorter than the window) and unmasked once it is full, with rolled-back steps; the
+    logits are the layers' op by op."""
+    kv = KVSettings(mode="fp16", max_kv_size=8)
+    set_decode_graphs(model, False)
+    plain, _ = _decode(model, 20, kv, prompt, rollback)
+    set_decode_graphs(model, True)
+    traced, cache = _decode(model, 20, kv, prompt, rollback)
+    rings = [c for c in cache if isinstance(c, SlidingWindowCache)]
+    assert rings and all(c.valid == c.window for c in rings)
+    plans = {k[1] for layer in model.layers for k in (layer.__dict__.get("_decode_graphs") or {})
+             if isinstance(k, tuple) and k[0] == "decode_layer"}
+    assert plans == ({"filling", "full"} if prompt < 7 else {"full"})
+    for i, (a, b) in enumerate(zip(plain, traced)):
+        assert mx.allclose(a, b, atol=2e-4, rtol=1e-4), (i, float(mx.abs(a - b).max()))
+
+
+def test_a_ring_takes_trims_and_a_new_dtype(model):
+    """Rings rolled back by trim (filling again with every slot live) and a model cast to another dtype after traced
+    steps (a ring's graph holds no plan made for the queries: traced again, not refused) keep the layers' logits."""
+    from mlx.utils import tree_map
+
+    kv = KVSettings(mode="fp16", max_kv_size=8)
+    weights = tree_map(lambda a: a, model.parameters())
+
+    def run() -> list:
+        model.update(weights)
+        cache = model.make_cache(kv)
+        model(mx.array([[(5 * i) % 300 + 3 for i in range(12)]]), cache=cache)
+        out = []
+        for t in range(14):
+            if t == 6:
+                for c in cache:
+                    c.trim(1)
+            out.append(model(mx.array([[(11 * t) % 300 + 1]]), cache=cache))
+            mx.eval(out[-1])
+            if t == 9:  # the weights' dtype changes mid-decode; graphs are dropped with it
+                model.set_dtype(mx.bfloat16)
+                set_decode_graphs(model, model.__dict__.get("_decode_graphs") is not False)
+        return out
+
+    set_decode_graphs(model, False)
+    plain = run()
+    set_decode_graphs(model, True)
+    traced = run()
+    assert _layer_graphs(model) > 0
+    for i, (a, b) in enumerate(zip(plain, traced)):
+        # measured 0.0 at every step; from step 10 on bf16, where a fused chain may round once less (0.05: ~6 ulps)
+        tol = 2e-4 if i < 10 else 0.05
+        assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=tol, rtol=tol), \
+            (i, float(mx.abs(a - b).max()))

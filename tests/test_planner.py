@@ -111,3 +111,22 @@ def test_plan_bytes_match_a_real_quantized_checkpoint(family, tmp_path):
     p = plan(TINY[family], r)
     assert p.total_bytes == res.bytes_out
     assert set(param_shapes(TINY[family])) >= {k for k in param_shapes(TINY[family]) if "switch" in k}
+
+
+def test_a_gpu_prompt_without_a_pager_counts_one_dequantized_bank(monkeypatch):
+    """models.base.SwitchGLU.dense_prompt: on an NVIDIA GPU, with no pager, a prompt chunk's experts run through each
+    bank dequantized whole (one at a time): the plan's activation reserve holds the largest bank in bf16."""
+    import mlx.core as mx
+
+    from rq_core.paging.planner import activation_bytes
+
+    cfg = _cfg("qwen3-30b-a3b.json")
+    rec = recipe.load("qwen3-16gb")
+    rec.pager.memory_budget = None
+    cpu = plan(cfg, rec)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    gpu = plan(cfg, rec)
+    assert gpu.activation_bytes - cpu.activation_bytes == 128 * 768 * 2048 * 2
+    assert plan(cfg, rec, prefill_chunk=64).activation_bytes == activation_bytes(cfg, 64)  # 512 rows: gather_qmm
+    assert plan(cfg, rec, budget=16 * 10**9).activation_bytes == cpu.activation_bytes  # a pager's slot banks: no

@@ -229,8 +229,9 @@ class FP16Cache:
 
 
 @functools.lru_cache(maxsize=64)
-def _row(n: int) -> mx.array:
-    """int32 [n]: a traced step's fp16 row (every layer of a step writes the same row)."""
+def row_index(n: int) -> mx.array:
+    """int32 [n]: an index a traced decode step takes as an input (the row it writes its token into, as
+    mx.slice_update's start; a ring's live slots). Every layer of a step takes the same ones: one array serves them."""
     return mx.array([n], dtype=mx.int32)
 
 
@@ -566,16 +567,17 @@ class IsoQuantCache:
         # must fit the meta's field
         if launch is None or self._f0 >= kernels.WINDOW_FIRST_MAX:
             return None
-        row = _row(self._f0 + self.fp16_len)
+        row = row_index(self._f0 + self.fp16_len)
         meta = kernels.fused_meta(self.packed_len, self._f0, self.fp16_len + 1)
         return launch, [*launch.static, self._fk, self._fv, row, self.k_codes, self.k_norms, self.v_codes,
                         self.v_norms, launch.counter(), meta]
 
     @staticmethod
-    def traced_attend(launch, arrays: list[mx.array], queries: mx.array, keys: mx.array,
-                      values: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def traced_attend(launch, arrays: list[mx.array], queries: mx.array, keys: mx.array, values: mx.array, *,
+                      scale: float | None = None) -> tuple[mx.array, mx.array, mx.array]:
         """Inside a traced graph, on `decode_inputs`' arrays: the new token's K/V written to its fp16 row, then the
-        fused launch: (attention output, the new fp16 key and value buffers)."""
+        fused launch (`scale` is unused: the launch was made for the queries' scale, which decode_layer checks):
+        (attention output, the new fp16 key and value buffers)."""
         *static, fk, fv, row, kc, kn, vc, vn, counter, meta = arrays
         fk = mx.slice_update(fk, keys.astype(fk.dtype), row, axes=(2,))
         fv = mx.slice_update(fv, values.astype(fv.dtype), row, axes=(2,))

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from rq_core.cache.kv_cache import KVSettings, Mask, make_kv_cache
+from rq_core.cache.kv_cache import KVSettings, Mask, make_kv_cache, row_index
 
 
 # --------------------------------------------------------------------------------------------- args
@@ -410,36 +410,37 @@ LAYER_GRAPHS_KEPT = 4  # a layer's decode_layer graphs (launch plans) kept: a co
 
 
 class _TracedKV:
-    """A compressed cache inside its layer's traced decode graph (decode_layer): the arrays its decode_inputs gave are
-    inputs of the graph, `attend` runs the cache's traced_attend on them, the fp16 buffers it writes are outputs."""
+    """A cache inside its layer's traced decode graph (decode_layer): the arrays its decode_inputs gave are inputs of
+    the graph, `attend` runs the cache's traced_attend on them, the buffers it writes are outputs."""
 
-    def __init__(self, cache_type: type, launch: Any, query: tuple, offset: mx.array, arrays: list) -> None:
-        self.cache_type, self.launch, self.query, self.offset, self.arrays = cache_type, launch, query, offset, arrays
-        self.buffers: tuple = ()
+    def __init__(self, cache_type: type, plan: Any, query: tuple, offset: mx.array, arrays: list) -> None:
+        self.cache_type, self.plan, self.query, self.offset, self.arrays = cache_type, plan, query, offset, arrays
+        self.buffers: list[mx.array] = []
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float, mask: Any = None) -> mx.array:
-        # the launch was made for the queries (shape, dtype, scale) of its cache's last decode step as written
-        if (tuple(queries.shape), queries.dtype, scale) != self.query:
-            raise ValueError(f"decode_layer: queries {queries.shape} {queries.dtype} scale {scale} traced for a launch "
+        # a compressed cache's plan (its launch) was made for the queries (shape, dtype, scale) of its last decode step
+        # as written
+        if self.query is not None and (tuple(queries.shape), queries.dtype, scale) != self.query:
+            raise ValueError(f"decode_layer: queries {queries.shape} {queries.dtype} scale {scale} traced for a plan "
                              f"made for {self.query}")
-        out, fk, fv = self.cache_type.traced_attend(self.launch, self.arrays, queries, keys, values)
-        self.buffers = (fk, fv)
+        out, *self.buffers = self.cache_type.traced_attend(self.plan, self.arrays, queries, keys, values, scale=scale)
         return out
 
 
 def decode_layer(layer: nn.Module, x: mx.array, cache: Any, *extra: Any) -> Any:
-    """A one-token decode step of `layer(x, cache, *extra)` as one traced graph with its compressed cache's attention
-    inside, or None where that does not apply (the caller runs the layer as written). `extra`: the layer's other
-    arguments (arrays, tuples of arrays, None); what the layer returns comes back with the same structure.
+    """A one-token decode step of `layer(x, cache, *extra)` as one traced graph with its cache's attention inside, or
+    None where that does not apply (the caller runs the layer as written). `extra`: the layer's other arguments
+    (arrays, tuples of arrays, None); what the layer returns comes back with the same structure.
 
     On a GPU a decode step is bound by host time. decode_graph traces what comes before and after the cache's
-    attention; a compressed cache's attention itself (the fp16 window's append and the fused launch) ran as Python
-    between them, every layer, every step. It applies to layers whose class sets `traced_decode`, with a cache that
-    has `decode_inputs` (IsoQuantCache: its launch keeps its class as the context grows, and takes every length as a
-    value), decode graphs on and no expert pager serving the layer (whose routing is read on the host mid-layer).
-    The cache's arrays (codes, norms, fp16 buffers, rotation and codebook, the step's meta) are the graph's inputs and
-    its new fp16 buffers its outputs, so the graph, traced once per launch plan (and by mx.compile per buffer shapes),
-    serves every cache of that layer."""
+    attention; the attention itself (the cache's append and its launch) ran as Python between them, every layer,
+    every step. It applies to layers whose class sets `traced_decode`, with a cache that has `decode_inputs`
+    (IsoQuantCache: its fused launch keeps its class as the context grows and takes every length as a value;
+    SlidingWindowCache: its ring, the same shapes every step), decode graphs on and no expert pager serving the
+    layer (whose routing is read on the host mid-layer). The cache's arrays (an IsoQuantCache's codes, norms, fp16
+    buffers, rotation and codebook, the step's meta; a ring's keys, values and slot) are the graph's inputs and its
+    new buffers its outputs, so the graph, traced once per plan (and by mx.compile per buffer shapes), serves every
+    cache of that layer."""
     if x.ndim != 3 or x.shape[1] != 1 or not getattr(layer, "traced_decode", False):
         return None
     inputs = getattr(cache, "decode_inputs", None)
@@ -449,37 +450,37 @@ def decode_layer(layer: nn.Module, x: mx.array, cache: Any, *extra: Any) -> Any:
     prep = inputs()
     if prep is None:
         return None
-    launch, arrays = prep
+    plan, arrays = prep
     extra_arrays, extra_spec = _flatten(extra)
     if graphs is None:
         graphs = layer.__dict__["_decode_graphs"] = {}
-    query = cache.decode_query  # (shape, dtype, scale) the launch was made for
-    key = ("decode_layer", launch.plan, query, type(cache), extra_spec)
+    query = getattr(cache, "decode_query", None)  # (shape, dtype, scale) a plan was made for (a ring's: none)
+    key = ("decode_layer", getattr(plan, "plan", plan), query, type(cache), extra_spec)
     entry = graphs.get(key)
     if entry is None:
         kept = [k for k in graphs if isinstance(k, tuple) and k[0] == "decode_layer"]
         for k in kept[: max(0, len(kept) - LAYER_GRAPHS_KEPT + 1)]:
             del graphs[k]
         out_spec: list = []  # the layer's output structure, recorded as the graph is traced
-        fn = mx.compile(functools.partial(_layer_graph, weakref.proxy(layer), type(cache), launch, query, len(arrays),
+        fn = mx.compile(functools.partial(_layer_graph, weakref.proxy(layer), type(cache), plan, query, len(arrays),
                                           extra_spec, out_spec))
         entry = graphs[key] = (fn, out_spec)
     fn, out_spec = entry
-    fk, fv, *out = fn(x, _scalar(cache.offset), *arrays, *extra_arrays)
-    cache.decode_commit(fk, fv)
+    k_buf, v_buf, *out = fn(x, _scalar(cache.offset), *arrays, *extra_arrays)
+    cache.decode_commit(k_buf, v_buf)
     return _build(out_spec[0], out)
 
 
-def _layer_graph(layer: nn.Module, cache_type: type, launch: Any, query: tuple, n_arrays: int, extra_spec: Any,
+def _layer_graph(layer: nn.Module, cache_type: type, plan: Any, query: tuple, n_arrays: int, extra_spec: Any,
                  out_spec: list, x: mx.array, offset: mx.array, *inputs: mx.array) -> list[mx.array]:
-    kv = _TracedKV(cache_type, launch, query, offset, list(inputs[:n_arrays]))
+    kv = _TracedKV(cache_type, plan, query, offset, list(inputs[:n_arrays]))
     extra = _build(extra_spec, list(inputs[n_arrays:]))
     _LAYER_GRAPH.tracing = True  # the layer's decode_graph methods run inside this graph as written
     try:
         out = layer(x, kv, *extra)
     finally:
         _LAYER_GRAPH.tracing = False
-    if not kv.buffers:
+    if len(kv.buffers) != 2:
         raise ValueError("decode_layer: the layer did not attend through its cache")
     arrays, spec = _flatten(out)
     out_spec[:] = [spec]
@@ -721,7 +722,7 @@ class SwitchLinear(nn.Module):
 
 
 class QuantizedSwitchLinear(nn.Module):
-    """SwitchLinear with mx.quantize'd weights; one mx.gather_qmm per call."""
+    """SwitchLinear with mx.quantize'd weights; one mx.gather_qmm per call (or, `dense`, the bank dequantized)."""
 
     def __init__(self, input_dims: int, output_dims: int, num_experts: int, bias: bool = False,
                  group_size: int = 64, bits: int = 4, mode: str = "affine", weight: Optional[mx.array] = None):
@@ -739,11 +740,27 @@ class QuantizedSwitchLinear(nn.Module):
     def num_experts(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the bank dequantized (affine: in its scales' dtype)."""
+        E, out, _ = self["weight"].shape
+        return E * out * self["scales"].shape[-1] * self.group_size * self["scales"].dtype.size
+
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False,
-                 lhs_indices: Optional[mx.array] = None) -> mx.array:
-        x = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), lhs_indices=lhs_indices,
-                          rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
-                          mode=self.mode, sorted_indices=sorted_indices)
+                 lhs_indices: Optional[mx.array] = None, dense: bool = False) -> mx.array:
+        """`dense`: the whole bank dequantized and one mx.gather_mm, evaluated before it returns (SwitchGLU.dense_prompt:
+        queued lazily, every layer's banks of a prompt chunk would be dequantized ahead of their matmuls, or held until
+        the device ran them, all in memory at once)."""
+        if dense:
+            w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                              bits=self.bits, mode=self.mode)
+            x = mx.gather_mm(x, w.swapaxes(-1, -2), lhs_indices=lhs_indices, rhs_indices=indices,
+                             sorted_indices=sorted_indices)
+            mx.eval(x)
+        else:
+            x = mx.gather_qmm(x, self["weight"], self["scales"], self.get("biases"), lhs_indices=lhs_indices,
+                              rhs_indices=indices, transpose=True, group_size=self.group_size, bits=self.bits,
+                              mode=self.mode, sorted_indices=sorted_indices)
         if "bias" in self:
             x = x + mx.expand_dims(self["bias"][indices], -2)
         return x
@@ -773,6 +790,18 @@ def _gather_sort(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array, mx
     order = mx.argsort(flat)
     inv_order = mx.argsort(order)
     return x.flatten(0, -3)[order // M], flat[order], inv_order
+
+
+# SwitchGLU.dense_prompt: token copies from which a bank is dequantized; the measured gather_qmm costs ~1 us a row a
+# projection and dequantizing ~0.4 ms, so it pays from ~400 rows: 1,024 leaves room for the syncs and other shapes
+DENSE_PROMPT_ROWS = 1024
+DENSE_PROMPT_BYTES = 512 << 20  # the largest bank dequantized whole (one at a time: planner.dense_prompt_bytes)
+
+
+def dense_prompt_device() -> bool:
+    """Whether prompts' experts may run dequantized here (SwitchGLU.dense_prompt): MLX's CUDA backend, whose gather_qmm
+    is the slow part of a prompt; Metal's is not measured slow, the CPU's gather_mm is float32-only."""
+    return mx.default_device() != mx.cpu and mx.cuda.is_available()
 
 
 class SwitchGLU(nn.Module):
@@ -816,9 +845,38 @@ class SwitchGLU(nn.Module):
     def compute_grouped(self, rows: mx.array, idx: mx.array) -> mx.array:
         """Token copies rows [R, 1, D] grouped by expert, idx [R] (non-decreasing) into the banks: [R, 1, D], as a
         prompt's rows are computed (the expert pager's prefill passes compute each pass's rows alone through it)."""
-        up = self.up_proj(rows, idx, sorted_indices=True)
-        h = self.activation(self.gate_proj(rows, idx, sorted_indices=True), up) if self.gated else self.activation(up)
-        return self.down_proj(h, idx, sorted_indices=True)
+        if not self.dense_prompt(rows.shape[0]):
+            up = self.up_proj(rows, idx, sorted_indices=True)
+            h = self.activation(self.gate_proj(rows, idx, sorted_indices=True), up) if self.gated \
+                else self.activation(up)
+            return self.down_proj(h, idx, sorted_indices=True)
+        # each projection evaluated before the next bank is dequantized: one bank in memory (a sync a projection, a
+        # prompt chunk's layer being milliseconds of device time)
+        up = self.up_proj(rows, idx, sorted_indices=True, dense=True)
+        h = self.activation(self.gate_proj(rows, idx, sorted_indices=True, dense=True), up) if self.gated \
+            else self.activation(up)
+        return self.down_proj(h, idx, sorted_indices=True, dense=True)
+
+    def dense_prompt(self, rows: int) -> bool:
+        """Whether a prompt's `rows` token copies go through each quantized bank dequantized whole and one
+        mx.gather_mm, a bank at a time: on an NVIDIA GPU (dense_prompt_device), from DENSE_PROMPT_ROWS rows, for affine
+        banks of at most DENSE_PROMPT_BYTES dequantized that no expert pager serves (its slot banks are planned
+        without that room).
+        MLX's CUDA gather_qmm reads the codes again for every row: H200, Qwen3-30B-A3B's experts at 2 bits, a layer's
+        three projections for 512 tokens took 11.7 ms, dequantized 3.2 ms (1.2 of it dequantizing); for 2,048 tokens
+        45.6 against 3.7 ms."""
+        if rows < DENSE_PROMPT_ROWS or not dense_prompt_device() or "pager_layer" in self.__dict__:
+            return False
+        banks = [self.up_proj, self.down_proj] + ([self.gate_proj] if self.gated else [])
+        return all(isinstance(b, QuantizedSwitchLinear) and b.mode == "affine" and b.dense_bytes <= DENSE_PROMPT_BYTES
+                   for b in banks)
+
+
+def dense_prompt_bank_bytes(model: nn.Module, rows: int) -> int:
+    """The largest bank a MoE layer of `model` holds dequantized for a prompt chunk of `rows` token copies
+    (SwitchGLU.dense_prompt), 0 where no layer runs dense."""
+    return max((b.dense_bytes for m in model.modules() if isinstance(m, SwitchGLU) and m.dense_prompt(rows)
+                for b in (m.up_proj, m.down_proj) + ((m.gate_proj,) if m.gated else ())), default=0)
 
 
 def paged_experts(switch: nn.Module, x: mx.array) -> Any:
@@ -888,7 +946,8 @@ def combine_experts(y: mx.array, weights: mx.array) -> mx.array:
 class SlidingWindowCache:
     """fp16 cache for sliding-window layers: a ring of `window` slots, the token at position p in slot p % window.
 
-    Follows the KVCache protocol (`attend`, `end_prefill`, `trim`, byte counts). A query at position i sees
+    Follows the KVCache protocol (`attend`, `end_prefill`, `trim`, byte counts) and a traced decode step's
+    (`decode_inputs`, `traced_attend`, `decode_commit`: decode_layer). A query at position i sees
     keys j with i - window < j <= i (transformers' sliding-window semantics). Decode writes one slot in place
     and attends over the ring as is (key order does not matter to softmax), so a token costs no copy of the
     window. A prefill chunk is attended in time order behind the ring's tokens, masked, then its newest
@@ -901,6 +960,7 @@ class SlidingWindowCache:
         self.values: mx.array | None = None
         self.offset = 0
         self.valid = 0  # newest tokens present (≤ window; fewer after trim)
+        self.decoded = False  # a decode step has attended as written: the next ones may be traced (decode_inputs)
 
     def _in_time_order(self) -> tuple[mx.array, mx.array]:
         W, n, s = self.window, self.valid, self.offset % self.window
@@ -911,6 +971,7 @@ class SlidingWindowCache:
                mask: Mask = None) -> mx.array:
         W, L = self.window, keys.shape[2]
         if L == 1 and self.keys is not None:
+            self.decoded = True
             slot = self.offset % W
             self.keys[..., slot:slot + 1, :] = keys
             self.values[..., slot:slot + 1, :] = values
@@ -942,6 +1003,38 @@ class SlidingWindowCache:
         self.keys, self.values = mx.roll(tail_k, shift, axis=2), mx.roll(tail_v, shift, axis=2)
         self.offset, self.valid = end, n
         return out
+
+    # -- a decode step's attention inside its layer's traced graph (decode_layer) --
+    def decode_inputs(self) -> tuple[str, list[mx.array]] | None:
+        """(plan, [keys, values, the new token's slot, and while the ring fills the count of live slots after it]): a
+        decode step writes its slot and attends over the ring, the same shapes every step; "full" unmasked, "filling"
+        with the mask of the live slots. None until a decode step has attended as written (what a layer does once on
+        its first call stays out of the trace, as decode_graph keeps it)."""
+        if self.keys is None or not self.decoded:
+            return None
+        arrays = [self.keys, self.values, row_index(self.offset % self.window)]
+        if self.valid >= self.window:
+            return "full", arrays
+        return "filling", [*arrays, row_index(self.valid + 1)]
+
+    @staticmethod
+    def traced_attend(plan: str, arrays: list[mx.array], queries: mx.array, keys: mx.array, values: mx.array, *,
+                      scale: float) -> tuple[mx.array, mx.array, mx.array]:
+        """Inside a traced graph: the new K/V written to their slot, attention over the ring → (output, the new
+        key and value rings)."""
+        ring_k, ring_v, slot, *live = arrays
+        ring_k = mx.slice_update(ring_k, keys.astype(ring_k.dtype), slot, axes=(2,))
+        ring_v = mx.slice_update(ring_v, values.astype(ring_v.dtype), slot, axes=(2,))
+        mask = None
+        if plan == "filling":  # a slot is live while its age (steps since it was written) is below the valid count
+            mask = (slot - mx.arange(ring_k.shape[2], dtype=mx.int32)) % ring_k.shape[2] < live[0]
+        return mx.fast.scaled_dot_product_attention(queries, ring_k, ring_v, scale=scale, mask=mask), ring_k, ring_v
+
+    def decode_commit(self, keys: mx.array, values: mx.array) -> None:
+        """The rings a traced step wrote its token into."""
+        self.keys, self.values = keys, values
+        self.offset += 1
+        self.valid = min(self.valid + 1, self.window)
 
     def end_prefill(self) -> None:
         pass

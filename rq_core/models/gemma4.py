@@ -224,7 +224,7 @@ class Experts(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    traced_decode = True  # a decode step's layer with a compressed cache is one graph (base.decode_layer)
+    traced_decode = True  # a decode step's layer with a compressed cache or a ring is one graph (base.decode_layer)
 
     def __init__(self, args: ModelArgs, i: int):
         super().__init__()

@@ -186,7 +186,7 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    traced_decode = True  # a decode step's attention block with a compressed cache is one graph (base.decode_layer)
+    traced_decode = True  # a decode step's attention block with a compressed cache or a ring: one graph (decode_layer)
 
     def __init__(self, args: ModelArgs, kind: str):
         super().__init__()

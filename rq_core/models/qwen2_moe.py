@@ -115,7 +115,7 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    traced_decode = True  # a decode step's layer with a compressed cache is one graph (base.decode_layer)
+    traced_decode = True  # a decode step's layer with a compressed cache or a ring is one graph (base.decode_layer)
 
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()

@@ -5,8 +5,9 @@ tensor shapes come from the family's model built lazily (MLX arrays are never ev
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from rq_core.errors import RQError
 from rq_core.models import text_config
@@ -199,6 +200,17 @@ def activation_bytes(config: dict, chunk: int) -> int:
     return chunk * 4 * (V + 16 * H + 3 * inter + 3 * dense)
 
 
+def dense_prompt_bytes(routed_shapes: Iterable[tuple[int, ...]], top_k: int, chunk: int, dbytes: int) -> int:
+    """The routed-expert bank a prompt chunk's MoE layer holds dequantized on an NVIDIA GPU (models.base.SwitchGLU.
+    dense_prompt: one bank at a time, experts all resident), or 0 where that does not apply."""
+    from rq_core.models.base import DENSE_PROMPT_BYTES, DENSE_PROMPT_ROWS, dense_prompt_device
+
+    if chunk * top_k < DENSE_PROMPT_ROWS or not dense_prompt_device():
+        return 0
+    # a layer runs dense when its banks fit the bound (the banks of a layer are of one size in every family)
+    return max((b for b in (math.prod(shape) * dbytes for shape in routed_shapes) if b <= DENSE_PROMPT_BYTES), default=0)
+
+
 def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context: Optional[int] = None,
          prefill_chunk: int = 512, shapes: Optional[dict[str, tuple[int, ...]]] = None) -> Plan:
     """What the recipe makes of this model and what fits `budget` bytes (None: the recipe's budget)."""
@@ -235,6 +247,8 @@ def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context:
     if budget is None and recipe.pager.memory_budget is not None:
         budget = parse_size(str(recipe.pager.memory_budget), "memory budget")
     notes: list[str] = []
+    if budget is None:  # no pager: a prompt chunk's experts may run dequantized
+        act += dense_prompt_bytes(routed.values(), k, min(prefill_chunk, max(ctx, 1)), db)
     if budget is None or not n_moe:
         slots = E
         fits = budget is None or resident + routed_bytes + kvb + pre + act <= budget

@@ -1,8 +1,8 @@
 """A decode step's layer as one traced graph with its cache's attention inside (rq_core.models.base.decode_layer): a
 compressed cache's bookkeeping around the graph (the window's spill, its buffers, the codes' growth), or a sliding
-window's ring, gives the attention the layers compute op by op. On the CPU the fused kernel is stood in for by MLX ops that read the
-launch's inputs as the kernel does (every length from `meta`, the window's rows from the whole buffers); the kernel
-itself is checked against float64 by tests/test_kernel_window.py and, on a GPU, tools/gpu_check.py."""
+window's ring, gives the attention the layers compute op by op. On the CPU the fused kernel is stood in for by MLX ops
+that read the launch's inputs as the kernel does (every length from `meta`, the window's rows from the whole buffers);
+the kernel itself is checked against float64 by tests/test_kernel_window.py and, on a GPU, tools/gpu_check.py."""
 
 from __future__ import annotations
 

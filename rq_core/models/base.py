@@ -748,9 +748,9 @@ class QuantizedSwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False,
                  lhs_indices: Optional[mx.array] = None, dense: bool = False) -> mx.array:
-        """`dense`: the whole bank dequantized and one mx.gather_mm, evaluated before it returns (SwitchGLU.dense_prompt:
-        queued lazily, every layer's banks of a prompt chunk would be dequantized ahead of their matmuls, or held until
-        the device ran them, all in memory at once)."""
+        """`dense`: the whole bank dequantized and one mx.gather_mm, evaluated before it returns
+        (SwitchGLU.dense_prompt: queued lazily, every layer's banks of a prompt chunk would be dequantized ahead of
+        their matmuls, or held until the device ran them, all in memory at once)."""
         if dense:
             w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
                               bits=self.bits, mode=self.mode)

@@ -208,7 +208,8 @@ def dense_prompt_bytes(routed_shapes: Iterable[tuple[int, ...]], top_k: int, chu
     if chunk * top_k < DENSE_PROMPT_ROWS or not dense_prompt_device():
         return 0
     # a layer runs dense when its banks fit the bound (the banks of a layer are of one size in every family)
-    return max((b for b in (math.prod(shape) * dbytes for shape in routed_shapes) if b <= DENSE_PROMPT_BYTES), default=0)
+    banks = (math.prod(shape) * dbytes for shape in routed_shapes)
+    return max((b for b in banks if b <= DENSE_PROMPT_BYTES), default=0)
 
 
 def plan(config: dict, recipe: Recipe, *, budget: Optional[int] = None, context: Optional[int] = None,

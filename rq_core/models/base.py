@@ -455,6 +455,8 @@ def decode_layer(layer: nn.Module, x: mx.array, cache: Any, *extra: Any) -> Any:
     if graphs is None:
         graphs = layer.__dict__["_decode_graphs"] = {}
     query = getattr(cache, "decode_query", None)  # (shape, dtype, scale) a plan was made for (a ring's: none)
+    # a compressed cache's plan is its fused launch, named by its class (`.plan`: a new cache's launch of the same class
+    # replays the graph); a ring's is its name
     key = ("decode_layer", getattr(plan, "plan", plan), query, type(cache), extra_spec)
     entry = graphs.get(key)
     if entry is None:

@@ -332,10 +332,11 @@ def step_table(res: dict) -> list[str]:
     for m in res["models"]:
         for c in m["cells"] + ([m["min_budget"]] if m.get("min_budget") else []):
             r = c.get("run") or {}
-            pd, steps = r.get("pager_decode"), (r.get("decode_tok_per_s") or 0) * (r.get("decode_s") or 0)
-            if not pd or steps < 1 or pd.get("misses") is None:
+            # decode_steps, else (older files) rate x time, rounded: 1/x*x is not always 1.0 in floats
+            pd = r.get("pager_decode")
+            n = r.get("decode_steps") or round((r.get("decode_tok_per_s") or 0) * (r.get("decode_s") or 0))
+            if not pd or n < 1 or pd.get("misses") is None:
                 continue
-            n = round(steps)
             ms = lambda s: f"{1e3 * s / n:.1f}"  # noqa: E731
             rest = r["decode_s"] - pd["sync_s"] - pd["host_s"]
             budget = f"min {gb(c['budget_bytes'])} GB" if c.get("budget_bytes") else m["budget"]

@@ -22,6 +22,7 @@ class GenerationResult:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_steps: int = 0  # decode steps whose token was read (an EOS read counts; generated_tokens excludes it)
     prefill_tok_per_s: float = 0.0
     decode_tok_per_s: float = 0.0
     # the first decode step alone (on a GPU it carries the JIT compile of custom kernels: seconds, once a
@@ -211,6 +212,7 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
             res.stop_reason = "context" if context_length and len(prompt) + len(res.tokens) >= context_length \
                 else "length"
     res.decode_s = time.perf_counter() - t1 if steps else 0.0
+    res.decode_steps = steps
 
     res.generated_tokens = len(res.tokens)
     res.prefill_tok_per_s = len(prompt) / res.prefill_s if res.prefill_s > 0 else 0.0

@@ -110,6 +110,21 @@ def test_table_names_the_machine_the_budgets_and_the_disk():
     assert "| nemotron3-super-120b-a12b | 19GB | isoquant3 | 5.0 | 40 | 0.40 | 1.00% | +1.0 | - | -5.0% |" in t
 
 
+def test_step_table_counts_steps_exactly():
+    """A paged run's steps come from decode_steps, else rate x time rounded: (1/49) * 49 is 0.9999999999999999 in
+    floats, and a one-step run (--tokens 2) must still get its row."""
+    pt = _module()
+    pd = {"misses": 10, "read_s": 0.5, "sync_s": 1.0, "host_s": 2.0, "bytes_read": 4e6}
+    run = {"prompt_tokens": 16, "decode_tok_per_s": 1 / 49, "decode_s": 49.0, "pager_decode": pd}
+    assert (1 / 49) * 49 < 1
+    res = {"models": [{"config": "qwen3-30b-a3b", "budget": "1GB", "cells": [{"kv": "fp16", "run": run}]}]}
+    (row,) = [x for x in pt.step_table(res) if x.startswith("| qwen3")]
+    assert row == "| qwen3-30b-a3b | 1GB | fp16 | 16 | 49000.0 | 500.0 | 1000.0 | 1500.0 | 46000.0 | 10.0 | 4.0 |"
+    run["decode_steps"] = 7  # recorded: taken as is
+    (row,) = [x for x in pt.step_table(res) if x.startswith("| qwen3")]
+    assert row.startswith("| qwen3-30b-a3b | 1GB | fp16 | 16 | 7000.0 | 71.4 |")
+
+
 def test_rows_merged_from_two_machines_each_name_their_own():
     """A GPU row merged beside rows from a CPU run: the table names each model's machine (not the newest run's for
     all), and still says that the CPU's speeds are not the paper's."""

@@ -17,7 +17,7 @@ FAMILIES = sorted(p.parent.name for p in GOLDEN.glob("*/golden.json"))
 QWEN2 = GOLDEN / "qwen2_moe" / "model"
 JSON_FIELDS = {"text", "tokens", "prompt_tokens", "generated_tokens", "prefill_tok_per_s", "decode_tok_per_s",
                "peak_memory_bytes", "kv_bytes", "kv_bytes_fp16", "kv_mode", "model_type", "first_step_s",
-               "steady_decode_tok_per_s"}
+               "steady_decode_tok_per_s", "decode_steps"}
 
 
 def _rq(*args: str):
@@ -44,6 +44,8 @@ def test_greedy_json_matches_transformers(family: str) -> None:
     assert out["prompt_tokens"] == len(g["prompt_ids"])
     assert out["tokens"] == g["greedy"]
     assert out["generated_tokens"] == len(out["tokens"])
+    # every generated token but the prompt pass's is one decode step's (an EOS read is a step, not a token)
+    assert out["decode_steps"] in (out["generated_tokens"] - 1, out["generated_tokens"])
     assert out["kv_mode"] == "fp16" and out["model_type"] == family
     assert out["prefill_tok_per_s"] > 0 and out["decode_tok_per_s"] > 0
     if out["generated_tokens"] > 2:  # the first decode step timed apart, the rate without it

@@ -77,6 +77,7 @@ def workdir(tmp_path_factory) -> dict:
     return {"dir": d, "env": env}
 
 
+@pytest.mark.xdist_group("readme")  # one worker runs them all, in order (a later example reads what an earlier wrote)
 @pytest.mark.parametrize("cmd", RUN, ids=[re.sub(r"\s+", " ", c.split("#")[0]).strip()[:60] for c in RUN])
 def test_readme_example_runs(cmd: str, workdir: dict):
     r = subprocess.run(["bash", "-c", cmd], cwd=workdir["dir"], env=workdir["env"], stdin=subprocess.DEVNULL,

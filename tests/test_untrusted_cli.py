@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import io
+import itertools
 import json
 import os
 import resource
@@ -47,10 +48,12 @@ def _one_line_error(r, *needles: str) -> str:
     return lines[0]
 
 
+_DEAD_PIDS = itertools.count(4_194_305)  # above Linux's largest pid_max (2^22) and macOS's 99,998: never a live process
+
+
 def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
+    """A PID no process has (a reaped child's can be handed out again while other tests spawn processes)."""
+    return next(_DEAD_PIDS)
 
 
 def _loads(path: Path) -> None:
@@ -84,9 +87,9 @@ def test_quantize_removes_only_its_own_stale_temp_folders(src, tmp_path):
     killed.mkdir()
     (killed / TMP_MARK).touch()
     (killed / "part-00000.safetensors").write_bytes(b"half")
-    empty = tmp_path / f".q.tmp-{dead + 1}"  # killed between mkdir and the mark
+    empty = tmp_path / f".q.tmp-{_dead_pid()}"  # killed between mkdir and the mark
     empty.mkdir()
-    users = tmp_path / f".q.tmp-{dead + 2}"  # same name pattern, not ours: no mark, has data
+    users = tmp_path / f".q.tmp-{_dead_pid()}"  # same name pattern, not ours: no mark, has data
     users.mkdir()
     (users / "data.txt").write_text("keep")
     alive = tmp_path / f".q.tmp-{os.getppid()}"  # a run still going

@@ -2,10 +2,9 @@
 corrupt pages, stale pages, a re-pack killed mid-swap, malformed indexes, and `rq pack --out`.
 Each case ends in one clear line and exit 2, or in exactly the tokens of the resident model."""
 
+import itertools
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -177,10 +176,12 @@ def test_stale_pages_are_refused(bundled, tmp_path):
 
 
 # 4 ------------------------------------------------------------------------------------ killed re-pack
+_DEAD_PIDS = itertools.count(4_194_305)  # above Linux's largest pid_max (2^22) and macOS's 99,998: never a live process
+
+
 def _dead_pid() -> int:
-    p = subprocess.Popen([sys.executable, "-c", "pass"])
-    p.wait()
-    return p.pid
+    """A PID no process has (a reaped child's can be handed out again while other tests spawn processes)."""
+    return next(_DEAD_PIDS)
 
 
 def test_pack_stranded_by_a_kill_between_the_renames_is_recovered(bundled, tmp_path):

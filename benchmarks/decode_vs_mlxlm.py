@@ -313,7 +313,7 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
                 print(f"  {label} repeat {rep} context {c} {r}: {x['decode_tok_per_s']:.2f} tok/s, "
                       f"peak {x['peak_memory_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
         if on_partial is not None:  # saved after each repetition: a run cut short keeps what it measured
-            on_partial({**info, "repeats_done": rep + 1}, build_rows(runs, contexts, cfg, label))
+            on_partial({**info, "repeats_done": rep + 1}, build_rows(runs, contexts, cfg, label), [])
     rows = build_rows(runs, contexts, cfg, label)
     lengths = [n for n in a.prefill if not limit or n + 1 <= limit]
     info["prefill_skipped_beyond_max_position_embeddings"] = [n for n in a.prefill if n not in lengths]
@@ -335,6 +335,9 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
                 prefill_runs.setdefault((n, r), []).append(x)
                 print(f"  {label} prefill repeat {rep} {n} tokens {r}: {x['prefill_tok_per_s']:.1f} tok/s, "
                       f"peak {x['peak_memory_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+        if on_partial is not None:
+            on_partial({**info, "prefill_repeats_done": rep + 1}, rows,
+                       build_prefill_rows(prefill_runs, lengths, label))
     prefill_rows = build_prefill_rows(prefill_runs, lengths, label)
     # the same check in float32, after timing (casting copies the scales, biases and norms): rounding apart, the two
     # models should compute the same function. On the CPU: its float32 is exact, where a GPU's float32 matmuls may
@@ -469,10 +472,10 @@ def main() -> None:
     rows = [r for r in old.get("rows", []) if r["config"] not in {lab for _, lab in jobs}]
     prefill = [r for r in old.get("prefill", []) if r["config"] not in {lab for _, lab in jobs}]
     for cfg, label in jobs:
-        def partial(info, part, label=label):
+        def partial(info, part, pre_part, label=label):
             infos[label] = {**info, "run": meta, "partial": True}
             cur = [r for r in rows if r["config"] != label] + part
-            pre = [r for r in prefill if r["config"] != label]
+            pre = [r for r in prefill if r["config"] != label] + pre_part
             _readme.save(RESULTS, {"models": infos, "rows": cur, "prefill": pre}, table(cur, infos, pre), path=out)
 
         res = run_family(cfg, Path(a.dir), a, label, on_partial=partial)

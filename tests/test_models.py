@@ -237,6 +237,11 @@ def test_registry_names_supported_types() -> None:
 def test_rope_params_spellings() -> None:
     assert base.rope_params({"rope_theta": 5e5}) == (5e5, None)
     assert base.rope_params({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == (1e6, None)
+    # a default rope that rotates half of each head keeps its factor (dropped, every dim would rotate)
+    half = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    theta, sc = base.rope_params(half)
+    assert theta == 1e4 and sc["partial_rotary_factor"] == 0.5
+    assert base.make_rope(16, theta, sc).dims == 8
     theta, sc = base.rope_params({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert theta == 1e4 and sc["factor"] == 2.0
     per_type = {"rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
@@ -366,6 +371,45 @@ def test_sample_greedy_top_p_and_seed() -> None:
     mx.random.seed(7)
     b = [int(sample(logits, 1.0, top_p=0.9)[0]) for _ in range(50)]
     assert a == b and set(a) <= {1, 2} and len(set(a)) == 2  # token 0 and 3 fall outside the 0.9 nucleus
+
+
+class _NextTokenModel:
+    """Logits over 16 tokens: `peak` at the last input token + 1 (mod 16), 0 elsewhere; no caches. Records the width
+    of each call's input (the prompt's chunks, then one token a decode step)."""
+
+    V = 16
+
+    def __init__(self, peak: float = 10.0) -> None:
+        self.peak, self.widths = peak, []
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        self.widths.append(inputs.shape[1])
+        nxt = (inputs[0, -1].item() + 1) % self.V
+        row = mx.where(mx.arange(self.V) == nxt, self.peak, 0.0)
+        return mx.broadcast_to(row, (1, inputs.shape[1], self.V))
+
+    def make_cache(self, kv=None) -> list:
+        return []
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 5])
+def test_prefill_in_chunks_samples_after_the_last_prompt_token(chunk: int) -> None:
+    """The prompt runs in chunks of `prefill_chunk`, the last one whole or not (4 tokens: [4], [2, 2], [3, 1], ...):
+    the first sampled token follows the prompt's last token whether or not the chunk size divides the prompt."""
+    m = _NextTokenModel()
+    res = generate(m, [1, 2, 3, 4], max_tokens=3, prefill_chunk=chunk)
+    assert res.tokens == [5, 6, 7]
+    n = -(-4 // chunk)
+    assert m.widths[:n] == [min(chunk, 4 - i * chunk) for i in range(n)] and m.widths[n:] == [1, 1]
+
+
+def test_seed_zero_repeats_a_sampled_generation() -> None:
+    """seed=0 is a seed like any other: two sampled runs with it give the same tokens whatever was drawn in between
+    (equal logits: each token is a draw from 16)."""
+    a = generate(_NextTokenModel(peak=0.0), [1], max_tokens=12, temp=1.0, seed=0).tokens
+    mx.random.uniform(shape=(4,))  # the global key moves on
+    b = generate(_NextTokenModel(peak=0.0), [1], max_tokens=12, temp=1.0, seed=0).tokens
+    assert a == b and len(set(a)) > 2
 
 
 def test_routing_helpers() -> None:

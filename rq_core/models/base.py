@@ -186,9 +186,10 @@ def rope_params(config: dict[str, Any], layer_type: Optional[str] = None) -> tup
             scaling = rp
     if theta is None:
         theta = 10000.0
-    if scaling is not None:
+    if isinstance(scaling, dict):
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
+        # plain RoPE, unless it rotates part of a head (transformers 5 reads partial_rotary_factor for every type)
+        if kind == "default" and scaling.get("partial_rotary_factor", 1.0) == 1.0:
             scaling = None
     return float(theta), scaling
 

@@ -83,6 +83,12 @@ def test_bad_inputs(tmp_path):
         Codebook.load(bad)
     with pytest.raises(RQError, match="not found"):
         Codebook.load(tmp_path / "missing.toml")
+    # levels strictly ascending: a repeated level would leave a cell no value is ever coded to (its threshold equals
+    # the next one), a 2-bit codebook with 3 usable levels
+    for levels in ("[-1.0, 0.0, 0.0, 1.0]", "[-1.0, 0.5, 0.0, 1.0]", "[-1.0, 0.0, 1.0]"):
+        bad.write_text(f"[codebook]\nbits = 2\nlevels = {levels}\n")
+        with pytest.raises(RQError, match="needs 4 ascending levels"):
+            Codebook.load(bad)
 
 
 def test_pair_codebooks_shipped_equal_their_fit():

@@ -343,6 +343,21 @@ def test_trim_and_bytes():
     assert c.trim(100) == 8 and c.offset == 0 and c.nbytes == 0
 
 
+def test_fp16_cache_trim_stops_at_the_start():
+    """FP16Cache.trim drops at most the tokens it holds and returns how many it dropped; tokens appended after a trim
+    take the trimmed ones' places (attention as a cache that never held them)."""
+    c, ref = FP16Cache(), FP16Cache()
+    q, k, v = _qkv(6, 0)
+    c.attend(q, k, v, scale=SCALE, mask="causal")
+    assert c.trim(4) == 4 and c.offset == 2
+    assert c.trim(5) == 2 and c.offset == 0 and c.nbytes == 0 and c.fp16_nbytes == 0
+    assert c.trim(1) == 0 and c.offset == 0
+    q2, k2, v2 = _qkv(3, 10)
+    out = c.attend(q2, k2, v2, scale=SCALE, mask="causal")
+    assert c.offset == 3 and c.nbytes == 3 * HKV * 2 * D * 4  # float32 keys and values
+    np.testing.assert_array_equal(np.array(out), np.array(ref.attend(q2, k2, v2, scale=SCALE, mask="causal")))
+
+
 def test_turbo_uses_dense_rotation():
     c = make_kv_cache(KVSettings(mode="turbo3", rotation="wht_so4"), layer=0, n_kv_heads=2, head_dim=64)
     assert isinstance(c, TurboQuantCache) and c.rotation.variant == "dense"

@@ -794,3 +794,68 @@ def test_a_page_reads_into_its_own_row_of_the_staging_buffer(tmp_path):
         spans = layer._spans(n)
         assert len(spans) == want and spans[0][0] == 0 and spans[-1][1] == used
         assert all(b1 == a2 for (_, b1), (a2, _) in zip(spans, spans[1:])) and all(a < b for a, b in spans)
+
+
+def test_a_miss_evicts_the_least_recently_used_expert():
+    """LRU over one layer's slots: a hit makes an expert the most recent, a miss with no free slot takes the slot of
+    the least recent one, and after `acquire` every expert it was given is resident (in the slot its table says).
+    Pages are not read here: `load` records the (experts, slots) it is asked for."""
+    import types
+    from collections import OrderedDict
+
+    import numpy as np
+
+    from rq_core.paging.pager import PagerStats, _Layer
+
+    writes = []
+    layer = _Layer.__new__(_Layer)
+    layer.pager = types.SimpleNamespace(stats=PagerStats(), copier=types.SimpleNamespace(
+        write=lambda raw, off, src: writes.append(np.array(src)), fence=lambda: None))
+    layer.path, layer.E, layer.slots = "layer", 8, 3
+    layer.lru, layer.free, layer.lut = OrderedDict(), [0, 1, 2], np.zeros(8, np.int32)
+    layer._lut_raw = object()
+    loads = []
+    layer.load = lambda experts, slots: loads.append((list(experts), list(slots)))
+
+    def acquire(*experts):
+        layer.acquire(np.array(experts))
+        assert all(e in layer.lru for e in experts)
+        assert sorted(layer.lru.values()) == sorted(set(layer.lru.values()))  # one expert a slot
+        assert all(layer.lut[e] == s for e, s in layer.lru.items()) and np.array_equal(writes[-1], layer.lut)
+
+    acquire(0, 1, 2)  # three misses fill the free slots 0, 1, 2
+    assert loads == [([0, 1, 2], [0, 1, 2])] and list(layer.lru) == [0, 1, 2]
+    acquire(0)  # a hit: 0 becomes the most recent, 1 the least
+    assert list(layer.lru) == [1, 2, 0] and len(loads) == 1
+    acquire(5)  # evicts 1 (least recent), into its slot 1
+    assert loads[-1] == ([5], [1]) and list(layer.lru) == [2, 0, 5]
+    acquire(0, 6)  # 0 a hit (most recent again), 6 evicts 2 (slot 2), not 0 or 5
+    assert loads[-1] == ([6], [2]) and list(layer.lru) == [5, 0, 6]
+    acquire(7, 3)  # two misses evict 5 then 0, the two least recent
+    assert loads[-1] == ([7, 3], [1, 0]) and list(layer.lru) == [6, 7, 3]
+    st = layer.pager.stats
+    assert (st.hits, st.misses, st.evictions) == (2, 7, 4)
+
+
+def test_decode_counters_are_counted_from_their_start():
+    """PagerStats.since: every counter (hits, misses, bytes, evictions, syncs, times, batches, speculated steps) is the
+    difference from the earlier report, the hit rate is theirs; sizes and settings are as now (what
+    GenerationResult.pager_decode reports for the decode steps alone)."""
+    from dataclasses import fields
+
+    from rq_core.paging.pager import PagerStats
+
+    sizes = {"hit_rate", "resident_bytes", "slots", "policy", "staging_bytes", "staging_host_resident"}
+    s = PagerStats(slots=4, resident_bytes=4096, staging_bytes=512, policy="lru")
+    counters = [f.name for f in fields(PagerStats) if f.name not in sizes]
+    for i, name in enumerate(counters):  # the prompt's counts
+        setattr(s, name, 100 * (i + 1))
+    before = s.as_dict()
+    for i, name in enumerate(counters):  # the decode steps add i + 1 to each
+        setattr(s, name, getattr(s, name) + i + 1)
+    s.slots, s.resident_bytes = 6, 6144
+    d = s.since(before)
+    assert {name: d[name] for name in counters} == {name: i + 1 for i, name in enumerate(counters)}
+    h, m = counters.index("hits") + 1, counters.index("misses") + 1
+    assert d["hit_rate"] == h / (h + m)
+    assert (d["slots"], d["resident_bytes"], d["staging_bytes"], d["policy"]) == (6, 6144, 512, "lru")

@@ -130,3 +130,53 @@ def test_a_gpu_prompt_without_a_pager_counts_one_dequantized_bank(monkeypatch):
     assert gpu.activation_bytes - cpu.activation_bytes == 128 * 768 * 2048 * 2
     assert plan(cfg, rec, prefill_chunk=64).activation_bytes == activation_bytes(cfg, 64)  # 512 rows: gather_qmm
     assert plan(cfg, rec, budget=16 * 10**9).activation_bytes == cpu.activation_bytes  # a pager's slot banks: no
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
+def test_kv_bytes_per_token_is_what_compressed_caches_hold(head_dim):
+    """kv_bytes' per-token count equals the bytes compressed caches hold per token, at every width: a row's codes
+    take whole uint32 words, so 16 coordinates at 1 or 3 bits take 1 and 2 words, not 0.5 and 1.5."""
+    import mlx.core as mx
+
+    from rq_core.cache.kv_cache import KVSettings, make_kv_cache
+
+    cfg = dict(TINY["qwen3_moe"], head_dim=head_dim, num_key_value_heads=2, num_attention_heads=4)
+    T = 5
+    for bits in (1, 2, 3, 4):
+        held = 0
+        for layer in range(cfg["num_hidden_layers"]):
+            c = make_kv_cache(KVSettings(mode="isoquant3", bits=bits), layer=layer, n_kv_heads=2, head_dim=head_dim)
+            q = mx.random.normal((1, 4, T, head_dim), key=mx.random.key(layer))
+            k, v = (mx.random.normal((1, 2, T, head_dim), key=mx.random.key(10 + i + layer)) for i in range(2))
+            c.attend(q, k, v, scale=head_dim ** -0.5, mask="causal")
+            c.end_prefill()
+            assert c.packed_len == T
+            held += c.nbytes
+        assert kv_bytes(cfg, "isoquant3", bits) == (held // T, 0), (head_dim, bits)
+
+
+def test_a_budget_of_exactly_top_k_slots_fits():
+    """The least budget that holds top-k slots a layer gives exactly top-k slots, and the plan fits; a byte less
+    gives one slot fewer, and it does not."""
+    cfg = _cfg("nemotron3-super-120b-a12b.json")
+    r = recipe.load("nemotron-32gb")
+    p = plan(cfg, r, budget=32 * 10**9)  # the parts below do not depend on the budget
+    need = (p.resident_bytes + p.kv_bytes + p.prefill_fp16_bytes + p.activation_bytes
+            + p.top_k * p.moe_layers * p.bytes_per_expert)
+    at = plan(cfg, r, budget=need)
+    assert at.slots_per_layer == at.top_k == 22 and at.fits and at.planned_peak_bytes == need and not at.notes
+    below = plan(cfg, r, budget=need - 1)
+    assert below.slots_per_layer == 21 and not below.fits and below.notes
+
+
+def test_a_prompt_chunk_longer_than_prefill_fp16_is_counted_whole():
+    """kv.prefill_fp16 below the prefill chunk: a chunk's own tokens stay fp16 while it attends to itself
+    (IsoQuantCache keeps max(chunk, prefill_fp16)), so the plan counts a chunk's K/V, rounded up as the caches grow,
+    plus two layers' decoded context."""
+    cfg = _cfg("qwen3-30b-a3b.json")
+    rec = recipe.load("qwen3-16gb")  # context 8,192
+    fp16_tok = 48 * 2 * 4 * 128 * 2
+    rec.kv.prefill_fp16 = 100
+    assert plan(cfg, rec, prefill_chunk=512).prefill_fp16_bytes == fp16_tok * 512 + 2 * (fp16_tok // 48) * 8192
+    assert plan(cfg, rec, prefill_chunk=300).prefill_fp16_bytes == fp16_tok * 512 + 2 * (fp16_tok // 48) * 8192
+    assert plan(cfg, rec, prefill_chunk=64).prefill_fp16_bytes == fp16_tok * 256 + 2 * (fp16_tok // 48) * 8192

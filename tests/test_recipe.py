@@ -46,6 +46,7 @@ def test_resolved_round_trip():
     (BASE + "[kv]\nedge_layers = -1\n", "kv.edge_layers must be >= 0"),
     (BASE + "[kv]\nedge_layers = true\n", "kv.edge_layers must be an integer"),
     (BASE + "[kv]\nedge_bits = 5\n", "kv.edge_bits must be 2, 3 or 4"),
+    (BASE + "[kv]\nedge_bits = 1\n", "kv.edge_bits must be 2, 3 or 4"),
     (BASE + "[pager]\npolicy = \"fifo\"\n", "pager.policy"),
     (BASE + "[pager]\nmemory_budget = \"lots\"\n", "cannot read 'lots'"),
     ('version = 2\n', "'version' must be 1"),

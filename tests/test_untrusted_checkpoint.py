@@ -225,11 +225,39 @@ def test_malformed_safetensors_header_is_one_line(tmp_path, case):
     ("generation_config.json", "eos_token_id", [[2]], "eos_token_id"),
     ("generation_config.json", "eos_token_id", True, "eos_token_id"),
     ("generation_config.json", "eos_token_id", {"id": 2}, "eos_token_id"),
+    ("generation_config.json", "eos_token_id", -1, "eos_token_id"),
+    ("config.json", "eos_token_id", [0, -2], "eos_token_id"),
+    ("config.json", "num_key_value_heads", 3, "num_attention_heads"),
+    ("config.json", "rope_scaling", {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 2.0},
+     "partial_rotary_factor"),
 ])
 def test_malformed_config_values_are_one_line(tmp_path, file, key, value, needle):
     ck = _copy(tmp_path)
     _edit_json(ck / file, **{key: value})
     _one_line_error(_run(ck), needle, file)
+
+
+@pytest.mark.parametrize("where,key,value", [("", "group_size", 0), ("", "bits", 0), ("", "bits", -4),
+                                             ("lm_head", "group_size", 0)])
+def test_quantization_sizes_are_positive_integers(tmp_path, where, key, value):
+    """config.json's quantization group_size and bits, at the top level and a layer's own: a value below 1 is one
+    line (the bundled model gives every layer its own, so a bad top-level value is read by no layer: refused all the
+    same)."""
+    ck = _copy(tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    spec = cfg["quantization"][where] if where else cfg["quantization"]
+    spec[key] = value
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _one_line_error(_run(ck), f"quantization {key}{f' of {where}' if where else ''} must be a positive integer")
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.5, True, "4096"])
+def test_context_length_is_a_positive_integer(n):
+    """max_position_embeddings, the context generation stops at: a positive integer, or absent (no limit)."""
+    with pytest.raises(RQError, match="max_position_embeddings must be a positive integer"):
+        checkpoint.context_length({"max_position_embeddings": n})
+    assert checkpoint.context_length({"max_position_embeddings": 1}) == 1
+    assert checkpoint.context_length({}) is None
 
 
 @pytest.mark.parametrize("weight_map", [[ST], ST, None, 3])

@@ -16,9 +16,11 @@ put back (`mark()` of each cache) and the random key kept, until a run misses no
 layer that missed instead of one per MoE layer, and the layers after a miss are computed twice. Either way the step
 computes what an all-resident model computes. "auto" runs whichever of the two ways its measured times say is faster.
 
-Pages are checked before use: the index field by field and against the model's banks, the page files'
+Pages are checked: before use, the index field by field and against the model's banks, the page files'
 sizes, the fingerprint of the weights they were packed from (stale pages), and (`verify=True`, the
-default) each expert's CRC32 the first time it is read in this process (corrupt pages).
+default) each expert's CRC32 the first time it is read in this process (corrupt pages), on the read threads while
+the copies land and the device computes: waited for before the staging rows are read over and before anything
+computed from the page is returned (a page that fails leaves its slot and the call raises).
 
 LRU is the only policy. A policy that maps the page files and copies every expert a step uses out of the
 mapping on every step reads at least what LRU reads (LRU reads only the misses) and holds as much (the
@@ -53,6 +55,9 @@ RESERVE_DIVISOR = 100  # budget // RESERVE_DIVISOR (1%) of a memory budget is le
 SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
 PROBE_STEPS = 32  # "auto" runs the way its means call slower once in this many steps
 WARMUP_STEPS = 2  # decode steps "auto" does not time: the first runs as written, the second traces the graphs
+# "auto" speculates only while steps miss in fewer MoE layers than this on average: a speculated step runs again from
+# every layer that missed (a step missing in each of 40 MoE layers would build 40 partial steps)
+MAX_MISSING_LAYERS = 1.0
 
 
 def check_policy(policy: str, what: str = "pager policy") -> None:
@@ -178,6 +183,7 @@ class _Layer:
         pager = self.pager
         pool = pager._pool
         pager.copier.fence()  # the last batch's copies out of the staging rows have landed before they are read over
+        pager.join_checks()  # and its checksums have read them
         t0 = time.perf_counter()
         check = [(e, j) for j, e in enumerate(experts) if pager.verify and not self.checked[e]]
         spans = self._spans(n) if pool is not None else [(0, used)]
@@ -188,17 +194,16 @@ class _Layer:
             wait(futures)
             for f in futures:
                 f.result()
-            if len(check) > 1:  # zlib releases the GIL over a large buffer
-                futures = [pool.submit(self._check, e, j) for e, j in check]
-                wait(futures)
-                for f in futures:
-                    f.result()
-                check = []
         else:
             for j, e in enumerate(experts):
                 self._read_span(e, j, 0, used)
-        for e, j in check:
-            self._check(e, j)
+        if check and pool is not None:
+            # checked on the pool while the copies land and the device computes (zlib releases the GIL over a large
+            # buffer); pager.join_checks waits for them before anything computed from these experts is returned
+            pager._checks.append((self, check, [pool.submit(self._check, e, j) for e, j in check]))
+        else:
+            for e, j in check:
+                self._check(e, j)
         st = pager.stats
         st.read_s += time.perf_counter() - t0
         st.bytes_read += n * used
@@ -223,6 +228,8 @@ class _Layer:
         """Make `needed` experts (len <= slots) resident and the device table map them to their slots."""
         st = self.pager.stats
         lru = self.lru
+        if self.pager._checks and any(e not in lru for e in needed.tolist()):
+            self.pager.join_checks()  # a page that failed its check leaves its slot before slots are handed out
         miss = []
         for e in needed.tolist():
             if e in lru:
@@ -232,6 +239,7 @@ class _Layer:
         st.hits += len(needed) - len(miss)
         if not miss:
             return
+        self.pager._layers_missed += 1
         if self._lut_raw is None:
             raise RQError(f"the expert pager of {self.path} is closed: it cannot read experts in any more")
         slots = []
@@ -249,12 +257,19 @@ class _Layer:
             self.load(miss, slots)
         except BaseException:  # a page that did not read (a request may be served after the error): not resident
             for e, s in zip(miss, slots):
-                del lru[e]
-                self.free.append(s)
+                if lru.get(e) == s:  # (one whose check failed was dropped already)
+                    del lru[e]
+                    self.free.append(s)
             raise
         finally:  # the table as the slots now hold (a failed read's slots map to what they held: never read)
             self.pager.copier.write(self._lut_raw, 0, self.lut)
             self.pager.copier.fence()
+
+    def drop(self, e: int) -> None:
+        """Expert e is no longer resident (its page failed its check): its slot is free, a later call reads it again."""
+        s = self.lru.pop(e, None)
+        if s is not None:
+            self.free.append(s)
 
     def table(self) -> mx.array:
         """The expert -> slot table on the device (one array, written in place as experts come in)."""
@@ -380,23 +395,29 @@ class ExpertPager:
         self._deferring = False
         self._unsettled: Optional[tuple] = None
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
+        self._checks: list = []  # (layer, [(expert, staging row)], futures): checksums still running (join_checks)
         self._routing: Optional[list] = None  # while a step speculates: (layer, routing indices, decoder layer)
         # running means of a speculated step's seconds and a layer-by-layer step's (misses included in both), and
         # the steps decided by "auto"
         self._t_spec: Optional[float] = None
         self._t_layered: Optional[float] = None
         self._steps = 0
+        self._missing: Optional[float] = None  # running mean of the MoE layers a decode step read misses for
+        self._layers_missed = 0  # calls of acquire that read misses, so far
         model.expert_pager = self  # generate() decodes through decode_step with a pager (see there)
 
     def _speculation_pays(self) -> bool:
-        """"auto": the faster of the two ways by their running means, each measured once first, and the slower
-        one run again every PROBE_STEPS steps (what pays changes with the context and with how often steps miss).
-        Never where a layer cannot take a token's experts at once (such a step always runs layer by layer)."""
+        """"auto": layer by layer while steps miss in MAX_MISSING_LAYERS MoE layers or more on average; then the
+        faster of the two ways by their running means, each measured once first, and the slower one run again every
+        PROBE_STEPS steps (what pays changes with the context and with how often steps miss). Never where a layer
+        cannot take a token's experts at once (such a step always runs layer by layer)."""
         if self.speculate == "off" or not self._token_fits:
             return False
         if self.speculate == "always":
             return True
         self._steps += 1
+        if self._missing is None or self._missing >= MAX_MISSING_LAYERS:
+            return False
         if self._t_spec is None or self._t_layered is None:
             return self._t_spec is None
         faster = self._t_spec <= self._t_layered
@@ -418,15 +439,17 @@ class ExpertPager:
         `draws`: the step samples from MLX's random sequence; `key` is then the key to sample with (None: the
         global sequence's next). Speculated first when that pays (see the module's text); the tokens are those
         of an all-resident model either way, sampled ones included."""
-        st = self.stats
         caches = list({id(c): c for c in cache}.values())
         t0 = time.perf_counter()
+        missed0 = self._layers_missed
         spec = self._speculation_pays() and all(callable(getattr(c, "mark", None)) for c in caches)
         self._unsettled = None
         if spec:
             out = self._speculate(build, cache, caches, draws)
             if out is not None:
+                self.join_checks()
                 self._mean("_t_spec", time.perf_counter() - t0)
+                self._count_missing(missed0)
                 return out
         self._deferring = True
         try:
@@ -437,9 +460,15 @@ class ExpertPager:
         finally:
             self._deferring, self._unsettled = False, None
         mx.eval(read)
+        self.join_checks()
         # a speculated step that fell back costs both runs
         self._mean("_t_spec" if spec else "_t_layered", time.perf_counter() - t0)
+        self._count_missing(missed0)
         return y, read
+
+    def _count_missing(self, before: int) -> None:
+        n = self._layers_missed - before
+        self._missing = n if self._missing is None else self._missing + SMOOTHING * (n - self._missing)
 
     def _speculate(self, build: Callable[[Optional[mx.array]], tuple[mx.array, mx.array]], cache: list,
                    caches: list, draws: bool) -> Optional[tuple[mx.array, mx.array]]:
@@ -509,6 +538,21 @@ class ExpertPager:
             st.reruns += 1
             st.host_s += time.perf_counter() - t1
 
+    def join_checks(self) -> None:
+        """Wait for the checksums of the pages read so far; RQError (the first mismatch) where one failed, its expert
+        dropped from its slot. Called before the staging rows are read over and before a step's or a call's result
+        is returned, so nothing computed from a corrupt page comes out."""
+        pending, self._checks = self._checks, []
+        error = None
+        for layer, check, futures in pending:
+            wait(futures)
+            for (e, _), f in zip(check, futures):
+                if f.exception() is not None:
+                    layer.drop(e)
+                    error = error or f.exception()
+        if error is not None:
+            raise error
+
     def _ready(self, top_k: int) -> None:
         if self._staging_host is None:
             self.stage_experts = max(1, min(self._slots, self._threads, top_k))
@@ -535,6 +579,7 @@ class ExpertPager:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._checks = []
             self._pool = None
         self._staging_host = None
         self.copier.close()
@@ -568,6 +613,7 @@ def _patch(module: Any, layer: _Layer) -> None:
             # before this call's experts have run (the caller may build several calls before it evaluates one)
             y = old.compute(self, x, layer.resident(needed)[indices])  # remapped on the device
             mx.eval(y)
+            layer.pager.join_checks()
             return y
         # More distinct experts than slots (a long prefill chunk): serve them in passes of `slots` experts, each
         # computing only the (token, k) rows of its experts, grouped by slot, as the all-resident model computes a
@@ -599,6 +645,7 @@ def _patch(module: Any, layer: _Layer) -> None:
             t0 = time.perf_counter()
             mx.eval(outs[-1])  # the next pass overwrites slots this one reads
             layer.pager.stats.sync_s += time.perf_counter() - t0
+        layer.pager.join_checks()
         rows = np.concatenate(rows_all)
         back = np.empty_like(rows)
         back[rows] = np.arange(len(rows))

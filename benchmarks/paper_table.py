@@ -137,9 +137,11 @@ def disk_bytes(p: Path) -> int:
 RUN_KEYS = ("prompt_tokens", "generated_tokens", "stop_reason", "prefill_s", "prefill_tok_per_s", "decode_tok_per_s",
             "steady_decode_tok_per_s", "first_step_s", "decode_s", "peak_memory_bytes", "prefill_peak_memory_bytes",
             "decode_peak_memory_bytes", "peak_rss_bytes", "kv_bytes", "kv_bytes_fp16", "kv_mode")
+WARMUP_TOKENS = 4  # tokens of each model's warm-up run (its first KV mode, before the cells)
+WARMUP_PROMPT = 512  # the warm-up's prompt tokens at most: one whole prefill chunk
 PAGER_KEYS = ("hit_rate", "hits", "misses", "bytes_read", "evictions", "slots")
 # the pager's counters over the decode steps alone: a step's time apart (reading pages, waiting for the routing)
-PAGER_DECODE_KEYS = PAGER_KEYS + ("host_syncs", "sync_s", "host_s", "read_s")
+PAGER_DECODE_KEYS = PAGER_KEYS + ("host_syncs", "sync_s", "host_s", "read_s", "speculated", "respun", "reruns")
 PLAN_KEYS = ("planned_peak_bytes", "min_budget_bytes", "slots_per_layer", "experts_per_layer", "top_k", "fits",
              "resident_bytes", "kv_bytes", "budget_bytes")
 
@@ -273,6 +275,12 @@ def table(res: dict) -> str:
               f"{res['tokens']} greedy tokens after a prompt of the context's length; every cell one `rq run` "
               "process. Decode tok/s: steady (first step apart). TTFT: the prefill. The paper's numbers: Apple M4 Max, "
               "its own checkpoints."]
+    warm = [m for m in res["models"] if (m.get("warmup") or {}).get("prefill_s") is not None]
+    if warm:
+        lines += ["", f"Each model's cells ran after a warm-up `rq run` ({WARMUP_TOKENS} tokens after a prompt of "
+                  f"up to {WARMUP_PROMPT}), whose kernels MLX compiled into its disk cache (a machine's first run: "
+                  "TTFT, first decode step): " + "; ".join(f"{m['config']} {m['warmup']['prefill_s']:.1f} s, "
+                                                f"{m['warmup']['first_step_s']:.1f} s" for m in warm) + "."]
     lines += step_table(res)
     cmds = {m.get("command") for m in res["models"] if m.get("command")}
     if len(cmds) > 1:  # rows of several runs (--merge)
@@ -423,6 +431,8 @@ def main() -> None:
                                                           "(no runs; its date and command stay)")
     ap.add_argument("--merge", action="store_true", help="keep the results file's models that this run does not "
                                                          "measure (one model a run, rows of the others kept)")
+    ap.add_argument("--no-warmup", action="store_true", help="skip each model's warm-up run (a GPU's first run "
+                                                              "compiles MLX's kernels into its disk cache)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="results JSON (default benchmarks/results/paper_table.json)")
     a = ap.parse_args()
@@ -519,6 +529,14 @@ def main() -> None:
                 continue
             budget = str((lo["min_budget_bytes"] + lo["planned_peak_bytes"]) // 2)
             m["budget"] = budget
+        if not a.no_warmup:  # kernels compiled once, as a user's first run on the machine does: not in the cells' times
+            w = run_cell(ckpt, budget, kvs[0], prompt_file(d, min(contexts[0], WARMUP_PROMPT))[0], WARMUP_TOKENS,
+                         a.timeout)
+            m["warmup"] = {k: w.get(k) for k in ("prefill_s", "first_step_s", "steady_decode_tok_per_s", "wall_s",
+                                                 "error")}
+            say(f"[{fam}] warm-up: " + (f"error {w['error']}" if "error" in w else
+                                        f"TTFT {w['prefill_s']:.1f} s, first step {w['first_step_s']:.1f} s, "
+                                        f"wall {w['wall_s']} s"))
         for ctx in contexts:
             pf, n_tok = prompts[ctx]
             for kv in kvs:

@@ -39,6 +39,9 @@ def test_tiny_table_end_to_end(tmp_path):
     assert "| qwen3-30b-a3b |" in d["table"] and "| decode ms | read pages |" in d["table"]
     assert d["host"]["cpu_cores"] >= 1 and d["host"]["accelerator"]
     assert m["checkpoint"]["disk_over_planned"] > 0 and "experts_stored_once" in m["checkpoint"]
+    # a warm-up run before the cells (a GPU's first run compiles MLX's kernels), its times in the notes
+    assert m["warmup"]["error"] is None and m["warmup"]["prefill_s"] > 0 and m["warmup"]["first_step_s"] >= 0
+    assert "after a warm-up `rq run`" in d["table"]
 
 
 def test_soak_cell_runs_rq_soak_at_the_budget(tmp_path):

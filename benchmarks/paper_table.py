@@ -271,35 +271,37 @@ def table(res: dict) -> str:
                 f"{gb(r['peak_memory_bytes'])}{phases} | {gb(r['peak_rss_bytes'])} | "
                 f"{ratio} | {rate(r['steady_decode_tok_per_s'])} | "
                 f"{r['prefill_s']:.2f} | {hr} | {r['kv_bytes'] / 1e6:.1f} | {paper} |")
-    lines += ["", f"Synthetic checkpoints (random weights at the recipe's bits, routing {res['routing']}), "
-              f"{res['tokens']} greedy tokens after a prompt of the context's length; every cell one `rq run` "
-              "process. Decode tok/s: steady (first step apart). TTFT: the prefill. The paper's numbers: Apple M4 Max, "
-              "its own checkpoints."]
+    # the notes as one paragraph (the README shows this table)
+    notes = [f"Synthetic checkpoints (random weights at the recipe's bits, routing {res['routing']}), "
+             f"{res['tokens']} greedy tokens after a prompt of the context's length; every cell one `rq run` "
+             "process. Decode tok/s: steady (first step apart). TTFT: the prefill. The paper's numbers: Apple M4 Max, "
+             "its own checkpoints."]
     warm = [m for m in res["models"] if (m.get("warmup") or {}).get("prefill_s") is not None]
     if warm:
-        lines += ["", f"Each model's cells ran after a warm-up `rq run` ({WARMUP_TOKENS} tokens after a prompt of "
-                  f"up to {WARMUP_PROMPT}), whose kernels MLX compiled into its disk cache (a machine's first run: "
-                  "TTFT, first decode step): " + "; ".join(f"{m['config']} {m['warmup']['prefill_s']:.1f} s, "
-                                                f"{m['warmup']['first_step_s']:.1f} s" for m in warm) + "."]
-    lines += step_table(res)
+        notes.append(f"Each model's cells ran after a warm-up `rq run` ({WARMUP_TOKENS} tokens after a prompt of up to "
+                     f"{WARMUP_PROMPT}), whose kernels MLX compiled into its disk cache (a machine's first run: TTFT, "
+                     "first decode step): " + "; ".join(f"{m['config']} {m['warmup']['prefill_s']:.1f} s, "
+                                                       f"{m['warmup']['first_step_s']:.1f} s" for m in warm) + ".")
     cmds = {m.get("command") for m in res["models"] if m.get("command")}
     if len(cmds) > 1:  # rows of several runs (--merge)
-        lines += ["", "Rows from several runs (`--merge`): each model's command and date are in the results file."]
+        notes.append("Rows from several runs (`--merge`): each model's command and date are in the results file.")
     h = res.get("host")
     hosts = [m.get("host") or h for m in res["models"]]
     if any(hosts):
         if all(x == hosts[0] for x in hosts):
-            lines += ["", f"Measured on {where(hosts[0])}."]
+            notes.append(f"Measured on {where(hosts[0])}.")
         else:  # rows merged from runs on different machines: each model's
-            lines += ["", "Measured on: " + "; ".join(f"{m['config']} {where(x)}" for m, x in zip(res["models"], hosts)
-                                                     if x) + "."]
+            notes.append("Measured on: " + "; ".join(f"{m['config']} {where(x)}" for m, x in zip(res["models"], hosts)
+                                                    if x) + ".")
         if any(x and x["accelerator"] == "CPU" for x in hosts):
-            lines += ["", "Decode tok/s and TTFT measured on a CPU are not comparable with the paper's Apple M4 Max "
-                          "numbers."]
+            notes.append("Decode tok/s and TTFT measured on a CPU are not comparable with the paper's Apple M4 Max "
+                         "numbers.")
     budgets = [f"{m['config']} {m['budget']}" + budget_note(m, m.get("host") or h) for m in res["models"]
                if m.get("budget_source") != "tiny"]
     if budgets:
-        lines += ["", "Budgets: " + "; ".join(budgets) + "."]
+        notes.append("Budgets: " + "; ".join(budgets) + ".")
+    lines += ["", " ".join(notes)]
+    lines += step_table(res)
     ck = [m for m in res["models"] if (m.get("checkpoint") or {}).get("disk_bytes")]
     if ck:
         lines += ["", "| model | weights GB (planner) | checkpoint GB on disk | disk / weights | written in s |",

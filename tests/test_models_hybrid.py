@@ -113,6 +113,25 @@ def test_mamba_mixer_matches_sequential_reference() -> None:
     assert cache.trim(1) == 0  # a recurrent state cannot roll back
 
 
+def test_mamba_conv_is_the_depthwise_conv1d_without_the_conv_op(monkeypatch) -> None:
+    """Mamba2Mixer._conv computes nn.Conv1d's causal depthwise conv (the same float32 numbers, a prompt and one token
+    after a carried window) as shifted multiply-adds: the conv op is never called (on CUDA it chooses a cuDNN engine
+    and allocates a workspace at every call)."""
+    m = Mamba2Mixer(64, 4, 16, 8, 2, 4)
+    m.conv1d.weight = mx.random.normal(m.conv1d.weight.shape, key=mx.random.key(1))
+    m.conv1d.bias = mx.random.normal(m.conv1d.bias.shape, key=mx.random.key(2))
+    refs = {}
+    for L in (1, 9):
+        u = mx.random.normal((1, L, m.conv_dim), key=mx.random.key(L))
+        prev = mx.random.normal((1, 3, m.conv_dim), key=mx.random.key(10 + L))
+        refs[L] = (u, prev, nn.silu(m.conv1d(mx.concatenate([prev, u], axis=1))))
+    monkeypatch.setattr(nn.Conv1d, "__call__", lambda *a, **k: pytest.fail("the conv op was called"))
+    for L, (u, prev, ref) in refs.items():
+        got, carried = m._conv(u, prev)
+        assert got.shape == ref.shape and float(mx.abs(got - ref).max()) < 1e-5, L
+        assert mx.array_equal(carried, mx.concatenate([prev, u], axis=1)[:, -3:])
+
+
 def test_mamba_dt_floor_applies_in_prefill_and_decode() -> None:
     m = _random_mixer(2)
     m.update({"dt_bias": mx.full((4,), -9.0)})  # softplus(-9 + small) ≈ 1e-4 < dt_min = 0.05

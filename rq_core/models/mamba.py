@@ -120,13 +120,24 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=proj_bias)
 
     def _conv(self, u: mx.array, prev: Optional[mx.array]) -> tuple[mx.array, mx.array]:
-        """(silu(conv) of u after the carried window `prev` (None: zeros), the window carried on)."""
+        """(silu(conv) of u after the carried window `prev` (None: zeros), the window carried on).
+
+        The depthwise conv as K shifted multiply-adds (float32, as a conv accumulates), not mx.conv1d: on CUDA MLX runs
+        a conv through cuDNN, choosing an engine and allocating its workspace (MLX memory, counted in the peak) at
+        every call, every Mamba layer, every decode step."""
         B, L, _ = u.shape
         K = self.conv_kernel
         prev = mx.zeros((B, K - 1, self.conv_dim), dtype=u.dtype) if prev is None else prev.astype(u.dtype)
         padded = mx.concatenate([prev, u], axis=1)
         carried = padded[:, -(K - 1):, :] if K > 1 else padded[:, :0, :]
-        return nn.silu(self.conv1d(padded)), carried
+        w = self.conv1d.weight[:, :, 0].T.astype(mx.float32)  # [K, C] (Conv1d: [C, K, 1])
+        x = padded.astype(mx.float32)
+        y = x[:, :L] * w[0]
+        for k in range(1, K):
+            y = y + x[:, k:k + L] * w[k]
+        if "bias" in self.conv1d:
+            y = y + self.conv1d.bias.astype(mx.float32)
+        return nn.silu(y.astype(u.dtype)), carried
 
     def _ssm(self, x: mx.array, Bm: mx.array, Cm: mx.array, dt: mx.array,
              state: Optional[mx.array]) -> tuple[mx.array, mx.array]:

@@ -757,6 +757,45 @@ def test_a_page_that_fails_its_check_raises_before_the_call_returns_and_leaves_i
     pager.close()
 
 
+def test_no_checksum_is_pending_when_a_decode_step_or_call_returns(packed, monkeypatch):
+    """A step's token (and a paged call's output) comes back only after the checksums of the pages it read: none is
+    still running when decode_step or a paged MoE call returns, whichever way the step ran."""
+    from rq_core.paging.pager import ExpertPager as EP
+
+    ck = packed["qwen3_moe"]
+    for speculate in ("off", "always"):
+        model = load(ck, tokenizer=False).model
+        pager = ExpertPager(model, ck, slots=2, speculate=speculate)
+        real_step = EP.decode_step
+        returned = []
+
+        checked = []  # experts checked so far, after each step: some steps' reads were first reads
+
+        def step(self, *a, **k):
+            out = real_step(self, *a, **k)
+            returned.append(len(self._checks))
+            checked.append(sum(sum(l.checked) for l in self.layers.values()))
+            return out
+
+        monkeypatch.setattr(EP, "decode_step", step)
+        from rq_core.paging.pack import expert_banks
+
+        calls = []
+        for mod in expert_banks(model).values():  # each a class of its own (the pager's swap)
+            def call(self, *a, real=type(mod).__call__, **k):
+                out = real(self, *a, **k)
+                calls.append(len(pager._checks))
+                return out
+
+            monkeypatch.setattr(type(mod), "__call__", call)
+        generate(model, PROMPT[:1], max_tokens=24, seed=0)  # one prompt token: most experts first read in decode
+        assert calls and set(calls) == {0}, calls
+        assert returned and set(returned) == {0}, returned
+        assert len(set(checked)) > 1, checked
+        monkeypatch.undo()
+        pager.close()
+
+
 def test_a_failed_batch_raises_only_after_its_other_reads_are_done(packed, monkeypatch):
     """One read of a batch fails at once while another is still reading: the error comes out only when that read
     has finished, so nothing writes into the staging buffer after the caller goes on to the next batch."""

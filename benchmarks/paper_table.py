@@ -511,7 +511,14 @@ def main() -> None:
                 raise RuntimeError(f"{ckpt} needs about {expect * DISK_MARGIN / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
             say(f"[{fam}] checkpoint {ckpt} ({expect / 1e9:.1f} GB planned) ...")
             t0 = time.perf_counter()
-            _, reused = synth.ensure(cfg, rec_name, ckpt, seed=a.seed, routing=routing, packed=True)
+            # a checkpoint of another routing beside it holds the same expert pages: linked, not drawn again
+            base = next((o for o in sorted(d.glob(f"{ckpt.name.rsplit('-', 1)[0]}-*")) if o != ckpt
+                         and (o / synth.MARK).is_file() and (o / "experts" / "index.json").is_file()), None)
+            try:
+                _, reused = synth.ensure(cfg, rec_name, ckpt, seed=a.seed, routing=routing, packed=True, pages_from=base)
+            except synth.RQError:  # not one of this config, recipe and seed: drawn
+                _, reused = synth.ensure(cfg, rec_name, ckpt, seed=a.seed, routing=routing, packed=True)
+            m["checkpoint"]["pages_linked_from"] = str(base) if base is not None and not reused else None
             m["checkpoint"].update(reused=reused, write_s=round(time.perf_counter() - t0, 1),
                                    disk_bytes=disk_bytes(ckpt))
             m["checkpoint"]["disk_over_planned"] = round(m["checkpoint"]["disk_bytes"] / expect, 4)

@@ -154,3 +154,29 @@ def test_packed_write_is_what_rq_pack_move_leaves(family, tmp_path):
     assert mx.array_equal(a, b)
     assert synth.ensure(cfg, str(RECIPE), tmp_path / "p", packed=True) == (tmp_path / "p", True)
     assert synth.ensure(cfg, str(RECIPE), tmp_path / "p")[1] is False  # not packed: another checkpoint
+
+
+def test_pages_from_a_checkpoint_of_another_routing_links_the_same_pages(tmp_path):
+    """A packed zipf write next to a packed uniform one of the same config, recipe and seed: its files are those of a
+    zipf write made from scratch, byte for byte, its page files hard links of the uniform one's; a base of another
+    seed (or not packed) is refused in one line."""
+    import os
+
+    from rq_core.errors import RQError
+
+    src = make_tiny("nemotron_h", tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    synth.write(cfg, str(RECIPE), tmp_path / "u", packed=True)
+    synth.write(cfg, str(RECIPE), tmp_path / "z", packed=True, routing="zipf:1.2")
+    assert synth.ensure(cfg, str(RECIPE), tmp_path / "l", packed=True, routing="zipf:1.2",
+                        pages_from=tmp_path / "u") == (tmp_path / "l", False)
+    files = sorted(str(p.relative_to(tmp_path / "z")) for p in (tmp_path / "z").rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(tmp_path / "l")) for p in (tmp_path / "l").rglob("*") if p.is_file())
+    assert all((tmp_path / "z" / f).read_bytes() == (tmp_path / "l" / f).read_bytes() for f in files)
+    pages = [f for f in files if f.startswith("experts/") and f.endswith(".bin")]
+    assert pages and all(os.stat(tmp_path / "l" / f).st_ino == os.stat(tmp_path / "u" / f).st_ino for f in pages)
+    synth.write(cfg, str(RECIPE), tmp_path / "s1", packed=True, seed=1)
+    for kw in ({"pages_from": tmp_path / "s1"}, {"pages_from": tmp_path / "u", "packed": False}):
+        with pytest.raises(RQError, match="not a packed checkpoint of this config, recipe and seed"):
+            synth.write(cfg, str(RECIPE), tmp_path / "bad", **{"packed": True, "routing": "zipf", **kw})
+    assert not (tmp_path / "bad").exists()

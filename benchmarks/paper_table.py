@@ -505,19 +505,19 @@ def main() -> None:
         ckpt = d / f"{cfg_name}{'-2layers' if a.tiny else ''}-{rec_name}-{routing.replace(':', '_')}"
         try:
             expect = plan(cfg, recipe_mod.load(rec_name)).total_bytes
+            # a checkpoint of another routing beside it holds the same expert pages: hard-linked, not drawn again,
+            # and taking no more disk
+            base = next((o for o in sorted(d.glob(f"{ckpt.name.rsplit('-', 1)[0]}-*"))
+                         if o != ckpt and synth.same_pages(o, cfg, rec_name, a.seed)), None)
+            need = expect - (disk_bytes(base / "experts") if base is not None else 0)
             free = shutil.disk_usage(d).free + (disk_bytes(ckpt) if ckpt.exists() else 0)
             m["checkpoint"] = {"path": str(ckpt), "planned_bytes": expect}
-            if expect * DISK_MARGIN > free and not (ckpt / synth.MARK).is_file():
-                raise RuntimeError(f"{ckpt} needs about {expect * DISK_MARGIN / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-            say(f"[{fam}] checkpoint {ckpt} ({expect / 1e9:.1f} GB planned) ...")
+            if need * DISK_MARGIN > free and not (ckpt / synth.MARK).is_file():
+                raise RuntimeError(f"{ckpt} needs about {need * DISK_MARGIN / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+            say(f"[{fam}] checkpoint {ckpt} ({expect / 1e9:.1f} GB planned"
+                + (f", expert pages linked from {base.name}" if base is not None else "") + ") ...")
             t0 = time.perf_counter()
-            # a checkpoint of another routing beside it holds the same expert pages: linked, not drawn again
-            base = next((o for o in sorted(d.glob(f"{ckpt.name.rsplit('-', 1)[0]}-*")) if o != ckpt
-                         and (o / synth.MARK).is_file() and (o / "experts" / "index.json").is_file()), None)
-            try:
-                _, reused = synth.ensure(cfg, rec_name, ckpt, seed=a.seed, routing=routing, packed=True, pages_from=base)
-            except synth.RQError:  # not one of this config, recipe and seed: drawn
-                _, reused = synth.ensure(cfg, rec_name, ckpt, seed=a.seed, routing=routing, packed=True)
+            _, reused = synth.ensure(cfg, rec_name, ckpt, seed=a.seed, routing=routing, packed=True, pages_from=base)
             m["checkpoint"]["pages_linked_from"] = str(base) if base is not None and not reused else None
             m["checkpoint"].update(reused=reused, write_s=round(time.perf_counter() - t0, 1),
                                    disk_bytes=disk_bytes(ckpt))

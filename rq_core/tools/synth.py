@@ -326,20 +326,16 @@ def write(config: dict, recipe_name: str, out: str | Path, *, seed: int = 0, tok
     are hard-linked (copied where a link fails) instead of drawn again: the same files, a fraction of the time and,
     linked, no more disk."""
     from rq_core.paging.pack import ALIGN
-    from rq_core.paging.pages import INDEX, PACK_DIR, VERSION, _PARTS, _PROJS, expert_banks, moved_experts
+    from rq_core.paging.pages import INDEX, PACK_DIR, VERSION, _PARTS, _PROJS, expert_banks, load_index, moved_experts
 
     t0 = time.perf_counter()
     route, exp = parse_routing(routing)
     base_index, base_moved = None, None
     if pages_from is not None:
         pages_from = Path(pages_from)
-        try:
-            m = json.loads((pages_from / MARK).read_text())
-        except (OSError, ValueError):
-            m = {}
-        if not packed or not _mark_matches(m, config, recipe_name, seed, m.get("routing") or "uniform", True):
+        if not packed or not same_pages(pages_from, config, recipe_name, seed):
             raise RQError(f"pages_from {pages_from}: not a packed checkpoint of this config, recipe and seed")
-        base_index = json.loads((pages_from / PACK_DIR / INDEX).read_text())
+        base_index = load_index(pages_from)  # checked field by field: page names inside the pack, sizes
         base_moved = moved_experts(pages_from)
     rec = recipe_mod.load(recipe_name)
     spec = _Spec(config, rec)
@@ -500,6 +496,19 @@ def _mark_matches(m: dict, config: dict, recipe_name: str, seed: int, routing: s
     same_recipe = m.get("recipe") == recipe_name or m.get("recipe") == recipe_mod.load(recipe_name).name
     return (m.get("config") == config and same_recipe and m.get("seed") == seed
             and m.get("routing") == want and bool(m.get("packed")) == bool(packed))
+
+
+def same_pages(ckpt: Path, config: dict, recipe_name: str, seed: int) -> bool:
+    """Whether CKPT is a complete packed checkpoint written here with this config, recipe and seed (of any routing):
+    its expert pages are those a packed write of them draws (write's `pages_from`)."""
+    from rq_core.paging.pages import INDEX, PACK_DIR
+
+    try:
+        m = json.loads((Path(ckpt) / MARK).read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(m, dict) and (Path(ckpt) / PACK_DIR / INDEX).is_file()
+            and _mark_matches(m, config, recipe_name, seed, m.get("routing") or "uniform", True))
 
 
 def ensure(config: dict, recipe_name: str, out: str | Path, *, seed: int = 0,

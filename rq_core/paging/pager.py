@@ -228,10 +228,11 @@ class _Layer:
         """Make `needed` experts (len <= slots) resident and the device table map them to their slots."""
         st = self.pager.stats
         lru = self.lru
-        if self.pager._checks and any(e not in lru for e in needed.tolist()):
+        needed = needed.tolist()
+        if self.pager._checks and any(e not in lru for e in needed):
             self.pager.join_checks()  # a page that failed its check leaves its slot before slots are handed out
         miss = []
-        for e in needed.tolist():
+        for e in needed:
             if e in lru:
                 lru.move_to_end(e)
             else:

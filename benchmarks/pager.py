@@ -17,7 +17,9 @@ values `--speculate` lists ("always" too). Options add rows: `--cold` (each row 
 with the page files dropped from the OS page cache before every run: os.posix_fadvise(POSIX_FADV_DONTNEED) on every
 file of the pack folder, without root, so best-effort; the share of the pack still cached after the drop is
 measured with mincore and printed), `--verify-cost` (a row at 50% of experts without the pages' CRC32 checks,
-verify=False, beside the verify=True one). Warm rows read the pack folder once before each run (mincore checks that
+verify=False, beside the verify=True one), `--queue-whole` (a row at 50% with each step queued whole, queue=True,
+the device waiting for each MoE layer's slots, beside the default row whose step is queued a stretch between two MoE
+layers at a time; on CUDA only do the two differ: rq_core/paging/mailbox.py). Warm rows read the pack folder once before each run (mincore checks that
 it is cached). Every cell runs
 `--repeats` times, interleaved, the cells' order rotating each repetition; the table gives medians (min-max).
 Writes benchmarks/results/pager.json (overwritten by a rerun; the README's `pager` table).
@@ -208,24 +210,27 @@ def cells(a: argparse.Namespace) -> list[dict]:
     fracs = sorted({float(f) for f in a.fractions.split(",") if f.strip()}, reverse=True)
     specs = [s.strip() for s in a.speculate.split(",") if s.strip()]
     caches = ["warm", "cold"] if a.cold else ["warm"]
-    out = [{"fraction": 1.0, "speculate": None, "cache": None, "verify": None}]
+    out = [{"fraction": 1.0, "speculate": None, "cache": None, "verify": None, "queue": None}]
     for f in fracs:
         if f >= 1.0:
             continue
-        out += [{"fraction": f, "speculate": s, "cache": c, "verify": True} for s in specs for c in caches]
-    if a.verify_cost:
-        for c in caches:
-            on = {"fraction": 0.5, "speculate": "off", "cache": c, "verify": True}
-            if on not in out:
-                out.append(on)
-            out.insert(out.index(on) + 1, {**on, "verify": False})
+        out += [{"fraction": f, "speculate": s, "cache": c, "verify": True, "queue": False} for s in specs
+                for c in caches]
+    for flag, key in ((a.verify_cost, "verify"), (a.queue_whole, "queue")):
+        if flag:
+            for c in caches:
+                base = {"fraction": 0.5, "speculate": "off", "cache": c, "verify": True, "queue": False}
+                if base not in out:
+                    out.append(base)
+                out.insert(out.index(base) + 1, {**base, key: not base[key]})
     return out
 
 
 def label(c: dict) -> str:
     if c["speculate"] is None:
         return "all resident"
-    return f"{c['fraction']:.0%} {c['speculate']} {c['cache']}" + ("" if c["verify"] else " no-verify")
+    return (f"{c['fraction']:.0%} {c['speculate']} {c['cache']}" + ("" if c["verify"] else " no-verify")
+            + (" queued-whole" if c.get("queue") else ""))
 
 
 def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespace, files: list[Path]) -> dict:
@@ -258,7 +263,8 @@ def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespa
         plan = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=a.prompt, index=index)
         if plan["slots_per_layer"] != slots:
             print(f"  the plan for {slots} slots' budget gives {plan['slots_per_layer']} slots", flush=True)
-        pager = ExpertPager(model, ck, slots=plan["slots_per_layer"], speculate=c["speculate"], verify=c["verify"])
+        pager = ExpertPager(model, ck, slots=plan["slots_per_layer"], speculate=c["speculate"], verify=c["verify"],
+                            queue=bool(c.get("queue")))
         run.update(slots=plan["slots_per_layer"], budget_bytes=budget, planned_peak_bytes=plan["planned_peak_bytes"],
                    moe_layers=plan["moe_layers"])
     t = time.perf_counter()
@@ -276,7 +282,8 @@ def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespa
                    read_gb_per_s=(st.bytes_read / read_s / 1e9) if read_s and st.bytes_read else None,
                    host_syncs_per_pass=st.host_syncs / passes, sync_ms_per_call=1e3 * st.sync_s / calls,
                    host_ms_per_call=1e3 * st.host_s / calls,
-                   measured_peak_bytes=res.peak_memory_bytes - baseline + st.staging_bytes)  # staging: host memory
+                   measured_peak_bytes=res.peak_memory_bytes - baseline + st.staging_bytes,  # staging: host memory
+                   queued_whole=pager.mailbox is not None)
         pager.close()
     else:
         run["measured_peak_bytes"] = run["mlx_peak_bytes"]
@@ -298,9 +305,10 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
     s["staging_bytes"] = runs[0]["pager"]["staging_bytes"] if runs[0].get("pager") else None
     # whether the staging buffer is page-locked host memory (CUDA: transfer.Copier.host_buffer)
     s["staging_host_resident"] = runs[0]["pager"].get("staging_host_resident") if runs[0].get("pager") else None
-    for k in ("hit_rate", "misses", "evictions", "hits", "speculated", "respun", "reruns"):
+    for k in ("hit_rate", "misses", "evictions", "hits", "speculated", "respun", "reruns", "queued", "queue_fallbacks"):
         xs = [r["pager"][k] for r in runs if r.get("pager") and r["pager"].get(k) is not None]
         s[k] = statistics.median(xs) if xs else None
+    s["queued_whole"] = runs[0].get("queued_whole")
     s["same_tokens"] = sum(r["tokens"] == ref for r in runs)
     s["runs"] = len(runs)
     if full is not None:
@@ -314,9 +322,9 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
 
 
 RUN_KEYS = ("repeat", "decode_tok_per_s", "steady_decode_tok_per_s", "prefill_tok_per_s", "wall_s",
-            "measured_peak_bytes", "cached_after_drop", "cached_after_warm")
+            "measured_peak_bytes", "cached_after_drop", "cached_after_warm", "queued_whole")
 PAGER_KEYS = ("hits", "misses", "evictions", "bytes_read", "read_s", "sync_s", "host_s", "host_syncs", "speculated",
-              "respun", "reruns")
+              "respun", "reruns", "queued", "queue_fallbacks")
 
 
 def compact(x: dict) -> dict:
@@ -332,12 +340,20 @@ def _mm(s: dict | None, f: str = "{:.1f}") -> str:
     return f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])})"
 
 
+def queued(s: dict) -> str:
+    """How the row's steps were queued: whole (and how many of those ran again layer by layer), or by stretch."""
+    if not s.get("queued_whole"):
+        return "by stretch"
+    fb = s.get("queue_fallbacks") or 0
+    return "whole" if not fb else f"whole ({fb:.0f} of {s.get('queued') or 0:.0f} again)"
+
+
 def table(rows: list[dict], unit: tuple[str, float]) -> str:
     u, div = unit
-    out = ["| experts resident | speculation | page cache | CRC32 | decode tok/s | steady tok/s | of all resident "
-           f"(steady) | hit rate | misses | evictions | read MB/token | read GB/s | host syncs/pass | sync ms/call "
+    out = ["| experts resident | speculation | step queued | page cache | CRC32 | decode tok/s | steady tok/s "
+           f"| of all resident (steady) | hit rate | misses | evictions | read MB/token | read GB/s | host syncs/pass | sync ms/call "
            f"| host ms/call | measured peak {u} | budget {u} | planned peak {u} | same tokens |",
-           "| " + " | ".join(["---"] * 19) + " |"]
+           "| " + " | ".join(["---"] * 20) + " |"]
 
     def num(v, f="{:.1f}"):
         return "-" if v is None else f.format(v)
@@ -351,7 +367,8 @@ def table(rows: list[dict], unit: tuple[str, float]) -> str:
             return num(None if v is None else v / scale, f)
 
         out.append("| " + " | ".join([
-            f"{c['fraction']:.0%}", c["speculate"] or "—", c["cache"] or "—",
+            f"{c['fraction']:.0%}", c["speculate"] or "—",
+            queued(s) if paged else "—", c["cache"] or "—",
             "—" if not paged else ("on" if c["verify"] else "off"),
             _mm(s["decode_tok_per_s"]), _mm(s["steady_decode_tok_per_s"]),
             f"{s.get('decode_share', 1.0):.0%} ({s.get('steady_share', 1.0):.0%})",
@@ -377,7 +394,10 @@ def note(meta: dict, rows: list[dict], a: argparse.Namespace) -> str:
             f"tokens, {a.tokens} decoded " + (f"at temperature {a.temp} with a fixed seed" if a.temp > 0 else
                                                "greedily") +
             f"; a fresh model and pager every run, {a.repeats} repetitions of every row, interleaved, the rows' "
-            "order rotating: median (min-max). Counters (hit rate, misses, evictions) are medians of the runs; "
+            "order rotating: median (min-max). Step queued: whole (the device waits inside the step for each MoE "
+            "layer's slots; CUDA) or by stretch (the host queues the layers up to the next MoE layer after each "
+            "routing read); \"again\": steps the device stopped waiting in, run again layer by layer (medians). "
+            "Counters (hit rate, misses, evictions) are medians of the runs; "
             "measured peak is the largest. Read GB/s: bytes read over the seconds spent reading and checking "
             "pages. sync and host ms: per MoE layer and forward pass, waiting for the routing read and in the "
             "pager's host work. Budget: the least `--memory-budget` the planner gives these slots for; measured "
@@ -419,6 +439,8 @@ def main() -> None:
                     help="comma-separated ExpertPager(speculate=) values: off, auto (the default), always")
     ap.add_argument("--cold", action="store_true", help="also with the pack dropped from the OS page cache")
     ap.add_argument("--verify-cost", action="store_true", help="a row at 50%% without CRC32 checks")
+    ap.add_argument("--queue-whole", action="store_true",
+                    help="a row at 50%% with each step queued whole, the device waiting for each layer's slots")
     ap.add_argument("--synthetic", metavar="DIR", help="write (or reuse) a real-size synthetic Qwen3-30B-A3B here")
     ap.add_argument("--ckpt", metavar="DIR", help="a quantized checkpoint to page instead")
     ap.add_argument("--no-save", action="store_true", help="print the table, write no results file")

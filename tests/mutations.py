@@ -362,6 +362,23 @@ MUTATIONS: list[Mutation] = [
       "            y = y + x[:, k:k + L] * w[K - 1 - k]",
       "Mamba conv: taps in reverse order (a convolution, not the conv1d's cross-correlation)",
       ("tests/test_models_hybrid.py::test_mamba_conv_is_the_depthwise_conv1d_without_the_conv_op",)),
+    M("rq_core/paging/pager.py",
+      "        if self._lut_stale:\n",
+      "        if False:\n",
+      "pager: the device table is never brought up to date after steps queued whole (a later call reads old slots)",
+      ("tests/test_pager.py::test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued",)),
+    M("rq_core/paging/pager.py",
+      "            slots = pager._box.post(self.entry, indices)\n            mx.async_eval(slots)\n"
+      "            pager.settle()\n",
+      "            pager.settle()\n            slots = pager._box.post(self.entry, indices)\n"
+      "            mx.async_eval(slots)\n",
+      "pager: a step queued whole serves a layer before the next is queued (the device idles between layers)",
+      ("tests/test_pager.py::test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued",)),
+    M("rq_core/paging/pager.py",
+      "                for f in undo:\n                    f()\n",
+      "",
+      "pager: a step the device stopped waiting in runs again on caches that kept its first run's tokens",
+      ("tests/test_pager.py::test_a_step_the_device_stopped_waiting_in_runs_again_layer_by_layer",)),
 ]
 
 

@@ -728,3 +728,25 @@ def test_executor_catches_planted_bugs(backend, file, old, new, tmp_path, monkey
     # not a tolerance: the planted bugs measured 0.064-0.24 (mma B swapped) and > 100 (fragment rows) over 4 seeds, the
     # real code <= 5.9e-7; 1e-3 says the kernel is far off, not just past the passing bound
     assert r["nan"] > 0 or not r["err_half"] < 1e-3
+
+
+def test_mailbox_kernels_syntax_check(tmp_path):
+    """The expert pager's mailbox kernels (CUDA only), as mx.fast.cuda_kernel wraps them: signature from the inputs'
+    and outputs' dtypes, the template's constants, MLX's default header (stubbed)."""
+    from rq_core.paging import mailbox
+
+    cc = _compiler()
+    if cc is None:
+        pytest.skip("no C++ compiler")
+    prefix = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
+    errors = []
+    for name, sig, body in (("post", "const uint32_t* ids, const uint64_t* box, int32_t* posted", mailbox._POST),
+                            ("wait", "const int32_t* posted, const uint64_t* box, int32_t* slots", mailbox._WAIT)):
+        f = tmp_path / f"mailbox_{name}.cpp"
+        f.write_text(prefix + mailbox._HEADER + "namespace mlx::core::cu {\n__global__ void k(" + sig
+                     + ") {\n  constexpr int N = 22;\n" + body + "}\n}\n")
+        p = subprocess.run([cc, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas",
+                            "-I" + str(STUBS / "cuda"), str(f)], capture_output=True, text=True, timeout=120)
+        if p.returncode != 0:
+            errors.append(f"{name}:\n{p.stderr[:3000]}")
+    assert not errors, "\n".join(errors)

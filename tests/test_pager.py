@@ -177,8 +177,10 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
             self.queued = []  # cudaMemcpyAsync's calls: (dst, src, n, kind, stream)
             self.cudaMemcpy = Function(self._copy)
             self.cudaMemcpyAsync = Function(self._copy_async)
-            self.cudaDeviceSynchronize = Function(self._sync)
+            self.cudaStreamSynchronize = Function(self._sync)
             self.cudaHostAlloc = Function(self._alloc)
+            self.cudaHostGetDevicePointer = Function(self._device_pointer)
+            self.streams = []  # cudaStreamSynchronize's streams
             self.cudaFreeHost = Function(self.freed.append)
 
         def _alloc(self, ref, n, flags):
@@ -199,9 +201,14 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
             self.queued.append((dst, src, n, kind, stream))
             return self._copy(dst, src, n, kind)
 
-        def _sync(self):
+        def _sync(self, stream):
             self.syncs += 1
+            self.streams.append(stream)
             return 0
+
+        def _device_pointer(self, ref, p, flags):
+            ref._obj.value = p + 4096 if self.rc == 0 else None  # the device's address of mapped host memory
+            return self.rc
 
         def cudaGetLastError(self):
             self.cleared += 1
@@ -242,8 +249,17 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
         assert a[0].tolist() == [3.0] * 6
         assert rt.queued == ([(raw.ctypes.data, buf.ctypes.data, 24, transfer.MEMCPY_DEFAULT, None)] if rc == 0
                              else [])
+        if rc == 0:  # memory the device reads and writes in place: zeroed, and its device address
+            box, dev = cp.mapped_buffer(40)
+            assert box.nbytes == 40 and not box.any() and dev == box.ctypes.data + 4096
+            held = [ctypes.addressof(b) for b in rt.held]
+        else:
+            with pytest.raises(RQError, match="page-locked"):
+                cp.mapped_buffer(40)
         cp.close()  # queued copies may still read the buffer: close waits for them before freeing it
         assert rt.freed == held and not cp.pinned and rt.syncs == syncs + (rc == 0)
+        # the fence waits for the copies' stream alone: never for MLX's, where a queued step may wait on the host
+        assert rt.streams == [None] * rt.syncs
     rt = Runtime(0)
     monkeypatch.setattr(transfer, "_cudart", lambda: rt)
     cp = transfer.Copier()
@@ -561,7 +577,7 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     assert set(d["pager"]) == {"hits", "misses", "hit_rate", "bytes_read", "evictions", "resident_bytes",
                                "slots", "policy", "host_syncs", "read_batches", "read_s", "staging_bytes", "staging_host_resident",
                                "sync_s", "host_s",
-                               "speculated", "respun", "reruns"}
+                               "speculated", "respun", "reruns", "queued", "queue_fallbacks"}
     # no slack: the plan counts KV room in the caches' 256-token steps (measured 0.66 of the budget here;
     # 1.02 before, when it counted only the tokens)
     assert d["pager"]["slots"] == 2
@@ -947,3 +963,142 @@ def test_decode_counters_are_counted_from_their_start():
     h, m = counters.index("hits") + 1, counters.index("misses") + 1
     assert d["hit_rate"] == h / (h + m)
     assert (d["slots"], d["resident_bytes"], d["staging_bytes"], d["policy"]) == (6, 6144, 512, "lru")
+
+
+class HostMailbox:
+    """rq_core.paging.mailbox.Mailbox's protocol with the device's side played by the host (on the CPU no kernel can
+    wait for the host): `post` hands back slots read from an array that `answer` writes in place, so a graph queued
+    before the answer reads what the answer wrote; the routing is evaluated when the host fetches it."""
+
+    def __init__(self, copier, layers: int, k: int) -> None:
+        from rq_core.paging.transfer import Copier
+
+        self.k = k
+        self.slots = [mx.zeros((k,), mx.int32) for _ in range(layers)]
+        mx.eval(self.slots)
+        self.raw = [Copier.raw(a) for a in self.slots]
+        self.posted: dict = {}
+        self.log: list = []
+
+    def open(self) -> None:
+        assert not self.posted, "a step opened with a layer posted and not fetched"
+        self.log.append("open")
+
+    def post(self, entry: int, ids: mx.array) -> mx.array:
+        assert entry not in self.posted
+        self.posted[entry] = ids
+        self.log.append(("post", entry))
+        return self.slots[entry][:ids.size].reshape(ids.shape)
+
+    def fetch(self, entry: int, n: int):
+        import numpy as np
+
+        self.log.append(("fetch", entry))
+        return np.array(self.posted.pop(entry)).reshape(-1)[:n].astype(np.int32)
+
+    def answer(self, entry: int, slots) -> None:
+        import numpy as np
+
+        self.log.append(("answer", entry))
+        self.raw[entry][:4 * len(slots)] = np.asarray(slots, np.int32).view(np.uint8)
+
+    def release_all(self) -> None:
+        self.log.append("release")
+
+    def failed(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("family", list(TINY))
+def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, family, monkeypatch):
+    """On CUDA a decode step is queued whole, each MoE layer's slots handed to the device through a mailbox: a layer is
+    answered after the next one is posted (the device runs on into kernels already queued), every posted layer is
+    answered within its step, the logits are the all-resident model's, and the device table a call outside a decode
+    step reads (the mailbox's steps do not write it) maps the experts as the host does."""
+    import numpy as np
+
+    import rq_core.paging.pager as pager_mod
+
+    if family not in packed:
+        pytest.skip(f"model family {family} not in this build yet")
+    ck = packed[family]
+    want = _paged_logits(load(ck, tokenizer=False).model, graphs=True)[0]
+
+    monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
+    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", HostMailbox)
+    monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: None)  # the host plays the device: nothing runs early
+    model = load(ck, tokenizer=False).model
+    pager = ExpertPager(model, ck, slots=2, speculate="off", queue=True)
+    got, misses, _ = _paged_logits(model, True, pager)
+    box = pager.mailbox
+    assert isinstance(box, HostMailbox) and misses > 0 and len(got) == len(want)
+    for a, b in zip(want, got):
+        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
+    for layer in pager.layers.values():  # the device table, as a call outside a decode step reads it: the host's map
+        table = np.array(layer.table())
+        assert all(table[e] == s for e, s in layer.lru.items()), layer.path
+    steps, cur = [], None
+    for ev in box.log:
+        if ev == "open":
+            cur = []
+            steps.append(cur)
+        else:
+            cur.append(ev)
+    assert len(steps) == 10 - pager_mod.WARMUP_STEPS and pager.stats.queued == len(steps)  # the first as written
+    assert pager.stats.queue_fallbacks == 0
+    for ev in steps:
+        posts = [e for k, e in ev if k == "post"]
+        assert len(posts) == len(pager.layers) and sorted(posts) == sorted(e for k, e in ev if k == "answer")
+        for i in range(1, len(posts)):  # layer i - 1 answered after layer i is posted, before layer i is
+            assert ev.index(("post", posts[i])) < ev.index(("answer", posts[i - 1])) < ev.index(("answer", posts[i]))
+    pager.close()
+
+
+
+class GivingUpMailbox(HostMailbox):
+    """A device that stops waiting for the host: in the 4th queued step at its second layer (the host sees it while it
+    fetches), in the 6th only after the step ran (the host sees it at the end)."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.opened = 0
+        self.fetched = 0
+
+    def open(self) -> None:
+        self.posted.clear()  # an abandoned step leaves layers posted
+        self.opened += 1
+        self.fetched = 0
+
+    def fetch(self, entry: int, n: int):
+        from rq_core.paging.mailbox import Abandoned
+
+        self.fetched += 1
+        if self.opened == 4 and self.fetched == 2:
+            raise Abandoned()
+        return super().fetch(entry, n)
+
+    def failed(self) -> bool:
+        return self.opened == 6
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "nemotron_h"])
+def test_a_step_the_device_stopped_waiting_in_runs_again_layer_by_layer(packed, family, monkeypatch):
+    """Where the device gave up waiting for the host in a step queued whole (its result is wrong), the caches go back
+    to before the step and it runs again layer by layer: the logits are the all-resident model's."""
+    import rq_core.paging.pager as pager_mod
+
+    if family not in packed:
+        pytest.skip(f"model family {family} not in this build yet")
+    ck = packed[family]
+    want = _paged_logits(load(ck, tokenizer=False).model, graphs=True)[0]
+    monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
+    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", GivingUpMailbox)
+    monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: None)
+    model = load(ck, tokenizer=False).model
+    pager = ExpertPager(model, ck, slots=2, speculate="off", queue=True)
+    got, misses, _ = _paged_logits(model, True, pager)
+    assert isinstance(pager.mailbox, GivingUpMailbox) and misses > 0
+    assert pager.stats.queued == 10 - pager_mod.WARMUP_STEPS and pager.stats.queue_fallbacks == 2
+    for a, b in zip(want, got):
+        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
+    pager.close()

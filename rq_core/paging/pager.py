@@ -9,6 +9,10 @@ host builds the layers after a MoE layer while the device runs the ones before i
 layer (or the step's end): the misses are read together, in parallel (os.preadv on a pool of threads, a page a row of
 a host staging buffer, a lone miss cut into pieces), and copied into their slots and the table written, in place (rq_core.paging.
 transfer: on CUDA by the copy engine, so no page of managed memory migrates), before the graph that reads them runs.
+With `queue=True` on CUDA the step is queued whole instead (rq_core.paging.mailbox): each MoE layer's routing reaches
+the host and its slots the device through page-locked memory both address, the device waiting inside the step, so it
+runs on into kernels already launched the moment a layer's experts are in (a step the device stopped waiting in runs
+again layer by layer, its caches put back). Off by default: not yet measured at real size.
 With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
 sampled token in one sync. Where a layer missed an expert, the layers before it computed what an all-resident model
 computes: the step runs again from that layer, its missing experts read first, the caches of the layers from it on
@@ -44,6 +48,7 @@ import numpy as np
 
 from rq_core.errors import RQError
 from rq_core.models.base import StepResume, resuming, set_bank_inputs, settling, step_resume
+from rq_core.paging import mailbox
 from rq_core.paging.pack import expert_banks, load_index, open_page_file, source_fingerprints, target_dtype
 from rq_core.paging.transfer import Copier, host_cast
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
@@ -86,6 +91,8 @@ class PagerStats:
     speculated: int = 0  # decode steps run first on the resident experts (speculate="auto" | "always")
     respun: int = 0  # of those, steps that missed an expert and ran again
     reruns: int = 0  # runs again from a layer that missed (a step that missed in two layers counts two)
+    queued: int = 0  # decode steps queued whole, the device waiting for each MoE layer's slots (CUDA: mailbox)
+    queue_fallbacks: int = 0  # of those, steps the device stopped waiting in, run again layer by layer
     staging_bytes: int = 0  # the staging buffer the pages are read into: host memory, outside MLX's peak
     # on CUDA: the staging buffer is page-locked host memory (the copy engine reads it without staging it again)
     staging_host_resident: bool = False
@@ -102,7 +109,7 @@ class PagerStats:
 
 
 _COUNTERS = ("hits", "misses", "bytes_read", "evictions", "host_syncs", "sync_s", "host_s", "read_batches", "read_s",
-             "speculated", "respun", "reruns")
+             "speculated", "respun", "reruns", "queued", "queue_fallbacks")
 
 
 def _nbytes(t: dict, dtype: mx.Dtype) -> int:
@@ -110,13 +117,16 @@ def _nbytes(t: dict, dtype: mx.Dtype) -> int:
 
 
 class _Layer:
-    def __init__(self, pager: "ExpertPager", path: str, module: Any, meta: dict, slots: int, fd: int) -> None:
+    def __init__(self, pager: "ExpertPager", path: str, module: Any, meta: dict, slots: int, fd: int,
+                 entry: int) -> None:
         # weak: the module holds this layer (and the model the pager), so strong references would make cycles that
         # keep a dropped model's banks (and this layer's views of them) alive until the cycle collector runs
         self.pager, self.path, self.module, self.meta = weakref.proxy(pager), path, weakref.proxy(module), meta
         self.E = meta["num_experts"]
         self.slots = min(slots, self.E)
         self.fd = fd
+        self.entry = entry  # this layer's entry in the pager's mailbox (a step queued whole)
+        self._lut_stale = False  # the device table lags the host's (a queued step hands the device its slots)
         # One CRC32 per expert, on its first read: the pack is never rewritten in place (rq pack swaps
         # folders; the open file keeps its bytes), so a page that checked once reads the same bytes again.
         self.checked = bytearray(self.E)
@@ -224,8 +234,8 @@ class _Layer:
                         raise RQError(f"internal: pages of {t['dtype']} into a {self.dtypes[name]} bank")
                 cp.write(raw, s * row, src)
 
-    def acquire(self, needed: np.ndarray) -> None:
-        """Make `needed` experts (len <= slots) resident and the device table map them to their slots."""
+    def acquire(self, needed: np.ndarray, table: bool = True) -> None:
+        """Make `needed` experts (len <= slots) resident and (`table`) the device table map them to their slots."""
         st = self.pager.stats
         lru = self.lru
         needed = needed.tolist()
@@ -263,7 +273,11 @@ class _Layer:
                     self.free.append(s)
             raise
         finally:  # the table as the slots now hold (a failed read's slots map to what they held: never read)
-            self.pager.copier.write(self._lut_raw, 0, self.lut)
+            if table:
+                self.pager.copier.write(self._lut_raw, 0, self.lut)
+                self._lut_stale = False
+            else:
+                self._lut_stale = True
             self.pager.copier.fence()
 
     def drop(self, e: int) -> None:
@@ -274,6 +288,10 @@ class _Layer:
 
     def table(self) -> mx.array:
         """The expert -> slot table on the device (one array, written in place as experts come in)."""
+        if self._lut_stale:
+            self.pager.copier.write(self._lut_raw, 0, self.lut)
+            self.pager.copier.fence()
+            self._lut_stale = False
         return self.lut_dev
 
     def routing(self, indices: mx.array) -> tuple[np.ndarray, np.ndarray]:
@@ -305,6 +323,14 @@ class _Layer:
         pager = self.pager
         if not pager._deferring:  # cannot happen: paged_experts serves a layer only within decode_step
             raise RQError("internal: a paged decode layer served outside a decode step")
+        if pager._box is not None:
+            # the step queued up to this layer's wait for its slots, then the layer before served (the device waits
+            # on it): once those experts are in, the device runs on into kernels already launched
+            slots = pager._box.post(self.entry, indices)
+            mx.async_eval(slots)
+            pager.settle()
+            pager._unsettled = (self, indices)
+            return slots
         pager.settle()  # the MoE layer before this one: its experts in before anything after it runs
         mx.async_eval(indices)  # the step up to this routing runs while the host builds the layers after it
         pager._unsettled = (self, indices)
@@ -313,6 +339,21 @@ class _Layer:
     def settle(self, indices: mx.array) -> None:
         """Read a decode step's routing of this layer and make its experts resident (banks and table written in
         place, so the graph already built on `table()[indices]` reads them when it runs)."""
+        box = self.pager._box
+        if box is not None:  # the routing from the mailbox, the slots back through it
+            st = self.pager.stats
+            st.host_syncs += 1
+            t0 = time.perf_counter()
+            idx = box.fetch(self.entry, indices.size)
+            t1 = time.perf_counter()
+            st.sync_s += t1 - t0
+            needed = np.unique(idx)
+            if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
+                raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
+            self.acquire(needed, table=False)
+            box.answer(self.entry, self.lut[idx])
+            st.host_s += time.perf_counter() - t1
+            return
         _, needed = self.routing(indices)
         if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
             raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
@@ -340,11 +381,12 @@ class ExpertPager:
     the staging buffer holds. `speculate`: "always" runs each decode step on the resident experts with one host
     sync a run, again from the first layer that missed (see the module's text); "off", layer by layer, a sync a
     MoE layer; "auto" (the default) whichever its measured step times say is faster (`benchmarks/pager.py
-    --speculate off,auto` compares them)."""
+    --speculate off,auto` compares them). `queue`: on CUDA, queue a layer-by-layer step whole, the device waiting for
+    each MoE layer's slots (rq_core.paging.mailbox; `benchmarks/pager.py --queue-whole` compares)."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
-                 threads: int = READ_THREADS, speculate: str = "auto") -> None:
+                 threads: int = READ_THREADS, speculate: str = "auto", queue: bool = False) -> None:
         check_policy(policy)
         if speculate not in SPECULATE:
             raise RQError(f"unknown speculation {speculate!r} (choose from: {', '.join(SPECULATE)})")
@@ -368,8 +410,8 @@ class ExpertPager:
             for fd in fds.values():
                 os.close(fd)
             raise
-        for path, mod in banks.items():
-            self.layers[path] = _Layer(self, path, mod, index["layers"][path], slots, fds[path])
+        for entry, (path, mod) in enumerate(banks.items()):
+            self.layers[path] = _Layer(self, path, mod, index["layers"][path], slots, fds[path], entry)
         for path, mod in banks.items():
             _patch(mod, self.layers[path])
         # a decode step's graphs read the banks as inputs (the pager rewrites their slots between steps): registered
@@ -405,6 +447,13 @@ class ExpertPager:
         self._steps = 0
         self._missing: Optional[float] = None  # running mean of the MoE layers a decode step read misses for
         self._layers_missed = 0  # calls of acquire that read misses, so far
+        self._layered_steps = 0  # decode steps run layer by layer (not speculated), so far
+        # `queue=True`, on CUDA: a layer-by-layer step is queued whole, the device waiting for each layer's slots
+        # (rq_core.paging.mailbox; made with the staging buffer). Off by default until measured at real size
+        # (benchmarks/pager.py --queue-whole); the step is queued a stretch between two MoE layers at a time
+        self._queue = queue
+        self.mailbox: Optional[mailbox.Mailbox] = None
+        self._box: Optional[mailbox.Mailbox] = None  # the mailbox while a step that uses it is being built
         model.expert_pager = self  # generate() decodes through decode_step with a pager (see there)
 
     def _speculation_pays(self) -> bool:
@@ -452,19 +501,54 @@ class ExpertPager:
                 self._mean("_t_spec", time.perf_counter() - t0)
                 self._count_missing(missed0)
                 return out
-        self._deferring = True
-        try:
-            with settling(self.settle):  # an evaluation inside the build (a cache's chunked coding) settles first
-                y, read = build(None)
-            if self._unsettled is not None:
-                raise RQError("internal: a decode step was queued before its last MoE layer's experts were in")
-        finally:
-            self._deferring, self._unsettled = False, None
-        mx.eval(read)
-        self.join_checks()
+        self._layered_steps += 1
+        box = self.mailbox if self._layered_steps > WARMUP_STEPS else None  # first steps: kernels load (see mailbox)
+        out = None
+        if box is not None:  # queued whole; where the device gave up waiting, the caches back and layer by layer
+            self.stats.queued += 1
+            undo = [c.mark() for c in caches]
+            key = mx.random.split(mx.random.state[0])[1] if draws else None  # as the layered step would draw
+            try:
+                out = self._layered(build, key, box)
+            except mailbox.Abandoned:
+                pass
+            if out is None or box.failed():
+                out = None
+                self.stats.queue_fallbacks += 1
+                for f in undo:
+                    f()
+                self._unsettled = None
+            elif draws:
+                mx.random.uniform(shape=(0,))  # move the sequence on by the key the step used
+        if out is None:
+            out = self._layered(build, None, None)
+        y, read = out
         # a speculated step that fell back costs both runs
         self._mean("_t_spec" if spec else "_t_layered", time.perf_counter() - t0)
         self._count_missing(missed0)
+        return y, read
+
+    def _layered(self, build: Callable[[Optional[mx.array]], tuple[mx.array, mx.array]], key: Optional[mx.array],
+                 box: Optional[mailbox.Mailbox]) -> tuple[mx.array, mx.array]:
+        """The step layer by layer, queued whole through `box` or a stretch between two MoE layers at a time; (id,
+        read) evaluated."""
+        self._deferring, self._box = True, box
+        if box is not None:
+            box.open()
+        try:
+            with settling(self.settle):  # an evaluation inside the build (a cache's chunked coding) settles first
+                y, read = build(key)
+            if self._unsettled is not None:
+                raise RQError("internal: a decode step was queued before its last MoE layer's experts were in")
+        except BaseException:
+            if box is not None:  # the device may be waiting on a layer: let the queued step drain
+                box.release_all()
+                mx.synchronize()
+            raise
+        finally:
+            self._deferring, self._unsettled, self._box = False, None, None
+        mx.eval(read)
+        self.join_checks()
         return y, read
 
     def _count_missing(self, before: int) -> None:
@@ -563,6 +647,8 @@ class ExpertPager:
             self.stats.staging_bytes = n
             self._staging_host = self.copier.host_buffer(n)  # host memory, not MLX's: its peak does not count it
             self.stats.staging_host_resident = self.copier.pinned
+            if self._queue and self._token_fits and mailbox.available(self.copier):
+                self.mailbox = mailbox.Mailbox(self.copier, len(self.layers), top_k)
 
     def settle(self) -> None:
         """The pending MoE layer of a decode step being built (serve): its routing read, its experts made resident.
@@ -583,6 +669,7 @@ class ExpertPager:
             self._checks = []
             self._pool = None
         self._staging_host = None
+        self.mailbox = None  # in the copier's page-locked memory
         self.copier.close()
         for l in self.layers.values():
             l.close()

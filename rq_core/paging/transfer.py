@@ -21,7 +21,10 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
+from rq_core.errors import RQError
+
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+HOST_ALLOC_MAPPED = 0x03  # cudaHostAllocPortable | cudaHostAllocMapped
 
 
 def _cudart():
@@ -62,7 +65,9 @@ class Copier:
                     lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                     lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                     ctypes.c_void_p]
-                    lib.cudaDeviceSynchronize.argtypes = []
+                    lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
+                    lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                                             ctypes.c_uint]
                     lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
                     lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
                     self._lib = lib
@@ -91,6 +96,20 @@ class Copier:
                 return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p.value))
             self._lib.cudaGetLastError()
         return np.zeros(n, np.uint8)
+
+    def mapped_buffer(self, n: int) -> tuple[np.ndarray, int]:
+        """(n bytes of page-locked host memory the device reads and writes in place, its address on the device),
+        zeroed; CUDA only (RQError elsewhere or where the runtime refuses). Valid until close()."""
+        if self._lib is not None:
+            p, d = ctypes.c_void_p(), ctypes.c_void_p()
+            if self._lib.cudaHostAlloc(ctypes.byref(p), max(n, 1), HOST_ALLOC_MAPPED) == 0 and p.value:
+                self._pinned.append(p.value)
+                if self._lib.cudaHostGetDevicePointer(ctypes.byref(d), p.value, 0) == 0 and d.value:
+                    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p.value))
+                    view[:] = 0
+                    return view, d.value
+            self._lib.cudaGetLastError()
+        raise RQError("no page-locked host memory the device can address here")
 
     @property
     def pinned(self) -> bool:
@@ -146,9 +165,10 @@ class Copier:
 
     def fence(self) -> None:
         """Wait for the copies `write` made (on CUDA the copy engine's may still be landing: a kernel on MLX's own
-        stream is not ordered after them)."""
+        stream is not ordered after them). Only the copies' stream (the legacy default one, which MLX's non-blocking
+        streams do not wait on or for): a step queued whole may be waiting on the host inside MLX's."""
         if self._dirty:
-            self._lib.cudaDeviceSynchronize()
+            self._lib.cudaStreamSynchronize(None)
             self._dirty = False
 
     def read(self, a: mx.array) -> np.ndarray:

@@ -34,5 +34,7 @@ inline float log2f(float x) { return std::log2(x); }
 unsigned atomicAdd(unsigned*, unsigned);
 unsigned atomicExch(unsigned*, unsigned);
 void __threadfence();
+void __threadfence_system();
+void __nanosleep(unsigned int ns);
 float __ldcg(const float*);
 float4 __ldcg(const float4*);

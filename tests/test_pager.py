@@ -1009,6 +1009,24 @@ class HostMailbox:
         return False
 
 
+def _queued_run(packed, family: str, monkeypatch, box_class) -> tuple:
+    """(all-resident logits, logits of steps queued whole through box_class, misses, the pager) of _paged_logits'
+    steps, with 2 slots a layer."""
+    import rq_core.paging.pager as pager_mod
+
+    if family not in packed:
+        pytest.skip(f"model family {family} not in this build yet")
+    ck = packed[family]
+    want = _paged_logits(load(ck, tokenizer=False).model, graphs=True)[0]
+    monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
+    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", box_class)
+    monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: None)  # the host plays the device: nothing runs early
+    model = load(ck, tokenizer=False).model
+    pager = ExpertPager(model, ck, slots=2, speculate="off", queue=True)
+    got, misses, _ = _paged_logits(model, True, pager)
+    return want, got, misses, pager
+
+
 @pytest.mark.parametrize("family", list(TINY))
 def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, family, monkeypatch):
     """On CUDA a decode step is queued whole, each MoE layer's slots handed to the device through a mailbox: a layer is
@@ -1019,17 +1037,7 @@ def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, 
 
     import rq_core.paging.pager as pager_mod
 
-    if family not in packed:
-        pytest.skip(f"model family {family} not in this build yet")
-    ck = packed[family]
-    want = _paged_logits(load(ck, tokenizer=False).model, graphs=True)[0]
-
-    monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
-    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", HostMailbox)
-    monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: None)  # the host plays the device: nothing runs early
-    model = load(ck, tokenizer=False).model
-    pager = ExpertPager(model, ck, slots=2, speculate="off", queue=True)
-    got, misses, _ = _paged_logits(model, True, pager)
+    want, got, misses, pager = _queued_run(packed, family, monkeypatch, HostMailbox)
     box = pager.mailbox
     assert isinstance(box, HostMailbox) and misses > 0 and len(got) == len(want)
     for a, b in zip(want, got):
@@ -1087,16 +1095,7 @@ def test_a_step_the_device_stopped_waiting_in_runs_again_layer_by_layer(packed, 
     to before the step and it runs again layer by layer: the logits are the all-resident model's."""
     import rq_core.paging.pager as pager_mod
 
-    if family not in packed:
-        pytest.skip(f"model family {family} not in this build yet")
-    ck = packed[family]
-    want = _paged_logits(load(ck, tokenizer=False).model, graphs=True)[0]
-    monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
-    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", GivingUpMailbox)
-    monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: None)
-    model = load(ck, tokenizer=False).model
-    pager = ExpertPager(model, ck, slots=2, speculate="off", queue=True)
-    got, misses, _ = _paged_logits(model, True, pager)
+    want, got, misses, pager = _queued_run(packed, family, monkeypatch, GivingUpMailbox)
     assert isinstance(pager.mailbox, GivingUpMailbox) and misses > 0
     assert pager.stats.queued == 10 - pager_mod.WARMUP_STEPS and pager.stats.queue_fallbacks == 2
     for a, b in zip(want, got):

@@ -379,6 +379,11 @@ MUTATIONS: list[Mutation] = [
       "",
       "pager: a step the device stopped waiting in runs again on caches that kept its first run's tokens",
       ("tests/test_pager.py::test_a_step_the_device_stopped_waiting_in_runs_again_layer_by_layer",)),
+    M("rq_core/tools/soak.py",
+      "            while gen_i == 0 or time.perf_counter() < self._deadline:",
+      "            while time.perf_counter() < self._deadline:",
+      "soak: a run whose first checks outlast it decodes nothing (no verdict)",
+      ("tests/test_soak.py::test_a_run_shorter_than_its_first_checks_still_decodes",)),
 ]
 
 

@@ -548,7 +548,9 @@ class Soak:
             self._emit(self._sample(0.0, acc), status)
             self._last_sample = time.perf_counter()
             gen_i = 0
-            while time.perf_counter() < self._deadline:
+            # at least one generation, to its first decode token, however long the first checks took (a slow
+            # machine, a short run): a run with nothing decoded has nothing to judge
+            while gen_i == 0 or time.perf_counter() < self._deadline:
                 gen_i += 1
                 self._one_generation(gen_i, acc)
             status = "completed"
@@ -590,7 +592,7 @@ class Soak:
                 m = mx.get_active_memory()
                 self.decode_mem.add(float(m))
                 acc["decode_mem_max"] = max(acc["decode_mem_max"], m)
-            if now >= self._deadline:
+            if now >= self._deadline and acc["tokens"]:
                 raise _TimeUp
             if now - self._last_sample >= self.s.interval_s:
                 self._emit(self._sample(now - self._t0, acc), "running")

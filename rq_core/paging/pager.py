@@ -503,9 +503,11 @@ class ExpertPager:
                 return out
         self._layered_steps += 1
         box = self.mailbox if self._layered_steps > WARMUP_STEPS else None  # first steps: kernels load (see mailbox)
-        out = None
+        out, recounted = None, 0
         if box is not None:  # queued whole; where the device gave up waiting, the caches back and layer by layer
-            self.stats.queued += 1
+            st = self.stats
+            st.queued += 1
+            served = st.hits + st.misses
             undo = [c.mark() for c in caches]
             key = mx.random.split(mx.random.state[0])[1] if draws else None  # as the layered step would draw
             try:
@@ -514,7 +516,8 @@ class ExpertPager:
                 pass
             if out is None or box.failed():
                 out = None
-                self.stats.queue_fallbacks += 1
+                st.queue_fallbacks += 1
+                recounted = st.hits + st.misses - served  # the run again finds these resident: not hits twice
                 for f in undo:
                     f()
                 self._unsettled = None
@@ -522,6 +525,7 @@ class ExpertPager:
                 mx.random.uniform(shape=(0,))  # move the sequence on by the key the step used
         if out is None:
             out = self._layered(build, None, None)
+            self.stats.hits -= recounted
         y, read = out
         # a speculated step that fell back costs both runs
         self._mean("_t_spec" if spec else "_t_layered", time.perf_counter() - t0)
@@ -648,7 +652,10 @@ class ExpertPager:
             self._staging_host = self.copier.host_buffer(n)  # host memory, not MLX's: its peak does not count it
             self.stats.staging_host_resident = self.copier.pinned
             if self._queue and self._token_fits and mailbox.available(self.copier):
-                self.mailbox = mailbox.Mailbox(self.copier, len(self.layers), top_k)
+                try:
+                    self.mailbox = mailbox.Mailbox(self.copier, len(self.layers), top_k)
+                except RQError:  # no page-locked memory the device can address: the step queued a stretch at a time
+                    self.mailbox = None
 
     def settle(self) -> None:
         """The pending MoE layer of a decode step being built (serve): its routing read, its experts made resident.

@@ -17,9 +17,9 @@ values `--speculate` lists ("always" too). Options add rows: `--cold` (each row 
 with the page files dropped from the OS page cache before every run: os.posix_fadvise(POSIX_FADV_DONTNEED) on every
 file of the pack folder, without root, so best-effort; the share of the pack still cached after the drop is
 measured with mincore and printed), `--verify-cost` (a row at 50% of experts without the pages' CRC32 checks,
-verify=False, beside the verify=True one), `--queue-whole` (a row at 50% with each step queued whole, queue=True,
-the device waiting for each MoE layer's slots, beside the default row whose step is queued a stretch between two MoE
-layers at a time; on CUDA only do the two differ: rq_core/paging/mailbox.py). Warm rows read the pack folder once before each run (mincore checks that
+verify=False, beside the verify=True one), `--by-stretch` (a row at 50% with each step queued a stretch between two
+MoE layers at a time, queue=False, beside the default row whose step is queued whole, the device waiting for each MoE
+layer's slots; on CUDA only do the two differ: rq_core/paging/mailbox.py). Warm rows read the pack folder once before each run (mincore checks that
 it is cached). Every cell runs
 `--repeats` times, interleaved, the cells' order rotating each repetition; the table gives medians (min-max).
 Writes benchmarks/results/pager.json (overwritten by a rerun; the README's `pager` table).
@@ -214,12 +214,12 @@ def cells(a: argparse.Namespace) -> list[dict]:
     for f in fracs:
         if f >= 1.0:
             continue
-        out += [{"fraction": f, "speculate": s, "cache": c, "verify": True, "queue": False} for s in specs
+        out += [{"fraction": f, "speculate": s, "cache": c, "verify": True, "queue": True} for s in specs
                 for c in caches]
-    for flag, key in ((a.verify_cost, "verify"), (a.queue_whole, "queue")):
+    for flag, key in ((a.verify_cost, "verify"), (a.by_stretch, "queue")):
         if flag:
             for c in caches:
-                base = {"fraction": 0.5, "speculate": "off", "cache": c, "verify": True, "queue": False}
+                base = {"fraction": 0.5, "speculate": "off", "cache": c, "verify": True, "queue": True}
                 if base not in out:
                     out.append(base)
                 out.insert(out.index(base) + 1, {**base, key: not base[key]})
@@ -230,7 +230,7 @@ def label(c: dict) -> str:
     if c["speculate"] is None:
         return "all resident"
     return (f"{c['fraction']:.0%} {c['speculate']} {c['cache']}" + ("" if c["verify"] else " no-verify")
-            + (" queued-whole" if c.get("queue") else ""))
+            + ("" if c.get("queue", True) else " by-stretch"))
 
 
 def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespace, files: list[Path]) -> dict:
@@ -439,8 +439,8 @@ def main() -> None:
                     help="comma-separated ExpertPager(speculate=) values: off, auto (the default), always")
     ap.add_argument("--cold", action="store_true", help="also with the pack dropped from the OS page cache")
     ap.add_argument("--verify-cost", action="store_true", help="a row at 50%% without CRC32 checks")
-    ap.add_argument("--queue-whole", action="store_true",
-                    help="a row at 50%% with each step queued whole, the device waiting for each layer's slots")
+    ap.add_argument("--by-stretch", action="store_true",
+                    help="a row at 50%% with each step queued a stretch between two MoE layers at a time (queue=False)")
     ap.add_argument("--synthetic", metavar="DIR", help="write (or reuse) a real-size synthetic Qwen3-30B-A3B here")
     ap.add_argument("--ckpt", metavar="DIR", help="a quantized checkpoint to page instead")
     ap.add_argument("--no-save", action="store_true", help="print the table, write no results file")

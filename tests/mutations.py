@@ -384,6 +384,21 @@ MUTATIONS: list[Mutation] = [
       "            while time.perf_counter() < self._deadline:",
       "soak: a run whose first checks outlast it decodes nothing (no verdict)",
       ("tests/test_soak.py::test_a_run_shorter_than_its_first_checks_still_decodes",)),
+    M("rq_core/paging/transfer.py",
+      "            self._lib.cudaStreamSynchronize(self._stream)\n",
+      "            self._lib.cudaStreamSynchronize(None)\n",
+      "copier: the fence waits on the legacy default stream (held by a spinning wait of a step queued whole)",
+      ("tests/test_pager.py::test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_is_found",)),
+    M("rq_core/paging/transfer.py",
+      "MEMCPY_DEFAULT, self._stream)\n            if rc == 0:",
+      "MEMCPY_DEFAULT, None)\n            if rc == 0:",
+      "copier: slot writes queued on the legacy default stream, which its fence does not wait for",
+      ("tests/test_pager.py::test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_is_found",)),
+    M("rq_core/paging/pager.py",
+      'speculate: str = "auto", queue: bool = True) -> None:',
+      'speculate: str = "auto", queue: bool = False) -> None:',
+      "pager: steps queued a stretch at a time by default where the device could wait inside a whole step",
+      ("tests/test_pager.py::test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued",)),
 ]
 
 

@@ -141,10 +141,10 @@ def test_layer_by_layer_steps_give_identical_tokens(packed, family):
 
 
 def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_is_found(monkeypatch):
-    """transfer.Copier: numpy views off CUDA; on CUDA cudaMemcpy between the host and the arrays' own memory (the
-    pointers and sizes asked), one cudaDeviceSynchronize a fence after writes (none without), the numpy view where
-    a copy is refused (the runtime's error cleared), and page-locked staging memory (cudaHostAlloc, freed by close)
-    where the runtime gives it."""
+    """transfer.Copier: numpy views off CUDA; on CUDA copies between the host and the arrays' own memory (the
+    pointers and sizes asked) on a non-blocking stream of the copier's own, one sync of that stream a fence after
+    writes (none without), the numpy view where a copy is refused (the runtime's error cleared), and page-locked
+    staging memory (cudaHostAlloc, freed by close) where the runtime gives it."""
     import ctypes
 
     import numpy as np
@@ -182,6 +182,16 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
             self.cudaHostGetDevicePointer = Function(self._device_pointer)
             self.streams = []  # cudaStreamSynchronize's streams
             self.cudaFreeHost = Function(self.freed.append)
+            self.cudaStreamCreateWithFlags = Function(self._stream)
+            self.destroyed = []
+            self.cudaStreamDestroy = Function(self.destroyed.append)
+
+        def _stream(self, ref, flags):
+            if self.rc:
+                return self.rc
+            assert flags == transfer.STREAM_NON_BLOCKING  # ordered with nothing else: not MLX's, not the legacy one
+            ref._obj.value = STREAM
+            return 0
 
         def _alloc(self, ref, n, flags):
             if self.rc:
@@ -214,12 +224,13 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
             self.cleared += 1
             return 0
 
+    STREAM = 0x5150
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     for rc in (0, 1):
         rt = Runtime(rc)
         monkeypatch.setattr(transfer, "_cudart", lambda rt=rt: rt)
         cp = transfer.Copier()
-        assert cp.device_copies
+        assert cp.device_copies and rt.cleared == rc  # a refused stream: the copies on the legacy one
         # pointers and sizes, not Python objects: ctypes told the argument types before any call
         assert rt.cudaMemcpy.argtypes and rt.cudaMemcpyAsync.argtypes and rt.cudaHostAlloc.argtypes \
             and rt.cudaFreeHost.argtypes
@@ -229,26 +240,26 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
         assert a[2].tolist() == [7.0 + rc] * 6  # by the stand-in's copy, else by the numpy view
         cp.fence()
         cp.fence()
-        assert rt.syncs == (1 if rc == 0 else 0) and rt.cleared == rc
+        assert rt.syncs == (1 if rc == 0 else 0) and rt.cleared == 2 * rc
         n = len(rt.copies)
         row = a[2:3]
         got = cp.read(row)
         assert got.tolist() == [[7.0 + rc] * 6]
         assert len(rt.copies) == n + 1 and rt.copies[-1][1:3] == (transfer.Copier.address(row), 24)
-        assert (rt.copies[-1][0] == got.ctypes.data) == (rc == 0) and rt.cleared == 2 * rc  # refused: np.array
+        assert (rt.copies[-1][0] == got.ctypes.data) == (rc == 0) and rt.cleared == 3 * rc  # refused: np.array
         buf = cp.host_buffer(64)  # page-locked where the runtime gives it, else plain memory
-        assert buf.nbytes == 64 and cp.pinned == (rc == 0) and rt.cleared == 3 * rc
+        assert buf.nbytes == 64 and cp.pinned == (rc == 0) and rt.cleared == 4 * rc
         held = [ctypes.addressof(b) for b in rt.held]
         assert ([buf.ctypes.data] == held) == (rc == 0) and len(held) == (rc == 0)
-        # from page-locked memory a copy is queued (default stream), and the fence waits for it; from pageable
-        # memory (above) it is waited for in the call
-        assert rt.queued == []
+        # every copy queued on the copier's stream (the runtime stages pageable memory before it returns), and the
+        # fence waits for it
+        stream = STREAM if rc == 0 else None
+        assert [q[4] for q in rt.queued] == [stream, stream]
         buf[:24] = np.full(6, 3.0, np.float32).view(np.uint8)
         syncs = rt.syncs
         cp.write(raw, 0, buf[:24])
         assert a[0].tolist() == [3.0] * 6
-        assert rt.queued == ([(raw.ctypes.data, buf.ctypes.data, 24, transfer.MEMCPY_DEFAULT, None)] if rc == 0
-                             else [])
+        assert rt.queued[-1] == (raw.ctypes.data, buf.ctypes.data, 24, transfer.MEMCPY_DEFAULT, stream)
         if rc == 0:  # memory the device reads and writes in place: zeroed, and its device address
             box, dev = cp.mapped_buffer(40)
             assert box.nbytes == 40 and not box.any() and dev == box.ctypes.data + 4096
@@ -259,7 +270,7 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
         cp.close()  # queued copies may still read the buffer: close waits for them before freeing it
         assert rt.freed == held and not cp.pinned and rt.syncs == syncs + (rc == 0)
         # the fence waits for the copies' stream alone: never for MLX's, where a queued step may wait on the host
-        assert rt.streams == [None] * rt.syncs
+        assert rt.streams == [STREAM] * rt.syncs and rt.destroyed == [STREAM] * (rc == 0)
     rt = Runtime(0)
     monkeypatch.setattr(transfer, "_cudart", lambda: rt)
     cp = transfer.Copier()
@@ -1022,7 +1033,7 @@ def _queued_run(packed, family: str, monkeypatch, box_class) -> tuple:
     monkeypatch.setattr(pager_mod.mailbox, "Mailbox", box_class)
     monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: None)  # the host plays the device: nothing runs early
     model = load(ck, tokenizer=False).model
-    pager = ExpertPager(model, ck, slots=2, speculate="off", queue=True)
+    pager = ExpertPager(model, ck, slots=2, speculate="off")  # queued whole by default, where a mailbox can be made
     got, misses, _ = _paged_logits(model, True, pager)
     return want, got, misses, pager
 
@@ -1030,9 +1041,10 @@ def _queued_run(packed, family: str, monkeypatch, box_class) -> tuple:
 @pytest.mark.parametrize("family", list(TINY))
 def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, family, monkeypatch):
     """On CUDA a decode step is queued whole, each MoE layer's slots handed to the device through a mailbox: a layer is
-    answered after the next one is posted (the device runs on into kernels already queued), every posted layer is
-    answered within its step, the logits are the all-resident model's, and the device table a call outside a decode
-    step reads (the mailbox's steps do not write it) maps the experts as the host does."""
+    answered after the next one is posted (the device runs on into kernels already queued) and before that one is,
+    every posted layer is answered within its step, in order, the logits are the all-resident model's, and the device
+    table a call outside a decode step reads (the mailbox's steps do not write it) maps the experts as the host
+    does."""
     import numpy as np
 
     import rq_core.paging.pager as pager_mod
@@ -1057,6 +1069,7 @@ def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, 
     for ev in steps:
         posts = [e for k, e in ev if k == "post"]
         assert len(posts) == len(pager.layers) and sorted(posts) == sorted(e for k, e in ev if k == "answer")
+        assert [e for k, e in ev if k == "answer"] == posts  # in order: the device reaches them so
         for i in range(1, len(posts)):  # layer i - 1 answered after layer i is posted, before layer i is
             assert ev.index(("post", posts[i])) < ev.index(("answer", posts[i - 1])) < ev.index(("answer", posts[i]))
     pager.close()

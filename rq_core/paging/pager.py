@@ -9,10 +9,10 @@ host builds the layers after a MoE layer while the device runs the ones before i
 layer (or the step's end): the misses are read together, in parallel (os.preadv on a pool of threads, a page a row of
 a host staging buffer, a lone miss cut into pieces), and copied into their slots and the table written, in place (rq_core.paging.
 transfer: on CUDA by the copy engine, so no page of managed memory migrates), before the graph that reads them runs.
-With `queue=True` on CUDA the step is queued whole instead (rq_core.paging.mailbox): each MoE layer's routing reaches
-the host and its slots the device through page-locked memory both address, the device waiting inside the step, so it
-runs on into kernels already launched the moment a layer's experts are in (a step the device stopped waiting in runs
-again layer by layer, its caches put back). Off by default: not yet measured at real size.
+On CUDA the step is queued whole instead (`queue=True`, the default; rq_core.paging.mailbox): each MoE layer's routing
+reaches the host and its slots the device through page-locked memory both address, the device waiting inside the
+step, so it runs on into kernels already launched the moment a layer's experts are in (a step the device stopped
+waiting in runs again layer by layer, its caches put back).
 With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
 sampled token in one sync. Where a layer missed an expert, the layers before it computed what an all-resident model
 computes: the step runs again from that layer, its missing experts read first, the caches of the layers from it on
@@ -324,8 +324,11 @@ class _Layer:
         if not pager._deferring:  # cannot happen: paged_experts serves a layer only within decode_step
             raise RQError("internal: a paged decode layer served outside a decode step")
         if pager._box is not None:
-            # the step queued up to this layer's wait for its slots, then the layer before served (the device waits
-            # on it): once those experts are in, the device runs on into kernels already launched
+            # the step queued whole: this layer posts its routing and takes the slots the host writes back; the step
+            # is launched up to here, then the layer before served (the device waits on it), so once those experts
+            # are in the device runs on into kernels already launched. Launched a layer at a time, not once: MLX's
+            # eval waits for the device where more than 10 command buffers are in flight, and a whole step is many
+            # more, each waiting on the host
             slots = pager._box.post(self.entry, indices)
             mx.async_eval(slots)
             pager.settle()
@@ -338,26 +341,31 @@ class _Layer:
 
     def settle(self, indices: mx.array) -> None:
         """Read a decode step's routing of this layer and make its experts resident (banks and table written in
-        place, so the graph already built on `table()[indices]` reads them when it runs)."""
-        box = self.pager._box
-        if box is not None:  # the routing from the mailbox, the slots back through it
-            st = self.pager.stats
-            st.host_syncs += 1
-            t0 = time.perf_counter()
-            idx = box.fetch(self.entry, indices.size)
-            t1 = time.perf_counter()
-            st.sync_s += t1 - t0
-            needed = np.unique(idx)
-            if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
-                raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
-            self.acquire(needed, table=False)
-            box.answer(self.entry, self.lut[idx])
-            st.host_s += time.perf_counter() - t1
+        place, so the graph already built on `table()[indices]` reads them when it runs); in a step queued whole,
+        through the mailbox (answer)."""
+        if self.pager._box is not None:
+            self.answer(self.pager._box, indices.size)
             return
         _, needed = self.routing(indices)
         if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
             raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
         self.resident(needed)
+
+    def answer(self, box: mailbox.Mailbox, n: int) -> None:
+        """A queued step's routing of this layer (its n expert ids) from the mailbox once the device posts it, its
+        experts made resident, their slots back through the mailbox: the device runs on."""
+        st = self.pager.stats
+        st.host_syncs += 1
+        t0 = time.perf_counter()
+        idx = box.fetch(self.entry, n)
+        t1 = time.perf_counter()
+        st.sync_s += t1 - t0
+        needed = np.unique(idx)
+        if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
+            raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
+        self.acquire(needed, table=False)
+        box.answer(self.entry, self.lut[idx])
+        st.host_s += time.perf_counter() - t1
 
     def stepping(self) -> bool:
         """Whether a decode step is being built through the pager's decode_step (layer by layer or speculated): only
@@ -382,11 +390,12 @@ class ExpertPager:
     sync a run, again from the first layer that missed (see the module's text); "off", layer by layer, a sync a
     MoE layer; "auto" (the default) whichever its measured step times say is faster (`benchmarks/pager.py
     --speculate off,auto` compares them). `queue`: on CUDA, queue a layer-by-layer step whole, the device waiting for
-    each MoE layer's slots (rq_core.paging.mailbox; `benchmarks/pager.py --queue-whole` compares)."""
+    each MoE layer's slots (rq_core.paging.mailbox; False: a stretch between two MoE layers at a time, as on Metal and
+    the CPU; `benchmarks/pager.py --by-stretch` compares)."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
-                 threads: int = READ_THREADS, speculate: str = "auto", queue: bool = False) -> None:
+                 threads: int = READ_THREADS, speculate: str = "auto", queue: bool = True) -> None:
         check_policy(policy)
         if speculate not in SPECULATE:
             raise RQError(f"unknown speculation {speculate!r} (choose from: {', '.join(SPECULATE)})")
@@ -448,9 +457,8 @@ class ExpertPager:
         self._missing: Optional[float] = None  # running mean of the MoE layers a decode step read misses for
         self._layers_missed = 0  # calls of acquire that read misses, so far
         self._layered_steps = 0  # decode steps run layer by layer (not speculated), so far
-        # `queue=True`, on CUDA: a layer-by-layer step is queued whole, the device waiting for each layer's slots
-        # (rq_core.paging.mailbox; made with the staging buffer). Off by default until measured at real size
-        # (benchmarks/pager.py --queue-whole); the step is queued a stretch between two MoE layers at a time
+        # `queue`, on CUDA: a layer-by-layer step is queued whole, the device waiting for each layer's slots
+        # (rq_core.paging.mailbox; made with the staging buffer)
         self._queue = queue
         self.mailbox: Optional[mailbox.Mailbox] = None
         self._box: Optional[mailbox.Mailbox] = None  # the mailbox while a step that uses it is being built

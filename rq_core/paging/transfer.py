@@ -4,9 +4,10 @@ The pager writes experts into slot banks and an expert -> slot table that graphs
 and reads each MoE layer's routing back. On Metal and the CPU an array's memory is the host's: a numpy view of it is
 read and written directly. On CUDA MLX allocates managed memory, whose pages migrate to whichever side touches them:
 a host write or read moves a page to the host, and the next kernel that touches it (or any small array MLX later
-allocates on it) stalls on a fault to move it back. There the copies go through the copy engine (cudaMemcpy, on
-device 0: the GPU MLX uses by default), which reads and writes the pages where they are, from page-locked host
-memory, and `fence` waits for them before a graph that reads them is launched. A copy from page-locked memory is
+allocates on it) stalls on a fault to move it back. There the copies go through the copy engine (cudaMemcpyAsync on a
+non-blocking stream of the copier's own, device 0: the GPU MLX uses by default), which reads and writes the pages
+where they are, from page-locked host memory, and `fence` waits for that stream before a graph that reads them is
+launched. A copy from page-locked memory is
 queued (cudaMemcpyAsync) rather than waited for one by one: a layer's misses are many small copies (each tensor of
 each expert), and the fence waits for them all at once.
 """
@@ -25,6 +26,7 @@ from rq_core.errors import RQError
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 HOST_ALLOC_MAPPED = 0x03  # cudaHostAllocPortable | cudaHostAllocMapped
+STREAM_NON_BLOCKING = 0x01  # cudaStreamNonBlocking
 
 
 def _cudart():
@@ -58,6 +60,7 @@ class Copier:
 
     def __init__(self) -> None:
         self._lib: Any = None
+        self._stream: Optional[int] = None  # None: the legacy default stream
         if _on_cuda():
             lib = _cudart()
             try:
@@ -70,7 +73,16 @@ class Copier:
                                                              ctypes.c_uint]
                     lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
                     lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
+                    lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+                    lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
                     self._lib = lib
+                    # the copies' own stream, non-blocking: ordered with nothing of MLX's, nor with the legacy
+                    # default stream, which a library in the process may use (its work would hold up the fence)
+                    s = ctypes.c_void_p()
+                    if lib.cudaStreamCreateWithFlags(ctypes.byref(s), STREAM_NON_BLOCKING) == 0:
+                        self._stream = s.value
+                    else:
+                        lib.cudaGetLastError()
             except AttributeError:
                 self._lib = None
         self._dirty = False
@@ -122,6 +134,9 @@ class Copier:
             self.fence()  # queued copies may still read them
             Copier._free(self._lib, self._pinned)
             self._pinned_spans.clear()
+            if self._stream is not None:
+                self._lib.cudaStreamDestroy(self._stream)
+                self._stream = None
 
     @property
     def device_copies(self) -> bool:
@@ -152,10 +167,8 @@ class Copier:
         src = np.ascontiguousarray(src)
         if self._lib is not None:
             p = src.ctypes.data
-            if any(a <= p and p + n <= b for a, b in self._pinned_spans):
-                rc = self._lib.cudaMemcpyAsync(dst.ctypes.data + offset, p, n, MEMCPY_DEFAULT, None)
-            else:  # pageable memory (the table): the runtime stages it, and a queued copy would not keep it alive
-                rc = self._lib.cudaMemcpy(dst.ctypes.data + offset, p, n, MEMCPY_DEFAULT)
+            # from pageable memory (the table) the runtime stages the bytes before it returns: src may go at once
+            rc = self._lib.cudaMemcpyAsync(dst.ctypes.data + offset, p, n, MEMCPY_DEFAULT, self._stream)
             if rc == 0:
                 self._dirty = True
                 return
@@ -165,10 +178,10 @@ class Copier:
 
     def fence(self) -> None:
         """Wait for the copies `write` made (on CUDA the copy engine's may still be landing: a kernel on MLX's own
-        stream is not ordered after them). Only the copies' stream (the legacy default one, which MLX's non-blocking
-        streams do not wait on or for): a step queued whole may be waiting on the host inside MLX's."""
+        stream is not ordered after them). Only the copies' own stream: a step queued whole may be waiting on the
+        host inside MLX's."""
         if self._dirty:
-            self._lib.cudaStreamSynchronize(None)
+            self._lib.cudaStreamSynchronize(self._stream)
             self._dirty = False
 
     def read(self, a: mx.array) -> np.ndarray:
@@ -178,7 +191,8 @@ class Copier:
         if self._lib is None or not h.flags.c_contiguous:
             return np.array(h)
         out = np.empty(h.shape, h.dtype)
-        if self._lib.cudaMemcpy(out.ctypes.data, h.ctypes.data, h.nbytes, MEMCPY_DEFAULT) != 0:
+        # into pageable memory the call returns once the bytes are there
+        if self._lib.cudaMemcpyAsync(out.ctypes.data, h.ctypes.data, h.nbytes, MEMCPY_DEFAULT, self._stream) != 0:
             self._lib.cudaGetLastError()
             return np.array(h)
         return out

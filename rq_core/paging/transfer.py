@@ -61,6 +61,7 @@ class Copier:
     def __init__(self) -> None:
         self._lib: Any = None
         self._stream: Optional[int] = None  # None: the legacy default stream
+        self._streams: list[int] = []  # the stream this copier made, destroyed by close
         if _on_cuda():
             lib = _cudart()
             try:
@@ -79,23 +80,26 @@ class Copier:
                     # the copies' own stream, non-blocking: ordered with nothing of MLX's, nor with the legacy
                     # default stream, which a library in the process may use (its work would hold up the fence)
                     s = ctypes.c_void_p()
-                    if lib.cudaStreamCreateWithFlags(ctypes.byref(s), STREAM_NON_BLOCKING) == 0:
+                    if lib.cudaStreamCreateWithFlags(ctypes.byref(s), STREAM_NON_BLOCKING) == 0 and s.value:
                         self._stream = s.value
+                        self._streams.append(s.value)
                     else:
                         lib.cudaGetLastError()
             except AttributeError:
                 self._lib = None
         self._dirty = False
         self._pinned: list[int] = []  # page-locked host buffers made by host_buffer, freed by close
-        self._pinned_spans: list[tuple[int, int]] = []  # their (start, end) addresses
         if self._lib is not None:  # and where close() is never called, when the copier is dropped
-            weakref.finalize(self, Copier._free, self._lib, self._pinned)
+            weakref.finalize(self, Copier._free, self._lib, self._pinned, self._streams)
 
     @staticmethod
-    def _free(lib: Any, pinned: list) -> None:
+    def _free(lib: Any, pinned: list, streams: list) -> None:
         for p in pinned:
             lib.cudaFreeHost(p)
         pinned.clear()
+        for s in streams:
+            lib.cudaStreamDestroy(s)
+        streams.clear()
 
     def host_buffer(self, n: int) -> np.ndarray:
         """n bytes of host memory the copies read from: page-locked on CUDA (cudaHostAlloc: the copy engine reads it
@@ -104,7 +108,6 @@ class Copier:
             p = ctypes.c_void_p()
             if self._lib.cudaHostAlloc(ctypes.byref(p), max(n, 1), 0) == 0 and p.value:
                 self._pinned.append(p.value)
-                self._pinned_spans.append((p.value, p.value + n))
                 return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p.value))
             self._lib.cudaGetLastError()
         return np.zeros(n, np.uint8)
@@ -132,11 +135,8 @@ class Copier:
         """Free the page-locked buffers (their views must not be used after)."""
         if self._lib is not None:
             self.fence()  # queued copies may still read them
-            Copier._free(self._lib, self._pinned)
-            self._pinned_spans.clear()
-            if self._stream is not None:
-                self._lib.cudaStreamDestroy(self._stream)
-                self._stream = None
+            Copier._free(self._lib, self._pinned, self._streams)
+            self._stream = None
 
     @property
     def device_copies(self) -> bool:

@@ -230,7 +230,7 @@ def label(c: dict) -> str:
     if c["speculate"] is None:
         return "all resident"
     return (f"{c['fraction']:.0%} {c['speculate']} {c['cache']}" + ("" if c["verify"] else " no-verify")
-            + ("" if c.get("queue", True) else " by-stretch"))
+            + ("" if c["queue"] else " by-stretch"))
 
 
 def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespace, files: list[Path]) -> dict:
@@ -264,7 +264,7 @@ def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespa
         if plan["slots_per_layer"] != slots:
             print(f"  the plan for {slots} slots' budget gives {plan['slots_per_layer']} slots", flush=True)
         pager = ExpertPager(model, ck, slots=plan["slots_per_layer"], speculate=c["speculate"], verify=c["verify"],
-                            queue=bool(c.get("queue")))
+                            queue=bool(c["queue"]))
         run.update(slots=plan["slots_per_layer"], budget_bytes=budget, planned_peak_bytes=plan["planned_peak_bytes"],
                    moe_layers=plan["moe_layers"])
     t = time.perf_counter()

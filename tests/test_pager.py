@@ -142,10 +142,12 @@ def test_layer_by_layer_steps_give_identical_tokens(packed, family):
 
 def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_is_found(monkeypatch):
     """transfer.Copier: numpy views off CUDA; on CUDA copies between the host and the arrays' own memory (the
-    pointers and sizes asked) on a non-blocking stream of the copier's own, one sync of that stream a fence after
-    writes (none without), the numpy view where a copy is refused (the runtime's error cleared), and page-locked
-    staging memory (cudaHostAlloc, freed by close) where the runtime gives it."""
+    pointers and sizes asked) queued on a non-blocking stream of the copier's own (the legacy one where the runtime
+    refuses a stream), their sources kept until one sync of that stream a fence after writes (none without), a read
+    waited for, the numpy view where a copy is refused (the runtime's error cleared), page-locked staging memory
+    (cudaHostAlloc) where the runtime gives it, and all of it freed once, by close or when the copier is dropped."""
     import ctypes
+    import weakref
 
     import numpy as np
 
@@ -172,23 +174,23 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
             return self.fn(*args)
 
     class Runtime:
-        def __init__(self, rc):
-            self.rc, self.copies, self.syncs, self.cleared, self.held, self.freed = rc, [], 0, 0, [], []
-            self.queued = []  # cudaMemcpyAsync's calls: (dst, src, n, kind, stream)
-            self.cudaMemcpy = Function(self._copy)
+        """A CUDA runtime whose queued copies land when their stream is synchronized."""
+
+        def __init__(self, rc, stream_rc):
+            self.rc, self.stream_rc, self.syncs, self.cleared, self.held, self.freed = rc, stream_rc, 0, 0, [], []
+            self.queued, self.pending = [], []  # cudaMemcpyAsync's calls: (dst, src, n, kind, stream); not landed
+            self.streams, self.destroyed = [], []  # cudaStreamSynchronize's streams; cudaStreamDestroy's
             self.cudaMemcpyAsync = Function(self._copy_async)
             self.cudaStreamSynchronize = Function(self._sync)
             self.cudaHostAlloc = Function(self._alloc)
             self.cudaHostGetDevicePointer = Function(self._device_pointer)
-            self.streams = []  # cudaStreamSynchronize's streams
             self.cudaFreeHost = Function(self.freed.append)
             self.cudaStreamCreateWithFlags = Function(self._stream)
-            self.destroyed = []
             self.cudaStreamDestroy = Function(self.destroyed.append)
 
         def _stream(self, ref, flags):
-            if self.rc:
-                return self.rc
+            if self.stream_rc:
+                return self.stream_rc
             assert flags == transfer.STREAM_NON_BLOCKING  # ordered with nothing else: not MLX's, not the legacy one
             ref._obj.value = STREAM
             return 0
@@ -201,19 +203,18 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
             ref._obj.value = ctypes.addressof(buf)
             return 0
 
-        def _copy(self, dst, src, n, kind):
-            self.copies.append((dst, src, n, kind))
-            if self.rc == 0:
-                ctypes.memmove(dst, src, n)
-            return self.rc
-
         def _copy_async(self, dst, src, n, kind, stream):
             self.queued.append((dst, src, n, kind, stream))
-            return self._copy(dst, src, n, kind)
+            if self.rc == 0:
+                self.pending.append((dst, src, n))
+            return self.rc
 
         def _sync(self, stream):
             self.syncs += 1
             self.streams.append(stream)
+            for dst, src, n in self.pending:
+                ctypes.memmove(dst, src, n)
+            self.pending = []
             return 0
 
         def _device_pointer(self, ref, p, flags):
@@ -226,39 +227,40 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
 
     STREAM = 0x5150
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    for rc in (0, 1):
-        rt = Runtime(rc)
+    for rc, stream_rc in ((0, 0), (0, 1), (1, 1)):  # all given; no stream of its own; every call refused
+        raw[:] = 0
+        rt = Runtime(rc, stream_rc)
         monkeypatch.setattr(transfer, "_cudart", lambda rt=rt: rt)
         cp = transfer.Copier()
-        assert cp.device_copies and rt.cleared == rc  # a refused stream: the copies on the legacy one
+        stream = None if stream_rc else STREAM
+        assert cp.device_copies and cp.own_stream == (stream_rc == 0) and rt.cleared == stream_rc
         # pointers and sizes, not Python objects: ctypes told the argument types before any call
-        assert rt.cudaMemcpy.argtypes and rt.cudaMemcpyAsync.argtypes and rt.cudaHostAlloc.argtypes \
-            and rt.cudaFreeHost.argtypes
+        assert all(getattr(rt, f).argtypes for f in ("cudaMemcpyAsync", "cudaStreamSynchronize", "cudaHostAlloc",
+                                                     "cudaHostGetDevicePointer", "cudaFreeHost",
+                                                     "cudaStreamCreateWithFlags", "cudaStreamDestroy"))
+        cleared = rt.cleared
         src = np.full(6, 7.0 + rc, np.float32)
+        gone = weakref.ref(src)
         cp.write(raw, 48, src)
-        assert rt.copies[-1] == (raw.ctypes.data + 48, src.ctypes.data, 24, transfer.MEMCPY_DEFAULT)
-        assert a[2].tolist() == [7.0 + rc] * 6  # by the stand-in's copy, else by the numpy view
+        assert rt.queued[-1] == (raw.ctypes.data + 48, src.ctypes.data, 24, transfer.MEMCPY_DEFAULT, stream)
+        del src  # a queued copy's source lives until the fence
+        assert (gone() is not None) == (rc == 0) and a[2].tolist() == ([0.0] * 6 if rc == 0 else [8.0] * 6)  # not landed yet
         cp.fence()
         cp.fence()
-        assert rt.syncs == (1 if rc == 0 else 0) and rt.cleared == 2 * rc
-        n = len(rt.copies)
+        assert gone() is None and a[2].tolist() == [7.0 + rc] * 6  # landed (by the stand-in, else the numpy view)
+        assert rt.syncs == (rc == 0) and rt.cleared == cleared + rc
         row = a[2:3]
-        got = cp.read(row)
+        got = cp.read(row)  # waited for: the bytes are there when it returns
         assert got.tolist() == [[7.0 + rc] * 6]
-        assert len(rt.copies) == n + 1 and rt.copies[-1][1:3] == (transfer.Copier.address(row), 24)
-        assert (rt.copies[-1][0] == got.ctypes.data) == (rc == 0) and rt.cleared == 3 * rc  # refused: np.array
+        assert rt.queued[-1][1:3] == (transfer.Copier.address(row), 24) and rt.syncs == 2 * (rc == 0)
+        assert (rt.queued[-1][0] == got.ctypes.data) == (rc == 0) and rt.cleared == cleared + 2 * rc  # np.array
         buf = cp.host_buffer(64)  # page-locked where the runtime gives it, else plain memory
-        assert buf.nbytes == 64 and cp.pinned == (rc == 0) and rt.cleared == 4 * rc
+        assert buf.nbytes == 64 and cp.pinned == (rc == 0) and rt.cleared == cleared + 3 * rc
         held = [ctypes.addressof(b) for b in rt.held]
         assert ([buf.ctypes.data] == held) == (rc == 0) and len(held) == (rc == 0)
-        # every copy queued on the copier's stream (the runtime stages pageable memory before it returns), and the
-        # fence waits for it
-        stream = STREAM if rc == 0 else None
-        assert [q[4] for q in rt.queued] == [stream, stream]
         buf[:24] = np.full(6, 3.0, np.float32).view(np.uint8)
         syncs = rt.syncs
         cp.write(raw, 0, buf[:24])
-        assert a[0].tolist() == [3.0] * 6
         assert rt.queued[-1] == (raw.ctypes.data, buf.ctypes.data, 24, transfer.MEMCPY_DEFAULT, stream)
         if rc == 0:  # memory the device reads and writes in place: zeroed, and its device address
             box, dev = cp.mapped_buffer(40)
@@ -267,11 +269,16 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
         else:
             with pytest.raises(RQError, match="page-locked"):
                 cp.mapped_buffer(40)
-        cp.close()  # queued copies may still read the buffer: close waits for them before freeing it
-        assert rt.freed == held and not cp.pinned and rt.syncs == syncs + (rc == 0)
+        cp.close()  # the queued copy still reads the buffer: close waits for it before freeing it
+        assert a[0].tolist() == [3.0] * 6 and rt.syncs == syncs + 1
+        assert rt.freed == held and not cp.pinned and rt.destroyed == [STREAM] * (stream_rc == 0)
+        assert not cp.device_copies and not cp.own_stream  # final: nothing of it is used again
+        cp.close()
+        del cp
+        assert rt.freed == held and rt.destroyed == [STREAM] * (stream_rc == 0)  # once
         # the fence waits for the copies' stream alone: never for MLX's, where a queued step may wait on the host
-        assert rt.streams == [STREAM] * rt.syncs and rt.destroyed == [STREAM] * (rc == 0)
-    rt = Runtime(0)
+        assert rt.streams == [stream] * rt.syncs
+    rt = Runtime(0, 0)
     monkeypatch.setattr(transfer, "_cudart", lambda: rt)
     cp = transfer.Copier()
     cp.host_buffer(32)
@@ -1076,6 +1083,26 @@ def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, 
 
 
 
+def test_a_step_is_queued_whole_only_where_the_copies_have_a_stream_of_their_own(monkeypatch):
+    """mailbox.available: a CUDA GPU as MLX's default device, the copy engine, and a stream of the copier's own (its
+    fence on the legacy default stream can wait behind a spinning `wait` until that gives up, every step)."""
+    from rq_core.paging import mailbox
+
+    class Copier:
+        device_copies, own_stream = True, True
+
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert mailbox.available(Copier())
+    Copier.own_stream = False
+    assert not mailbox.available(Copier())
+    Copier.own_stream, Copier.device_copies = True, False
+    assert not mailbox.available(Copier())
+    Copier.device_copies = True
+    monkeypatch.setattr(mx, "default_device", lambda: mx.cpu)
+    assert not mailbox.available(Copier())
+
+
 class GivingUpMailbox(HostMailbox):
     """A device that stops waiting for the host: in the 4th queued step at its second layer (the host sees it while it
     fetches), in the 6th only after the step ran (the host sees it at the end)."""
@@ -1110,11 +1137,13 @@ def test_a_step_the_device_stopped_waiting_in_runs_again_layer_by_layer(packed, 
 
     want, got, misses, pager = _queued_run(packed, family, monkeypatch, GivingUpMailbox)
     assert isinstance(pager.mailbox, GivingUpMailbox)
-    plain = ExpertPager(model := load(packed[family], tokenizer=False).model, packed[family], slots=2, speculate="off")
+    plain = ExpertPager(model := load(packed[family], tokenizer=False).model, packed[family], slots=2, speculate="off",
+                        queue=False)  # each step run once (the mailbox stand-in is still in place)
     _paged_logits(model, True, plain)
+    assert plain.stats.queued == 0 and misses > 0
     # the counters a step run once counts: the run again finds the experts its first try read resident
     assert (pager.stats.hits, pager.stats.misses) == (plain.stats.hits, plain.stats.misses)
-    plain.close() and misses > 0
+    plain.close()
     assert pager.stats.queued == 10 - pager_mod.WARMUP_STEPS and pager.stats.queue_fallbacks == 2
     for a, b in zip(want, got):
         assert mx.array_equal(a, b), float(mx.abs(a - b).max())

@@ -83,9 +83,11 @@ _WAIT = """
 
 
 def available(copier: Copier) -> bool:
-    """Whether a step can be queued whole here: MLX's default device is a CUDA GPU and the copier reaches its runtime."""
+    """Whether a step can be queued whole here: MLX's default device is a CUDA GPU and the copier reaches its runtime
+    with a stream of its own (a fence on the legacy default stream can wait behind a spinning `wait`)."""
     try:
-        return bool(copier.device_copies and mx.cuda.is_available() and mx.default_device() == mx.gpu)
+        return bool(copier.device_copies and copier.own_stream and mx.cuda.is_available()
+                    and mx.default_device() == mx.gpu)
     except AttributeError:
         return False
 

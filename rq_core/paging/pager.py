@@ -324,11 +324,9 @@ class _Layer:
         if not pager._deferring:  # cannot happen: paged_experts serves a layer only within decode_step
             raise RQError("internal: a paged decode layer served outside a decode step")
         if pager._box is not None:
-            # the step queued whole: this layer posts its routing and takes the slots the host writes back; the step
-            # is launched up to here, then the layer before served (the device waits on it), so once those experts
-            # are in the device runs on into kernels already launched. Launched a layer at a time, not once: MLX's
-            # eval waits for the device where more than 10 command buffers are in flight, and a whole step is many
-            # more, each waiting on the host
+            # the step queued whole: launched up to this layer's wait, then the layer before served, so the device
+            # runs on into kernels already launched. A layer at a time, not once: MLX's eval waits for the device
+            # once more than 10 command buffers are in flight, and those would be waiting on the host
             slots = pager._box.post(self.entry, indices)
             mx.async_eval(slots)
             pager.settle()

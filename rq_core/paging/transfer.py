@@ -6,10 +6,9 @@ read and written directly. On CUDA MLX allocates managed memory, whose pages mig
 a host write or read moves a page to the host, and the next kernel that touches it (or any small array MLX later
 allocates on it) stalls on a fault to move it back. There the copies go through the copy engine (cudaMemcpyAsync on a
 non-blocking stream of the copier's own, device 0: the GPU MLX uses by default), which reads and writes the pages
-where they are, from page-locked host memory, and `fence` waits for that stream before a graph that reads them is
-launched. A copy from page-locked memory is
-queued (cudaMemcpyAsync) rather than waited for one by one: a layer's misses are many small copies (each tensor of
-each expert), and the fence waits for them all at once.
+where they are, from page-locked host memory. Copies are queued rather than waited for one by one (a layer's misses
+are many small copies, each tensor of each expert), and `fence` waits for them all at once, before a graph that reads
+them is launched.
 """
 
 from __future__ import annotations
@@ -60,13 +59,15 @@ class Copier:
 
     def __init__(self) -> None:
         self._lib: Any = None
-        self._stream: Optional[int] = None  # None: the legacy default stream
-        self._streams: list[int] = []  # the stream this copier made, destroyed by close
+        self._stream: Optional[int] = None  # the copies' stream; None: the legacy default one
+        self._pinned: list[int] = []  # page-locked host buffers made by host_buffer and mapped_buffer
+        self._held: list[np.ndarray] = []  # the sources of copies queued since the last fence
+        self._dirty = False
+        self._finalizer: Any = None
         if _on_cuda():
             lib = _cudart()
             try:
                 if lib is not None:
-                    lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
                     lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                     ctypes.c_void_p]
                     lib.cudaStreamSynchronize.argtypes = [ctypes.c_void_p]
@@ -76,30 +77,27 @@ class Copier:
                     lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
                     lib.cudaStreamCreateWithFlags.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
                     lib.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
-                    self._lib = lib
                     # the copies' own stream, non-blocking: ordered with nothing of MLX's, nor with the legacy
                     # default stream, which a library in the process may use (its work would hold up the fence)
                     s = ctypes.c_void_p()
                     if lib.cudaStreamCreateWithFlags(ctypes.byref(s), STREAM_NON_BLOCKING) == 0 and s.value:
                         self._stream = s.value
-                        self._streams.append(s.value)
                     else:
                         lib.cudaGetLastError()
+                    self._lib = lib
             except AttributeError:
                 self._lib = None
-        self._dirty = False
-        self._pinned: list[int] = []  # page-locked host buffers made by host_buffer, freed by close
-        if self._lib is not None:  # and where close() is never called, when the copier is dropped
-            weakref.finalize(self, Copier._free, self._lib, self._pinned, self._streams)
+        if self._lib is not None:  # by close(), else when the copier is dropped; once either way
+            self._finalizer = weakref.finalize(self, Copier._free, self._lib, self._pinned, self._stream)
 
     @staticmethod
-    def _free(lib: Any, pinned: list, streams: list) -> None:
+    def _free(lib: Any, pinned: list, stream: Optional[int]) -> None:
+        lib.cudaStreamSynchronize(stream)  # queued copies may still read the buffers
         for p in pinned:
             lib.cudaFreeHost(p)
         pinned.clear()
-        for s in streams:
-            lib.cudaStreamDestroy(s)
-        streams.clear()
+        if stream is not None:
+            lib.cudaStreamDestroy(stream)
 
     def host_buffer(self, n: int) -> np.ndarray:
         """n bytes of host memory the copies read from: page-locked on CUDA (cudaHostAlloc: the copy engine reads it
@@ -132,15 +130,21 @@ class Copier:
         return bool(self._pinned)
 
     def close(self) -> None:
-        """Free the page-locked buffers (their views must not be used after)."""
-        if self._lib is not None:
-            self.fence()  # queued copies may still read them
-            Copier._free(self._lib, self._pinned, self._streams)
-            self._stream = None
+        """Wait for the queued copies, free the page-locked buffers (their views must not be used after) and the
+        stream. Final: the copier copies through numpy views after."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._lib, self._stream, self._held, self._dirty = None, None, [], False
 
     @property
     def device_copies(self) -> bool:
         return self._lib is not None
+
+    @property
+    def own_stream(self) -> bool:
+        """Whether the copies have a stream of their own: the fence then waits for nothing of MLX's (a step queued
+        whole needs that: rq_core.paging.mailbox.available)."""
+        return self._stream is not None
 
     @staticmethod
     def raw(a: mx.array) -> np.ndarray:
@@ -160,16 +164,15 @@ class Copier:
 
     def write(self, dst: np.ndarray, offset: int, src: np.ndarray) -> None:
         """src's bytes into the raw view `dst` at byte `offset`; call `fence` before a graph that reads them runs, and
-        before src's memory is written again (a copy from page-locked memory is only queued)."""
+        before src's memory is written again (on CUDA the copy is only queued; src is kept until the fence)."""
         n = src.nbytes
         if offset < 0 or offset + n > dst.nbytes:
             raise ValueError(f"a write of {n} bytes at {offset} into {dst.nbytes}")
         src = np.ascontiguousarray(src)
         if self._lib is not None:
-            p = src.ctypes.data
-            # from pageable memory (the table) the runtime stages the bytes before it returns: src may go at once
-            rc = self._lib.cudaMemcpyAsync(dst.ctypes.data + offset, p, n, MEMCPY_DEFAULT, self._stream)
+            rc = self._lib.cudaMemcpyAsync(dst.ctypes.data + offset, src.ctypes.data, n, MEMCPY_DEFAULT, self._stream)
             if rc == 0:
+                self._held.append(src)  # a temporary (a cast page, a contiguous copy) lives until the copy is done
                 self._dirty = True
                 return
         if self._lib is not None:
@@ -183,6 +186,7 @@ class Copier:
         if self._dirty:
             self._lib.cudaStreamSynchronize(self._stream)
             self._dirty = False
+            self._held = []
 
     def read(self, a: mx.array) -> np.ndarray:
         """`a` evaluated and copied to the host (np.array(a) where the copy engine does not do it)."""
@@ -191,10 +195,11 @@ class Copier:
         if self._lib is None or not h.flags.c_contiguous:
             return np.array(h)
         out = np.empty(h.shape, h.dtype)
-        # into pageable memory the call returns once the bytes are there
         if self._lib.cudaMemcpyAsync(out.ctypes.data, h.ctypes.data, h.nbytes, MEMCPY_DEFAULT, self._stream) != 0:
             self._lib.cudaGetLastError()
             return np.array(h)
+        self._dirty = True
+        self.fence()  # the copy done (and the writes queued before it)
         return out
 
 

@@ -419,6 +419,16 @@ MUTATIONS: list[Mutation] = [
       "        self._dirty = True\n        pass  # the copy done",
       "copier: a routing read returns before its copy has landed",
       ("tests/test_pager.py::test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_is_found",)),
+    M("rq_core/paging/pager.py",
+      "self._layered_steps > WARMUP_STEPS and markable else None",
+      "self._layered_steps > WARMUP_STEPS else None",
+      "pager: a step queued whole with a cache that cannot be put back (AttributeError on its first step)",
+      ("tests/test_pager.py::test_a_step_that_cannot_be_queued_whole_runs_layer_by_layer",)),
+    M("rq_core/paging/pager.py",
+      "                except (RQError, RuntimeError):  # no page-locked memory",
+      "                except RQError:  # no page-locked memory",
+      "pager: mailbox kernels that do not build on the device fail every paged run instead of queuing by stretch",
+      ("tests/test_pager.py::test_a_step_that_cannot_be_queued_whole_runs_layer_by_layer",)),
 ]
 
 

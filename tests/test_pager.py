@@ -1083,6 +1083,30 @@ def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, 
 
 
 
+class BrokenMailbox(HostMailbox):
+    """Kernels that do not build on this device (MLX raises RuntimeError as they compile)."""
+
+    def __init__(self, *a) -> None:
+        raise RuntimeError("[cuda_kernel] compile failed")
+
+
+@pytest.mark.parametrize("why", ["no mark", "no kernels"])
+def test_a_step_that_cannot_be_queued_whole_runs_layer_by_layer(packed, monkeypatch, why):
+    """Where a cache cannot be put back (no `mark`: a step the device gave up on could not run again) or the mailbox's
+    kernels do not build, decode steps run a stretch at a time: none queued whole, no error, the all-resident
+    model's logits."""
+    from rq_core.cache.kv_cache import FP16Cache
+
+    if why == "no mark":
+        monkeypatch.delattr(FP16Cache, "mark")
+    want, got, misses, pager = _queued_run(packed, "qwen3_moe", monkeypatch,
+                                           HostMailbox if why == "no mark" else BrokenMailbox)
+    assert (pager.mailbox is None) == (why == "no kernels") and pager.stats.queued == 0 and misses > 0
+    for a, b in zip(want, got):
+        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
+    pager.close()
+
+
 def test_a_step_is_queued_whole_only_where_the_copies_have_a_stream_of_their_own(monkeypatch):
     """mailbox.available: a CUDA GPU as MLX's default device, the copy engine, and a stream of the copier's own (its
     fence on the legacy default stream can wait behind a spinning `wait` until that gives up, every step)."""

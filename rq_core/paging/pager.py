@@ -498,7 +498,8 @@ class ExpertPager:
         caches = list({id(c): c for c in cache}.values())
         t0 = time.perf_counter()
         missed0 = self._layers_missed
-        spec = self._speculation_pays() and all(callable(getattr(c, "mark", None)) for c in caches)
+        markable = all(callable(getattr(c, "mark", None)) for c in caches)  # a step run again puts them back
+        spec = self._speculation_pays() and markable
         self._unsettled = None
         if spec:
             out = self._speculate(build, cache, caches, draws)
@@ -508,7 +509,8 @@ class ExpertPager:
                 self._count_missing(missed0)
                 return out
         self._layered_steps += 1
-        box = self.mailbox if self._layered_steps > WARMUP_STEPS else None  # first steps: kernels load (see mailbox)
+        # the first steps load the decode kernels (see mailbox); a cache that cannot be put back cannot run again
+        box = self.mailbox if self._layered_steps > WARMUP_STEPS and markable else None
         out, recounted = None, 0
         if box is not None:  # queued whole; where the device gave up waiting, the caches back and layer by layer
             st = self.stats
@@ -660,8 +662,8 @@ class ExpertPager:
             if self._queue and self._token_fits and mailbox.available(self.copier):
                 try:
                     self.mailbox = mailbox.Mailbox(self.copier, len(self.layers), top_k)
-                except RQError:  # no page-locked memory the device can address: the step queued a stretch at a time
-                    self.mailbox = None
+                except (RQError, RuntimeError):  # no page-locked memory the device addresses, kernels that do not
+                    self.mailbox = None  # build here: the step queued a stretch at a time
 
     def settle(self) -> None:
         """The pending MoE layer of a decode step being built (serve): its routing read, its experts made resident.

@@ -983,48 +983,99 @@ def test_decode_counters_are_counted_from_their_start():
     assert (d["slots"], d["resident_bytes"], d["staging_bytes"], d["policy"]) == (6, 6144, 512, "lru")
 
 
+DEVICE_PATIENCE_S = 10.0  # the stand-in device's wait for an answer before a test fails (a hang otherwise)
+
+
 class HostMailbox:
     """rq_core.paging.mailbox.Mailbox's protocol with the device's side played by the host (on the CPU no kernel can
-    wait for the host): `post` hands back slots read from an array that `answer` writes in place, so a graph queued
-    before the answer reads what the answer wrote; the routing is evaluated when the host fetches it."""
+    wait for the host). `post` queues nothing; a launch (`launched`, the patched mx.async_eval) plays the device up to
+    the last layer posted: each layer in order waits until the ones before it are answered, as the device would in
+    their `wait` kernels, then its routing is evaluated (on the building thread: MLX's CPU streams are per thread) and
+    it is ready. `fetch` (the answers' thread) waits until its layer is ready: a layer never launched is never fetched.
+    The slots `post` hands back are read from an array that `answer` writes in place, so a graph built before the
+    answer reads what the answer wrote. `log`: what happened, in order."""
 
     def __init__(self, copier, layers: int, k: int) -> None:
+        import threading
+
         from rq_core.paging.transfer import Copier
 
         self.k = k
         self.slots = [mx.zeros((k,), mx.int32) for _ in range(layers)]
         mx.eval(self.slots)
         self.raw = [Copier.raw(a) for a in self.slots]
-        self.posted: dict = {}
+        self.posted: list = []  # (entry, ids) posted, not launched yet
+        self.ready: dict = {}  # entry -> routing, launched
+        self.unanswered: list = []  # launched or posted, in order, not answered yet
+        self.released = False
+        self.cv = threading.Condition()
         self.log: list = []
+        self.answer_threads: set = set()
+        self.beats = 0
 
     def open(self) -> None:
-        assert not self.posted, "a step opened with a layer posted and not fetched"
+        assert not self.posted and not self.unanswered, "a step opened with a layer posted and not answered"
+        self.released = False
         self.log.append("open")
 
     def post(self, entry: int, ids: mx.array) -> mx.array:
-        assert entry not in self.posted
-        self.posted[entry] = ids
-        self.log.append(("post", entry))
+        with self.cv:
+            assert entry not in self.unanswered
+            self.posted.append((entry, ids))
+            self.unanswered.append(entry)
+            self.log.append(("post", entry))
         return self.slots[entry][:ids.size].reshape(ids.shape)
 
-    def fetch(self, entry: int, n: int):
+    def launched(self) -> None:
         import numpy as np
 
-        self.log.append(("fetch", entry))
-        return np.array(self.posted.pop(entry)).reshape(-1)[:n].astype(np.int32)
+        with self.cv:
+            self.log.append("launch")
+            while self.posted:
+                entry, ids = self.posted.pop(0)
+                before = self.unanswered[:self.unanswered.index(entry)] if entry in self.unanswered else []
+                assert self.cv.wait_for(lambda: self.released or not any(e in self.unanswered for e in before),
+                                        timeout=DEVICE_PATIENCE_S), f"layer {before} never answered"
+                self.ready[entry] = np.array(ids).reshape(-1).astype(np.int32)
+                self.cv.notify_all()
+
+    def fetch(self, entry: int, n: int):
+        import threading
+
+        from rq_core.paging.mailbox import Abandoned
+
+        self.answer_threads.add(threading.current_thread())
+        with self.cv:
+            assert self.cv.wait_for(lambda: self.released or entry in self.ready, timeout=DEVICE_PATIENCE_S), \
+                f"layer {entry} fetched and never launched"
+            if self.released:
+                raise Abandoned()
+            self.log.append(("fetch", entry))
+            return self.ready.pop(entry)[:n]
+
+    def progress(self, entry: int) -> None:
+        self.beats += 1
 
     def answer(self, entry: int, slots) -> None:
         import numpy as np
 
-        self.log.append(("answer", entry))
         self.raw[entry][:4 * len(slots)] = np.asarray(slots, np.int32).view(np.uint8)
+        with self.cv:
+            self.log.append(("answer", entry))
+            self.unanswered.remove(entry)
+            self.cv.notify_all()
 
     def release_all(self) -> None:
-        self.log.append("release")
+        with self.cv:
+            self.log.append("release")
+            self.released = True
+            self.posted.clear()
+            self.ready.clear()
+            self.unanswered.clear()
+            self.cv.notify_all()
 
     def failed(self) -> bool:
-        return False
+        return self.released
 
 
 def _queued_run(packed, family: str, monkeypatch, box_class) -> tuple:
@@ -1038,8 +1089,14 @@ def _queued_run(packed, family: str, monkeypatch, box_class) -> tuple:
     want = _paged_logits(load(ck, tokenizer=False).model, graphs=True)[0]
     monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
     monkeypatch.setattr(pager_mod.mailbox, "Mailbox", box_class)
-    monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: None)  # the host plays the device: nothing runs early
     model = load(ck, tokenizer=False).model
+
+    def launch(*arrays) -> None:  # the host plays the device: nothing runs early but the posted layers' routing
+        box = getattr(getattr(model, "expert_pager", None), "mailbox", None)
+        if isinstance(box, HostMailbox):
+            box.launched()
+
+    monkeypatch.setattr(pager_mod.mx, "async_eval", launch)
     pager = ExpertPager(model, ck, slots=2, speculate="off")  # queued whole by default, where a mailbox can be made
     got, misses, _ = _paged_logits(model, True, pager)
     return want, got, misses, pager
@@ -1047,14 +1104,16 @@ def _queued_run(packed, family: str, monkeypatch, box_class) -> tuple:
 
 @pytest.mark.parametrize("family", list(TINY))
 def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, family, monkeypatch):
-    """On CUDA a decode step is queued whole, each MoE layer's slots handed to the device through a mailbox: a layer is
-    answered after the next one is posted (the device runs on into kernels already queued) and before that one is,
-    every posted layer is answered within its step, in order, the logits are the all-resident model's, and the device
-    table a call outside a decode step reads (the mailbox's steps do not write it) maps the experts as the host
-    does."""
+    """On CUDA a decode step is queued whole, each MoE layer's slots handed to the device through a mailbox: layers are
+    answered on a thread of their own (the building thread goes on building and launching), every posted layer
+    within its step, in order; a launch every LAUNCH_EVERY posted layers and one after the last; the logits are the all-resident model's, and the device table a call outside a decode step reads (the
+    mailbox's steps do not write it) maps the experts as the host does."""
+    import threading
+
     import numpy as np
 
     import rq_core.paging.pager as pager_mod
+    from rq_core.paging.mailbox import LAUNCH_EVERY
 
     want, got, misses, pager = _queued_run(packed, family, monkeypatch, HostMailbox)
     box = pager.mailbox
@@ -1069,17 +1128,28 @@ def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, 
         if ev == "open":
             cur = []
             steps.append(cur)
-        else:
+        elif cur is not None:  # (the layer-by-layer warm-up steps launch before the first)
             cur.append(ev)
     assert len(steps) == 10 - pager_mod.WARMUP_STEPS and pager.stats.queued == len(steps)  # the first as written
     assert pager.stats.queue_fallbacks == 0
+    assert box.answer_threads and threading.main_thread() not in box.answer_threads
+    assert box.beats >= misses  # each page read moved its layer's progress on (the device's patience restarts)
     for ev in steps:
-        posts = [e for k, e in ev if k == "post"]
-        assert len(posts) == len(pager.layers) and sorted(posts) == sorted(e for k, e in ev if k == "answer")
-        assert [e for k, e in ev if k == "answer"] == posts  # in order: the device reaches them so
-        for i in range(1, len(posts)):  # layer i - 1 answered after layer i is posted, before layer i is
-            assert ev.index(("post", posts[i])) < ev.index(("answer", posts[i - 1])) < ev.index(("answer", posts[i]))
+        posts = [e for k, e in (x for x in ev if x != "launch") if k == "post"]
+        answers = [e for k, e in (x for x in ev if x != "launch") if k == "answer"]
+        assert len(posts) == len(pager.layers) and answers == posts  # in order: the device reaches them so
+        for e in posts:
+            assert ev.index(("post", e)) < ev.index(("fetch", e)) < ev.index(("answer", e))
+        launches = [i for i, x in enumerate(ev) if x == "launch"]
+        assert launches and launches[-1] > max(ev.index(("post", e)) for e in posts)  # every posted layer launched
+        marks = [i for i, x in enumerate(ev) if x == "launch" or x[0] == "post"]
+        run = 0  # posted layers since the last launch
+        for i in marks:
+            run = 0 if ev[i] == "launch" else run + 1
+            assert run <= LAUNCH_EVERY
+        assert len(launches) == -(-len(posts) // LAUNCH_EVERY)
     pager.close()
+    assert not any(t.is_alive() for t in box.answer_threads)  # close ends the thread
 
 
 
@@ -1138,6 +1208,9 @@ class GivingUpMailbox(HostMailbox):
 
     def open(self) -> None:
         self.posted.clear()  # an abandoned step leaves layers posted
+        self.ready.clear()
+        self.unanswered.clear()
+        super().open()
         self.opened += 1
         self.fetched = 0
 
@@ -1150,7 +1223,7 @@ class GivingUpMailbox(HostMailbox):
         return super().fetch(entry, n)
 
     def failed(self) -> bool:
-        return self.opened == 6
+        return self.opened == 6 or self.released
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "nemotron_h"])
@@ -1172,3 +1245,149 @@ def test_a_step_the_device_stopped_waiting_in_runs_again_layer_by_layer(packed, 
     for a, b in zip(want, got):
         assert mx.array_equal(a, b), float(mx.abs(a - b).max())
     pager.close()
+
+
+class FailingMailbox(HostMailbox):
+    """A layer's answer that fails on the answers' thread (as a page that fails its check does): the first layer fetched
+    in the 2nd queued step."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.opened = self.fetched = 0
+        self.fetch_calls: list = []  # queued step of each fetch called
+
+    def open(self) -> None:
+        self.posted.clear()  # the failed step leaves layers posted
+        self.ready.clear()
+        self.unanswered.clear()
+        super().open()
+        self.opened += 1
+        self.fetched = 0
+
+    def fetch(self, entry: int, n: int):
+        self.fetch_calls.append(self.opened)
+        self.fetched += 1
+        if self.opened == 2 and self.fetched == 1:
+            raise RQError("expert page failed")
+        return super().fetch(entry, n)
+
+
+def test_an_answer_that_fails_on_its_thread_is_raised_by_the_step(packed, monkeypatch):
+    """An error in a queued step's answers (on their own thread) comes out of decode_step on the calling thread, the
+    step's mailbox released and its other answers skipped, not a hang; the next steps are queued whole again."""
+    import rq_core.paging.pager as pager_mod
+
+    monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
+    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", FailingMailbox)
+    model = load(packed["qwen3_moe"], tokenizer=False).model
+    monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: pager.mailbox and pager.mailbox.launched())
+    pager = ExpertPager(model, packed["qwen3_moe"], slots=2, speculate="off")
+    cache = model.make_cache(KVSettings(mode="fp16"))
+    model(mx.array([PROMPT[:12]]), cache=cache)
+    for c in cache:
+        c.end_prefill()
+
+    def build(t: int):
+        def run(key):
+            logits = model(mx.array([[t]]), cache=cache)
+            pager.settle()
+            return logits, logits[0, -1, :2]
+        return run
+
+    raised = []
+    for t in (5, 11, 17, 23, 29, 31):  # the first WARMUP_STEPS run a stretch at a time
+        before = [c.offset for c in cache]
+        try:
+            mx.eval(pager.decode_step(build(t), cache)[0])
+        except RQError as e:
+            raised.append((t, str(e)))
+            assert [c.offset for c in cache] == before  # the caches as before the step
+    box = pager.mailbox
+    assert raised == [(23, "expert page failed")] and pager.stats.queued == 4 and box.opened == 4
+    failed = ",".join(str(x[0] if isinstance(x, tuple) else x) for x in box.log).split("open")[2]
+    # the 2nd queued step: its first layer failed, the others' answers skipped, the mailbox released
+    assert box.fetch_calls.count(2) == 1 and "answer" not in failed and "release" in failed
+    assert box.fetch_calls.count(3) == len(pager.layers)  # the next step answered every layer again
+    pager.close()
+
+
+def test_answers_run_in_order_on_their_thread_and_raise_on_the_callers():
+    """mailbox.Answers: the answers run one after another in the order submitted, on a thread that is not the caller's;
+    after an error the step's other answers are skipped and its mailbox released; join waits for all and raises the
+    error once (check likewise); stop ends the thread; a dropped owner's answers keep nothing of it alive."""
+    import gc
+    import threading
+    import weakref
+
+    from rq_core.paging.mailbox import Answers
+
+    class Box:
+        released = 0
+
+        def release_all(self):
+            self.released += 1
+
+    ran, box, answers = [], Box(), Answers()
+    for i in range(20):
+        answers.submit(lambda i=i: ran.append((i, threading.current_thread())), box)
+    answers.join()
+    assert [i for i, _ in ran] == list(range(20)) and {t for _, t in ran} != {threading.main_thread()}
+
+    def fail():
+        raise RQError("page failed")
+
+    ran.clear()
+    answers.submit(lambda: ran.append(0), box)
+    answers.submit(fail, box)
+    answers.submit(lambda: ran.append(2), box)
+    with pytest.raises(RQError, match="page failed"):
+        answers.join()
+    assert ran == [0] and box.released == 1
+    answers.join()  # raised once
+    answers.check()
+    answers.submit(fail, box)
+    answers.join(raise_error=False)  # dropped: the caller is raising an error of its own
+    answers.check()
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    answers.submit(lambda o=owner: None, box)
+    answers.join()
+    gone = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert gone() is None  # the thread, waiting for the next answer, holds nothing of the last
+    thread = answers._thread
+    answers.stop()
+    assert not thread.is_alive()
+
+
+def test_a_fetch_gives_up_when_the_step_is_released_or_its_wait_gave_up():
+    """Mailbox.fetch (on page-locked memory, here a numpy array): a layer the device never posts is given up when the
+    step is released from another thread (a layer not launched), ids posted are taken with progress moved on, and a
+    posted layer whose wait has given up is not answered."""
+    import threading
+
+    import numpy as np
+
+    from rq_core.paging import mailbox
+
+    box = object.__new__(mailbox.Mailbox)
+    box.k, box.box, box._released = 4, np.zeros((3, 16), np.int32), False
+    box.box[0, mailbox.HEAD:mailbox.HEAD + 3] = [7, 8, 9]
+    box.box[0, mailbox.READY] = 1
+    assert box.fetch(0, 3).tolist() == [7, 8, 9] and box.box[0, mailbox.PROGRESS] == 1
+    box.progress(0)
+    assert box.box[0, mailbox.PROGRESS] == 2 and not box.failed()
+    box.box[1, mailbox.READY] = box.box[1, mailbox.FAILED] = 1
+    with pytest.raises(mailbox.Abandoned):
+        box.fetch(1, 3)
+    box.open()
+    threading.Timer(0.2, box.release_all).start()
+    with pytest.raises(mailbox.Abandoned):
+        box.fetch(2, 3)
+    assert box.failed() and (box.box[:, mailbox.GO] == 1).all()
+    box.open()
+    assert not box.failed()

@@ -33,6 +33,7 @@ copies of all layers of a step at once), so it is refused with one line (`rq_cor
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import weakref
@@ -165,6 +166,9 @@ class _Layer:
             view[:n] = buf
         if n != b - a:
             raise RQError(f"layer {self.path} expert {e}: short read (truncated page file?)")
+        beat = getattr(self.pager, "_beat", None)
+        if beat is not None:  # a step queued whole: the device waiting for this layer sees the host at work
+            beat()
 
     def _check(self, e: int, j: int) -> None:
         """Expert e's page (in row j) against its CRC32, on its first read in this process."""
@@ -324,13 +328,17 @@ class _Layer:
         if not pager._deferring:  # cannot happen: paged_experts serves a layer only within decode_step
             raise RQError("internal: a paged decode layer served outside a decode step")
         if pager._box is not None:
-            # the step queued whole: launched up to this layer's wait, then the layer before served, so the device
-            # runs on into kernels already launched. A layer at a time, not once: MLX's eval waits for the device
-            # once more than 10 command buffers are in flight, and those would be waiting on the host
-            slots = pager._box.post(self.entry, indices)
-            mx.async_eval(slots)
-            pager.settle()
-            pager._unsettled = (self, indices)
+            # the step queued whole: the layer answered on the answers' thread once the device posts it, launched
+            # every LAUNCH_EVERY MoE layers up to its wait, so the device runs on into kernels already launched
+            box = pager._box
+            slots = box.post(self.entry, indices)
+            pager._answers.submit(functools.partial(self.answer, box, indices.size), box)
+            pager._posted += 1
+            pager._launch = slots
+            if pager._posted % mailbox.LAUNCH_EVERY == 0:
+                mx.async_eval(slots)
+                pager._launch = None
+            pager._answers.check()  # a layer that failed: the step is not built further
             return slots
         pager.settle()  # the MoE layer before this one: its experts in before anything after it runs
         mx.async_eval(indices)  # the step up to this routing runs while the host builds the layers after it
@@ -339,11 +347,7 @@ class _Layer:
 
     def settle(self, indices: mx.array) -> None:
         """Read a decode step's routing of this layer and make its experts resident (banks and table written in
-        place, so the graph already built on `table()[indices]` reads them when it runs); in a step queued whole,
-        through the mailbox (answer)."""
-        if self.pager._box is not None:
-            self.answer(self.pager._box, indices.size)
-            return
+        place, so the graph already built on `table()[indices]` reads them when it runs)."""
         _, needed = self.routing(indices)
         if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
             raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
@@ -351,7 +355,9 @@ class _Layer:
 
     def answer(self, box: mailbox.Mailbox, n: int) -> None:
         """A queued step's routing of this layer (its n expert ids) from the mailbox once the device posts it, its
-        experts made resident, their slots back through the mailbox: the device runs on."""
+        experts made resident, their slots back through the mailbox: the device runs on. On the answers' thread
+        (mailbox.Answers), the only one that touches the LRU, the slots and the copier while the step runs (the bank
+        arrays it takes the address of were evaluated when the pager attached: nothing waits on MLX's queue)."""
         st = self.pager.stats
         st.host_syncs += 1
         t0 = time.perf_counter()
@@ -361,7 +367,11 @@ class _Layer:
         needed = np.unique(idx)
         if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
             raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
-        self.acquire(needed, table=False)
+        self.pager._beat = functools.partial(box.progress, self.entry)
+        try:
+            self.acquire(needed, table=False)
+        finally:
+            self.pager._beat = None
         box.answer(self.entry, self.lut[idx])
         st.host_s += time.perf_counter() - t1
 
@@ -459,7 +469,11 @@ class ExpertPager:
         # (rq_core.paging.mailbox; made with the staging buffer)
         self._queue = queue
         self.mailbox: Optional[mailbox.Mailbox] = None
+        self._answers: Optional[mailbox.Answers] = None  # the thread that answers its layers (made with it)
         self._box: Optional[mailbox.Mailbox] = None  # the mailbox while a step that uses it is being built
+        self._posted = 0  # MoE layers of that step posted so far
+        self._beat: Optional[Callable[[], None]] = None  # while a layer is answered: its wait's patience restarted
+        self._launch: Optional[mx.array] = None  # the last posted layer's slots, where not launched yet
         model.expert_pager = self  # generate() decodes through decode_step with a pager (see there)
 
     def _speculation_pays(self) -> bool:
@@ -522,6 +536,10 @@ class ExpertPager:
                 out = self._layered(build, key, box)
             except mailbox.Abandoned:
                 pass
+            except BaseException:  # (a page that failed its check): the caches as before the step
+                for f in undo:
+                    f()
+                raise
             if out is None or box.failed():
                 out = None
                 st.queue_fallbacks += 1
@@ -544,7 +562,7 @@ class ExpertPager:
                  box: Optional[mailbox.Mailbox]) -> tuple[mx.array, mx.array]:
         """The step layer by layer, queued whole through `box` or a stretch between two MoE layers at a time; (id,
         read) evaluated."""
-        self._deferring, self._box = True, box
+        self._deferring, self._box, self._posted, self._launch = True, box, 0, None
         if box is not None:
             box.open()
         try:
@@ -552,13 +570,16 @@ class ExpertPager:
                 y, read = build(key)
             if self._unsettled is not None:
                 raise RQError("internal: a decode step was queued before its last MoE layer's experts were in")
+            if box is not None:
+                self.settle()  # (build settles before it queues: this only makes sure every layer is answered)
         except BaseException:
             if box is not None:  # the device may be waiting on a layer: let the queued step drain
                 box.release_all()
+                self._answers.join(raise_error=False)
                 mx.synchronize()
             raise
         finally:
-            self._deferring, self._unsettled, self._box = False, None, None
+            self._deferring, self._unsettled, self._box, self._launch = False, None, None, None
         mx.eval(read)
         self.join_checks()
         return y, read
@@ -664,10 +685,20 @@ class ExpertPager:
                     self.mailbox = mailbox.Mailbox(self.copier, len(self.layers), top_k)
                 except (RQError, RuntimeError):  # no page-locked memory the device addresses, kernels that do not
                     self.mailbox = None  # build here: the step queued a stretch at a time
+                else:
+                    self._answers = mailbox.Answers()
+                    weakref.finalize(self, self._answers.stop)  # a pager dropped unclosed: its thread ends too
 
     def settle(self) -> None:
         """The pending MoE layer of a decode step being built (serve): its routing read, its experts made resident.
-        The step's build calls it before it queues the step (a no-op where no layer is pending)."""
+        The step's build calls it before it queues the step (a no-op where no layer is pending). In a step queued
+        whole: the posted layers launched, and every one answered."""
+        if self._box is not None:
+            if self._launch is not None:
+                mx.async_eval(self._launch)
+                self._launch = None
+            self._answers.join()
+            return
         if self._unsettled is not None:
             layer, indices = self._unsettled
             self._unsettled = None
@@ -679,6 +710,9 @@ class ExpertPager:
         return s
 
     def close(self) -> None:
+        if self._answers is not None:  # first: its answers use the pool, the copier and the mailbox
+            self._answers.stop()
+            self._answers = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._checks = []

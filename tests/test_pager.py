@@ -1197,22 +1197,25 @@ def test_a_step_is_queued_whole_only_where_the_copies_have_a_stream_of_their_own
     assert not mailbox.available(Copier())
 
 
-class GivingUpMailbox(HostMailbox):
-    """A device that stops waiting for the host: in the 4th queued step at its second layer (the host sees it while it
-    fetches), in the 6th only after the step ran (the host sees it at the end)."""
+class CountingMailbox(HostMailbox):
+    """A HostMailbox that counts the queued steps opened and the layers fetched in each, for steps that fail."""
 
     def __init__(self, *a) -> None:
         super().__init__(*a)
-        self.opened = 0
-        self.fetched = 0
+        self.opened = self.fetched = 0
 
     def open(self) -> None:
-        self.posted.clear()  # an abandoned step leaves layers posted
+        self.posted.clear()  # a step abandoned or failed leaves layers posted
         self.ready.clear()
         self.unanswered.clear()
         super().open()
         self.opened += 1
         self.fetched = 0
+
+
+class GivingUpMailbox(CountingMailbox):
+    """A device that stops waiting for the host: in the 4th queued step at its second layer (the host sees it while it
+    fetches), in the 6th only after the step ran (the host sees it at the end)."""
 
     def fetch(self, entry: int, n: int):
         from rq_core.paging.mailbox import Abandoned
@@ -1247,22 +1250,13 @@ def test_a_step_the_device_stopped_waiting_in_runs_again_layer_by_layer(packed, 
     pager.close()
 
 
-class FailingMailbox(HostMailbox):
+class FailingMailbox(CountingMailbox):
     """A layer's answer that fails on the answers' thread (as a page that fails its check does): the first layer fetched
     in the 2nd queued step."""
 
     def __init__(self, *a) -> None:
         super().__init__(*a)
-        self.opened = self.fetched = 0
         self.fetch_calls: list = []  # queued step of each fetch called
-
-    def open(self) -> None:
-        self.posted.clear()  # the failed step leaves layers posted
-        self.ready.clear()
-        self.unanswered.clear()
-        super().open()
-        self.opened += 1
-        self.fetched = 0
 
     def fetch(self, entry: int, n: int):
         self.fetch_calls.append(self.opened)

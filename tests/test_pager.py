@@ -100,7 +100,7 @@ def test_pages_read_in_pieces_give_identical_tokens(packed, monkeypatch):
     spans = []
     real = pager_mod._Layer._read_span
     monkeypatch.setattr(pager_mod._Layer, "_read_span",
-                        lambda self, e, j, a, b: (spans.append(b - a), real(self, e, j, a, b))[1])
+                        lambda self, e, j, a, b, progress=None: (spans.append(b - a), real(self, e, j, a, b, progress))[1])
     ck = packed["qwen3_moe"]
     ref, got, st = _paged_and_resident(ck, 2, "off", max_tokens=16, temp=1.0)
     assert got.tokens == ref.tokens and st.misses > 0
@@ -751,10 +751,10 @@ def test_a_page_that_fails_to_read_leaves_no_expert_resident(packed, monkeypatch
     layer = next(iter(pager.layers.values()))
     real = pager_mod._Layer._read_span
 
-    def broken(self, e, j, a, b):
+    def broken(self, e, j, a, b, progress=None):
         if e == 1:
             raise RQError("corrupt expert page")
-        return real(self, e, j, a, b)
+        return real(self, e, j, a, b, progress)
 
     monkeypatch.setattr(pager_mod._Layer, "_read_span", broken)
     with pytest.raises(RQError, match="corrupt"):
@@ -847,11 +847,11 @@ def test_a_failed_batch_raises_only_after_its_other_reads_are_done(packed, monke
     real = pager_mod._Layer._read_span
     done = []
 
-    def slow_or_broken(self, e, j, a, b):
+    def slow_or_broken(self, e, j, a, b, progress=None):
         if e == 0:
             raise RQError("corrupt expert page")
         time.sleep(0.3)
-        real(self, e, j, a, b)
+        real(self, e, j, a, b, progress)
         done.append(e)
 
     monkeypatch.setattr(pager_mod._Layer, "_read_span", slow_or_broken)
@@ -937,7 +937,7 @@ def test_a_miss_evicts_the_least_recently_used_expert():
     layer.lru, layer.free, layer.lut = OrderedDict(), [0, 1, 2], np.zeros(8, np.int32)
     layer._lut_raw = object()
     loads = []
-    layer.load = lambda experts, slots: loads.append((list(experts), list(slots)))
+    layer.load = lambda experts, slots, progress=None: loads.append((list(experts), list(slots)))
 
     def acquire(*experts):
         layer.acquire(np.array(experts))

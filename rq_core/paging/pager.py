@@ -153,8 +153,9 @@ class _Layer:
     def resident_bytes(self) -> int:
         return self.expert_bytes * self.slots
 
-    def _read_span(self, e: int, j: int, a: int, b: int) -> None:
-        """Bytes [a, b) of expert e's page into row j of the staging buffer."""
+    def _read_span(self, e: int, j: int, a: int, b: int, progress: Optional[Callable[[], None]] = None) -> None:
+        """Bytes [a, b) of expert e's page into row j of the staging buffer; then `progress()` (a step queued whole:
+        the device waiting for this layer sees the host at work)."""
         used = self.meta["used_bytes"]
         view = memoryview(self.pager._staging_host[j * used + a:j * used + b])
         off = e * self.meta["page_bytes"] + a
@@ -166,9 +167,8 @@ class _Layer:
             view[:n] = buf
         if n != b - a:
             raise RQError(f"layer {self.path} expert {e}: short read (truncated page file?)")
-        beat = getattr(self.pager, "_beat", None)
-        if beat is not None:  # a step queued whole: the device waiting for this layer sees the host at work
-            beat()
+        if progress is not None:
+            progress()
 
     def _check(self, e: int, j: int) -> None:
         """Expert e's page (in row j) against its CRC32, on its first read in this process."""
@@ -178,11 +178,12 @@ class _Layer:
                           f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the checkpoint again")
         self.checked[e] = 1
 
-    def load(self, experts: list[int], slots: list[int]) -> None:
-        """Read `experts` (in parallel, into the staging buffer) and copy them into `slots` of the banks, in place."""
+    def load(self, experts: list[int], slots: list[int], progress: Optional[Callable[[], None]] = None) -> None:
+        """Read `experts` (in parallel, into the staging buffer) and copy them into `slots` of the banks, in place
+        (`progress()` after each piece read)."""
         cap = self.pager.stage_experts
         for i in range(0, len(experts), cap):  # more than the buffer holds: a long prefill's passes, a top-k > cap
-            self._load(experts[i:i + cap], slots[i:i + cap])
+            self._load(experts[i:i + cap], slots[i:i + cap], progress)
 
     def _spans(self, n: int) -> list[tuple[int, int]]:
         """How each of n pages is cut for the read threads: whole pages where there are as many pages as threads, else
@@ -192,7 +193,7 @@ class _Layer:
         step = -(-used // parts)
         return [(a, min(a + step, used)) for a in range(0, used, step)]
 
-    def _load(self, experts: list[int], slots: list[int]) -> None:
+    def _load(self, experts: list[int], slots: list[int], progress: Optional[Callable[[], None]]) -> None:
         n, used = len(experts), self.meta["used_bytes"]
         pager = self.pager
         pool = pager._pool
@@ -202,7 +203,8 @@ class _Layer:
         check = [(e, j) for j, e in enumerate(experts) if pager.verify and not self.checked[e]]
         spans = self._spans(n) if pool is not None else [(0, used)]
         if n * len(spans) > 1:
-            futures = [pool.submit(self._read_span, e, j, a, b) for j, e in enumerate(experts) for a, b in spans]
+            futures = [pool.submit(self._read_span, e, j, a, b, progress) for j, e in enumerate(experts)
+                       for a, b in spans]
             # every read finished before any error is raised: a read still running would write into rows the next
             # batch reads into
             wait(futures)
@@ -210,7 +212,7 @@ class _Layer:
                 f.result()
         else:
             for j, e in enumerate(experts):
-                self._read_span(e, j, 0, used)
+                self._read_span(e, j, 0, used, progress)
         if check and pool is not None:
             # checked on the pool while the copies land and the device computes (zlib releases the GIL over a large
             # buffer); pager.join_checks waits for them before anything computed from these experts is returned
@@ -238,8 +240,9 @@ class _Layer:
                         raise RQError(f"internal: pages of {t['dtype']} into a {self.dtypes[name]} bank")
                 cp.write(raw, s * row, src)
 
-    def acquire(self, needed: np.ndarray, table: bool = True) -> None:
-        """Make `needed` experts (len <= slots) resident and (`table`) the device table map them to their slots."""
+    def acquire(self, needed: np.ndarray, table: bool = True, progress: Optional[Callable[[], None]] = None) -> None:
+        """Make `needed` experts (len <= slots) resident and (`table`) the device table map them to their slots
+        (`progress()` after each piece of a page read)."""
         st = self.pager.stats
         lru = self.lru
         needed = needed.tolist()
@@ -269,7 +272,7 @@ class _Layer:
             slots.append(s)
         st.misses += len(miss)
         try:
-            self.load(miss, slots)
+            self.load(miss, slots, progress)
         except BaseException:  # a page that did not read (a request may be served after the error): not resident
             for e, s in zip(miss, slots):
                 if lru.get(e) == s:  # (one whose check failed was dropped already)
@@ -367,11 +370,7 @@ class _Layer:
         needed = np.unique(idx)
         if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
             raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
-        self.pager._beat = functools.partial(box.progress, self.entry)
-        try:
-            self.acquire(needed, table=False)
-        finally:
-            self.pager._beat = None
+        self.acquire(needed, table=False, progress=functools.partial(box.progress, self.entry))
         box.answer(self.entry, self.lut[idx])
         st.host_s += time.perf_counter() - t1
 
@@ -472,7 +471,6 @@ class ExpertPager:
         self._answers: Optional[mailbox.Answers] = None  # the thread that answers its layers (made with it)
         self._box: Optional[mailbox.Mailbox] = None  # the mailbox while a step that uses it is being built
         self._posted = 0  # MoE layers of that step posted so far
-        self._beat: Optional[Callable[[], None]] = None  # while a layer is answered: its wait's patience restarted
         self._launch: Optional[mx.array] = None  # the last posted layer's slots, where not launched yet
         model.expert_pager = self  # generate() decodes through decode_step with a pager (see there)
 

@@ -8,17 +8,19 @@ For each family a synthetic checkpoint of its real config (rq_core/tools/synth.p
 shipped recipe's bits, rq quantize's layout, which mlx-lm loads as it is) is written under --dir (reused when there).
 It is loaded once: rq's loader and mlx-lm's `load_model` read the same lazily loaded arrays (mx.load is shared while
 both load), so the two models hold one copy of the weights (`shared_weights` says how many bytes the second model
-added). Then, in one process, interleaved, the order rotating each repetition, for every context (2K, 32K, 128K that
-fit the config's max_position_embeddings): rq with fp16 KV, rq with IsoQuant-3 KV (as `rq run` makes it: fp16
-window 32, 4-bit edge layers) and mlx-lm (its fp16 KVCache / RotatingKVCache) each get a fresh cache filled to the
-context with random K/V through the cache's own append (rq: rq_core.tools.profile.fill_caches; mlx-lm: update_and_fetch),
-then --tokens greedy tokens through the runner's own loop (rq_core.generate.generate; mlx_lm.generate.generate_step).
-tok/s counts the tokens after the first over the time from the first to the last (both loops are timed alike).
+added). Then, in one process, for every context (2K, 32K, 128K that fit the config's max_position_embeddings):
+rq with fp16 KV, rq with IsoQuant-3 KV (as `rq run` makes it: fp16 window 32, 4-bit edge layers) and mlx-lm (its
+fp16 KVCache / RotatingKVCache) each get a fresh cache filled to the context with random K/V through the cache's own
+append (rq: rq_core.tools.profile.fill_caches; mlx-lm: update_and_fetch), then --tokens greedy tokens through the
+runner's own loop (rq_core.generate.decode_steps; mlx_lm.generate.generate_step), the three taking turns of --chunk
+tokens (the order rotating each repetition), so that the host's speed, which bounds a step at short context and
+drifts within minutes, reaches all three alike. tok/s: each turn's tokens after its first over the time from its
+first to its last.
 Before timing, the two models' logits on a short prompt are compared (max abs difference).
 With --prefill N,...: each runner also prefills the same N random token ids into a fresh cache through its own path
 (rq_core.generate.generate, prompt chunks of 512 and the KV mode's prefill; mlx-lm's generate_step, chunks of 2048)
-up to its first token, interleaved the same way: prompt tok/s (N over the time to the first token) and the prefill's
-peak memory.
+up to its first token, one runner after another (the order rotating each repetition): prompt tok/s (N over the
+time to the first token) and the prefill's peak memory.
 
 Results: benchmarks/results/decode_vs_mlxlm.json; a run replaces its families' rows and keeps the others'.
 CPU check at tiny scale: --config PATH (any config JSON) --layers 2 --contexts 64,256 --tokens 8 --repeats 2.
@@ -151,26 +153,15 @@ def mlx_fill(model, cache: list, n_tokens: int, seed: int = 0, chunk: int = 8192
     del rand
 
 
-def mlx_cell(model, context: int, tokens: int, seed: int = 0) -> dict:
+def mlx_start(model, context: int, tokens: int, seed: int = 0):
+    """mlx-lm's fresh cache filled to `context`, and its loop (mlx_lm.generate.generate_step) after one real token."""
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    mx.reset_peak_memory()
-    t0 = time.perf_counter()
     mlx_fill(model, cache, context, seed=seed)
-    fill_s = time.perf_counter() - t0
-    times, toks = [], []
-    for tok, _ in generate_step(mx.array([1], mx.int32), model, max_tokens=tokens, prompt_cache=cache):
-        toks.append(int(tok))
-        times.append(time.perf_counter())
-    rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
-    out = {"decode_tok_per_s": rate, "generated_tokens": len(toks), "peak_memory_bytes": int(mx.get_peak_memory()),
-           "fill_s": fill_s, "tokens": toks}
-    del cache
-    gc.collect()
-    mx.clear_cache()
-    return out
+    steps = generate_step(mx.array([1], mx.int32), model, max_tokens=tokens, prompt_cache=cache)
+    return (int(tok) for tok, _ in steps), {}
 
 
 def prompt_ids(vocab: int, n: int, seed: int = 0) -> list[int]:
@@ -209,10 +200,68 @@ def mlx_prefill(model, ids: list[int]) -> dict:
     return out
 
 
-def rq_cell(model, kv, context: int, tokens: int, seed: int = 0) -> dict:
-    from rq_core.tools.bench import decode_cell
+def rq_start(model, kv, context: int, tokens: int, seed: int = 0):
+    """rq's fresh cache filled to `context` (rq_core.tools.profile.fill_caches), and its loop
+    (rq_core.generate.prefill of one real token, then decode_steps)."""
+    from rq_core.attention.dispatch import attention_paths
+    from rq_core.generate import cache_bytes, decode_steps, prefill
+    from rq_core.tools.profile import fill_caches
 
-    return decode_cell(model, kv, context, tokens, seed=seed)
+    cache = model.make_cache(kv)
+    fill_caches(model, cache, context, fill="synthetic", seed=seed)
+    kv_bytes, _ = cache_bytes(cache)
+    y, read = prefill(model, [1], cache)
+    # the compressed layers' attention paths, read once the loop is done
+    return decode_steps(model, cache, y, read, tokens, temp=0.0, top_p=1.0), {
+        "kv_bytes": kv_bytes, "attention_paths": lambda: attention_paths(cache)}
+
+
+def interleaved(starts: dict, order: list[str], tokens: int, chunk: int) -> dict[str, dict]:
+    """Every runner's `tokens` greedy tokens, `chunk` at a time in turns (order `order`), so that drift of the
+    host's or the device's speed within the cell reaches every runner alike: at 2K a step is bound by the host's
+    work, whose speed moves by tens of percent within minutes. Each turn starts with the device idle (nothing of
+    another runner's in flight) and is timed from its first token to its last: tok/s = the turns' intervals over
+    their seconds. All runners' caches are held at once; a runner's peak is MLX's peak in its own fill and turns
+    less the bytes the other runners' caches held then (so it reads as if it ran alone)."""
+    gens, info, held, out = {}, {}, {}, {}
+    for r in order:
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        gens[r], info[r] = starts[r]()
+        first = int(next(gens[r]))  # the prompt token's step: not timed, as in each runner's own tok/s
+        mx.synchronize()
+        out[r] = {"fill_s": time.perf_counter() - t0, "tokens": [first], "intervals": 0, "seconds": 0.0,
+                  "peak_memory_bytes": int(mx.get_peak_memory()) - sum(held.values())}
+        held[r] = mx.get_active_memory() - before
+    for _ in range(0, tokens - 1, chunk):
+        for r in order:
+            n = min(chunk, tokens - len(out[r]["tokens"]))
+            if n <= 0:
+                continue
+            mx.synchronize()
+            before = mx.get_active_memory()
+            mx.reset_peak_memory()
+            stamps = []
+            for _ in range(n):
+                out[r]["tokens"].append(int(next(gens[r])))
+                stamps.append(time.perf_counter())
+            mx.synchronize()
+            others = sum(v for k, v in held.items() if k != r)
+            out[r]["peak_memory_bytes"] = max(out[r]["peak_memory_bytes"], int(mx.get_peak_memory()) - others)
+            held[r] += mx.get_active_memory() - before
+            out[r]["intervals"] += n - 1
+            out[r]["seconds"] += stamps[-1] - stamps[0]
+    for r in order:
+        x = out[r]
+        x["decode_tok_per_s"] = x["intervals"] / x["seconds"] if x["seconds"] > 0 else 0.0
+        x["generated_tokens"] = len(x["tokens"])
+        x.update({k: v() if callable(v) else v for k, v in info[r].items()})
+    del gens, info
+    gc.collect()
+    mx.clear_cache()
+    return out
 
 
 def build_rows(runs: dict, contexts: list[int], cfg: dict, label: str) -> list[dict]:
@@ -292,23 +341,25 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
           f"top-1 agreement {check['top1_agree']:.0%}); mlx-lm model added {shared['added_bytes'] / 2**20:.0f} MiB",
           file=sys.stderr, flush=True)
     fp16, iso = kv_settings(["fp16", "isoquant3"], fp16_window=DEFAULT_FP16_WINDOW, edge_layers=DEFAULT_EDGE_LAYERS)
-    cells = {"rq fp16": lambda c: rq_cell(rq.model, fp16, c, a.tokens, a.seed),
-             "rq isoquant3": lambda c: rq_cell(rq.model, iso, c, a.tokens, a.seed),
-             "mlx-lm fp16": lambda c: mlx_cell(theirs, c, a.tokens, a.seed)}
+    starts = {"rq fp16": lambda c, n: rq_start(rq.model, fp16, c, n, a.seed),
+              "rq isoquant3": lambda c, n: rq_start(rq.model, iso, c, n, a.seed),
+              "mlx-lm fp16": lambda c, n: mlx_start(theirs, c, n, a.seed)}
+
+    def cell(c: int, n: int, order: list[str]) -> dict[str, dict]:
+        return interleaved({r: (lambda r=r: starts[r](c, n)) for r in order}, order, n, a.chunk)
+
     info = {"config": label, "layers": tc["num_hidden_layers"], "recipe": recipe_name, "contexts": contexts,
             "contexts_skipped_beyond_max_position_embeddings": skipped, "checkpoint": str(ck),
             "checkpoint_reused": reused, "checkpoint_bytes": sum(f.stat().st_size for f in ck.glob("*.safetensors")),
             "write_s": write_s, "load_s": load_s, "logits_check": check, "shared_weights": shared,
             "mamba_dt_clamp_aligned": aligned,
-            "tokens": a.tokens, "repeats": a.repeats}
-    for name, fn in cells.items():  # warm-up: kernels compiled, untimed
-        fn(min(contexts))
+            "tokens": a.tokens, "repeats": a.repeats, "chunk": a.chunk}
+    cell(min(contexts), min(a.tokens, 2 * a.chunk), list(RUNNERS))  # warm-up: kernels compiled, untimed
     runs: dict[tuple[int, str], list[dict]] = {(c, r): [] for c in contexts for r in RUNNERS}
     for rep in range(a.repeats):
         order = list(RUNNERS[rep % 3:] + RUNNERS[:rep % 3])
         for c in contexts:
-            for r in order:
-                x = cells[r](c)
+            for r, x in cell(c, a.tokens, order).items():
                 runs[(c, r)].append(x)
                 print(f"  {label} repeat {rep} context {c} {r}: {x['decode_tok_per_s']:.2f} tok/s, "
                       f"peak {x['peak_memory_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
@@ -395,7 +446,11 @@ def table(rows: list[dict], infos: dict, prefill: list[dict] | None = None) -> s
     """The decode table (a row per model and context), the prefill table where there are prefill rows, the notes."""
     lines = side_by_side(rows, infos, "context", "decode_tok_per_s", 1)
     if prefill:
-        lines += ["", "Prefill: the same random prompt through each runner's own prefill, up to its first token.", ""]
+        apart = {r["config"]: r["run"] for r in prefill
+                 if r.get("run") and r["run"] != infos.get(r["config"], {}).get("run")}
+        lines += ["", "Prefill: the same random prompt through each runner's own prefill, up to its first token"
+                  + ("" if not apart else " (rows from a run of their own: " + "; ".join(
+                      f"{k} {v['date']}, `{v['command']}`" for k, v in apart.items()) + ")") + ".", ""]
         lines += side_by_side(prefill, infos, "prompt_tokens", "prefill_tok_per_s", 0)
     lines.append("")
 
@@ -408,7 +463,9 @@ def table(rows: list[dict], infos: dict, prefill: list[dict] | None = None) -> s
         return "-" if c is None else f"{c[who]['max_abs_diff']:.3g}"
 
     def where(v: dict) -> str:  # rows without the field: float32 on the GPU (TF32 matmuls)
-        return "" if v.get("logits_check_float32_device", "gpu") == "cpu" else " on the GPU"
+        if v.get("logits_check_float32") is None or v.get("logits_check_float32_device", "gpu") == "cpu":
+            return ""
+        return " on the GPU"
 
     clamped = [k for k, v in infos.items() if v.get("mamba_dt_clamp_aligned")]
     lines.append("Logits of rq's and mlx-lm's models on one 16-token prompt, max abs difference in the stored dtype / in "
@@ -423,11 +480,20 @@ def table(rows: list[dict], infos: dict, prefill: list[dict] | None = None) -> s
                      f"{k} {v['shared_weights']['same_objects']}/{v['shared_weights']['arrays']} arrays the same "
                      f"objects, {v['shared_weights']['added_bytes'] / 2**20:.0f} MiB added by the second model"
                      for k, v in infos.items()) + ".")
+    by_chunk: dict = {}
+    for k, v in infos.items():
+        by_chunk.setdefault(v.get("chunk"), []).append(k)
+    method = "" if len(by_chunk) < 2 else " Decode rows " + "; ".join(  # rows of both methods: which is which
+        (f"in turns of {c} tokens, the three runners alternating: " if c else
+         "in whole cells of --tokens tokens, one runner after another: ") + ", ".join(ks)
+        for c, ks in by_chunk.items()) + "."
     runs = {k: v["run"] for k, v in infos.items() if v.get("run")}
     if len({r["command"] for r in runs.values()}) > 1:  # rows merged from several runs: each model's own
         lines.append("")
         lines.append("Rows from several runs, each model's in one process: " + "; ".join(
-            f"{k} {r['date']}" for k, r in runs.items()) + " (each model's command is in the results file).")
+            f"{k} {r['date']}" for k, r in runs.items()) + " (each model's command is in the results file)." + method)
+    elif method:
+        lines += ["", method.strip()]
     return "\n".join(lines)
 
 
@@ -455,13 +521,15 @@ def main() -> None:
     ap.add_argument("--prefill-repeats", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=16, help="tokens a runner decodes in each turn (default 16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default="/tmp/rq-synth", help="where the synthetic checkpoints are written (reused)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints written by this run")
     ap.add_argument("--out", help="results file (default benchmarks/results/decode_vs_mlxlm.json)")
     a = ap.parse_args()
-    if a.tokens < 2 or a.repeats < 1 or a.prefill_repeats < 1 or any(n < 2 for n in a.prefill):
-        ap.error("--tokens must be at least 2, --repeats and --prefill-repeats at least 1, --prefill lengths at least 2")
+    if a.tokens < 2 or a.chunk < 2 or a.repeats < 1 or a.prefill_repeats < 1 or any(n < 2 for n in a.prefill):
+        ap.error("--tokens and --chunk must be at least 2, --repeats and --prefill-repeats at least 1, --prefill "
+                 "lengths at least 2")
     jobs = [(synth.read_config(c), Path(c).stem) for c in a.config or []]
     if not jobs or a.family:
         jobs += [(synth.read_config(FAMILIES[f]), FAMILIES[f]) for f in (a.family or list(FAMILIES))]
@@ -470,18 +538,21 @@ def main() -> None:
     meta = _readme.meta()
     infos = {k: v for k, v in old.get("models", {}).items()}
     rows = [r for r in old.get("rows", []) if r["config"] not in {lab for _, lab in jobs}]
-    prefill = [r for r in old.get("prefill", []) if r["config"] not in {lab for _, lab in jobs}]
+    # prefill rows name their run: a run without --prefill keeps its families' earlier prefill rows
+    prefill = [{**r, "run": r.get("run") or infos.get(r["config"], {}).get("run")} for r in old.get("prefill", [])
+               if not a.prefill or r["config"] not in {lab for _, lab in jobs}]
     for cfg, label in jobs:
         def partial(info, part, pre_part, label=label):
             infos[label] = {**info, "run": meta, "partial": True}
             cur = [r for r in rows if r["config"] != label] + part
-            pre = [r for r in prefill if r["config"] != label] + pre_part
+            pre = [r for r in prefill if r["config"] != label or not pre_part] + [{**r, "run": meta} for r in pre_part]
             _readme.save(RESULTS, {"models": infos, "rows": cur, "prefill": pre}, table(cur, infos, pre), path=out)
 
         res = run_family(cfg, Path(a.dir), a, label, on_partial=partial)
         infos[label] = {**res["info"], "run": meta}
         rows = [r for r in rows if r["config"] != label] + res["rows"]
-        prefill = [r for r in prefill if r["config"] != label] + res["prefill"]
+        if res["prefill"]:
+            prefill = [r for r in prefill if r["config"] != label] + [{**r, "run": meta} for r in res["prefill"]]
         infos = {k: infos[k] for k in infos if any(r["config"] == k for r in rows)}
         body = table(rows, infos, prefill)
         # after each family: partial runs count

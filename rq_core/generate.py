@@ -143,6 +143,30 @@ def decode_steps(model: nn.Module, cache: list, y: mx.array, read: mx.array, max
             y, read = _queue_step(model, cache, y, temp, top_p, top_k, min_p)
 
 
+def prefill(model: nn.Module, prompt: list[int], cache: list, *, temp: float = 0.0, top_p: float = 1.0,
+            top_k: int = 0, min_p: float = 0.0, chunk: int = 512) -> tuple[mx.array, mx.array]:
+    """Run `prompt` into `cache` in chunks of `chunk` tokens, end every cache's prefill (compressed caches compress
+    the prompt's K/V there) and sample the first token: (its id [1], its read array, evaluated), what
+    `decode_steps` takes."""
+    x = mx.array(prompt, dtype=mx.int32)[None]
+    chunk = max(1, int(chunk))
+    for i in range(0, len(prompt), chunk):
+        out = model(x[:, i:i + chunk], cache=cache)
+        if i + chunk < len(prompt):
+            # a chunk before the last is evaluated for its caches alone (one graph a chunk bounds memory), so its
+            # output head (chunk x vocabulary logits) is never computed
+            mx.eval(cache_arrays(cache))
+        else:
+            logits = out[:, -1, :]
+            mx.eval(logits)
+    for c in cache:
+        c.end_prefill()
+    y = sample(logits, temp, top_p, top_k, min_p)
+    read = _read_array(y, logits)
+    mx.eval(read)
+    return y, read
+
+
 def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
              kv: Optional[KVSettings] = None,
@@ -151,8 +175,8 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
              on_token: Optional[Callable[[int], None]] = None, cache: Optional[list] = None) -> GenerationResult:
     """Generate up to `max_tokens` tokens after `prompt`; `on_token(id)` is called as each is produced.
 
-    The prompt runs in chunks of `prefill_chunk` tokens; then every cache gets `end_prefill()` (compressed
-    caches compress the prompt's K/V there) and decoding proceeds one token at a time (`decode_steps`).
+    The prompt runs through `prefill` in chunks of `prefill_chunk` tokens, then decoding proceeds one token at a
+    time (`decode_steps`).
     RQError when the logits are not finite (broken weights), instead of whatever token NaN logits sample.
     """
     if not prompt:
@@ -170,22 +194,7 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     res = GenerationResult(prompt_tokens=len(prompt))
 
     t0 = time.perf_counter()
-    x = mx.array(prompt, dtype=mx.int32)[None]
-    chunk = max(1, int(prefill_chunk))
-    for i in range(0, len(prompt), chunk):
-        out = model(x[:, i:i + chunk], cache=cache)
-        if i + chunk < len(prompt):
-            # a chunk before the last is evaluated for its caches alone (one graph a chunk bounds memory), so its
-            # output head (chunk x vocabulary logits) is never computed
-            mx.eval(cache_arrays(cache))
-        else:
-            logits = out[:, -1, :]
-            mx.eval(logits)
-    for c in cache:
-        c.end_prefill()
-    y = sample(logits, temp, top_p, top_k, min_p)
-    read = _read_array(y, logits)
-    mx.eval(read)
+    y, read = prefill(model, prompt, cache, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, chunk=prefill_chunk)
     res.prefill_s = time.perf_counter() - t0
     res.prefill_peak_memory_bytes = int(mx.get_peak_memory())
     mx.reset_peak_memory()

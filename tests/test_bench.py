@@ -152,3 +152,35 @@ def test_decode_vs_mlxlm_table_of_merged_and_cut_short_runs():
     assert "b 0.5 / - " in text and "Rows from several runs" in text and "; c D (each model's command" in text
     del infos["a"]["mamba_dt_clamp_aligned"]
     assert "clamped" not in table(rows, infos)
+
+
+def test_decode_vs_mlxlm_runners_take_turns():
+    """The runners decode in turns of `chunk` tokens, each its own count; a runner's peak leaves out the bytes the
+    other runners' caches hold (a runner holding nothing peaks far below one holding 8 MB)."""
+    import sys
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from decode_vs_mlxlm import interleaved
+
+    seen = []
+
+    def start(name, hold):
+        held = mx.zeros((hold,), mx.uint8) if hold else None
+        if held is not None:
+            mx.eval(held)
+
+        def gen(cache=held):  # holds the runner's bytes as its cache would
+            for i in range(10):
+                seen.append(name)
+                yield i
+        return gen(), {"kv_bytes": hold, "paths": lambda: {"fused": 1}}
+
+    out = interleaved({"a": lambda: start("a", 8 << 20), "b": lambda: start("b", 0)}, ["a", "b"], 10, 4)
+    assert seen == ["a", "b"] + ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4 + ["a"] * 1 + ["b"] * 1
+    for r in ("a", "b"):
+        assert out[r]["tokens"] == list(range(10)) and out[r]["generated_tokens"] == 10
+        assert out[r]["intervals"] == 3 + 3 + 0 and out[r]["paths"] == {"fused": 1}
+    assert out["a"]["peak_memory_bytes"] - out["b"]["peak_memory_bytes"] > 6 << 20

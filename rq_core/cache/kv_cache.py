@@ -311,7 +311,9 @@ class IsoQuantCache:
     # (rq_core.models.base.decode_layer: traced again) and a copy of the codes
     decode_room = (1024, 8192)
     compress_chunk = 4096  # tokens compressed per graph in end_prefill (bounds temporaries)
-    compress_chunk_ops = 16  # the same without the GPU kernels: quantize_kv's MLX ops hold ~90x the tokens' bytes
+    # the same without the GPU kernels: quantize_kv's MLX ops hold ~50 KB a vector (a pair codebook's distances), all
+    # of one graph's at once, so a decode step's window is coded in graphs of 8 tokens: 16 put the decode peak above fp16's
+    compress_chunk_ops = 8
     # a bounded prefill's decoded attention: layers queued ahead of the one waited for (0: wait for each). H200, Qwen3-
     # 30B-A3B shape, 48 layers x 32K: 0 50.2 s, 1 38.3 s (whole prompt in fp16 39.5 s), same peak +2,534 MiB; 8 layers x
     # 128K: 0 +920 MiB, 1 +1,365 (one more layer's decoded K/V), 2 +1,809, times within run-to-run spread
@@ -407,14 +409,20 @@ class IsoQuantCache:
         return [a for a in (self.k_codes, self.k_norms, self.v_codes, self.v_norms, self._fk, self._fv)
                 if a is not None]
 
+    def _fp16_capacity(self, need: int) -> int:
+        """Rows of fp16 buffers for `need` tokens, rounded up to a quarter `step` (never more than FP16Cache's rows);
+        while decoding (a window) a quarter step more, so a window that slides along is copied to the buffer's front
+        once every ~64 steps. A short prompt's 256 rows kept for a 32-token window, with the temporaries of coding
+        it, put the cache's decode peak above an fp16 cache's."""
+        grain = self.step // 4
+        return -(-(need + (0 if self.prefilling else grain)) // grain) * grain
+
     def _rebuffer(self, need: int, like: tuple[mx.array, mx.array] | None = None) -> None:
-        """New fp16 buffers for `need` tokens (rounded up to `step`, as FP16Cache grows; while decoding a quarter step
-        more, so a window that slides along does not rebuffer every few steps), the segment copied to their front
-        (`like`: the new keys and values, when there are no buffers yet)."""
+        """New fp16 buffers of `_fp16_capacity(need)` rows, the segment copied to their front (`like`: the new keys
+        and values, when there are no buffers yet)."""
         lk, lv = (self._fk, self._fv) if like is None else like
         B, H, _, D = lk.shape
-        margin = 0 if self.prefilling else self.step // 4
-        cap = ((need + margin + self.step - 1) // self.step) * self.step
+        cap = self._fp16_capacity(need)
         new_k = mx.zeros((B, H, cap, D), lk.dtype)
         new_v = mx.zeros((B, H, cap, lv.shape[3]), lv.dtype)
         if self.fp16_len:
@@ -518,8 +526,8 @@ class IsoQuantCache:
         if keep == 0 and self._fk.shape[2] > self.step:
             self._fk = self._fv = None  # the prompt's fp16 buffer is no longer needed
             self._f0 = 0
-        elif self._fk.shape[2] > 2 * self.step + keep:
-            self._rebuffer(keep)  # a long prompt's buffer, now holding a window
+        elif self._fk.shape[2] > (2 * self.step + keep if self.prefilling else self._fp16_capacity(keep)):
+            self._rebuffer(keep)  # a prompt's buffer, now holding a window
 
     # -- protocol --
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
@@ -593,6 +601,8 @@ class IsoQuantCache:
         self.prefilling = False
         self.inflight.drain()
         self._spill(self.fp16_window)
+        if self._fk is not None and self._fk.shape[2] > self._fp16_capacity(self.fp16_len):
+            self._rebuffer(self.fp16_len)  # a short prompt's buffer: a window's rows, not the prompt's step
         # each layer's compression evaluated as its end_prefill runs: evaluated together, every layer's temporaries
         # (rotation, codebook search) were alive at once (bundled model on the CPU, 2,048 tokens: +227 MiB)
         mx.eval(self.state)

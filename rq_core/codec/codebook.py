@@ -313,12 +313,15 @@ class KVCodebook:
     table: mx.array  # float32, unit-variance units
     field_bits: int
 
+    # one object per codebook, shared by every layer's cache (its table is never written)
     @classmethod
+    @functools.lru_cache(maxsize=64)
     def scalar(cls, spec: str, bits: int, d: int) -> "KVCodebook":
         """The scalar codebook `spec` (get_codebook) at `bits` bits a coordinate."""
         return cls("scalar", mx.array(get_codebook(spec, bits, d).levels.astype(np.float32)), check_bits(bits))
 
     @classmethod
+    @functools.lru_cache(maxsize=64)
     def pair(cls, points: int, d: int, role: str) -> "KVCodebook":
         """The `points`-point pair codebook of `role` ("keys" or "values") at head dim d (pair_codebook)."""
         return cls("pair", mx.array(pair_codebook(points, d, role)), points.bit_length() - 1)

@@ -216,22 +216,29 @@ def rq_start(model, kv, context: int, tokens: int, seed: int = 0):
         "kv_bytes": kv_bytes, "attention_paths": lambda: attention_paths(cache)}
 
 
-def interleaved(starts: dict, order: list[str], tokens: int, chunk: int) -> dict[str, dict]:
+def interleaved(starts: dict, order: list[str], tokens: int, chunk: int, streams: tuple = ()) -> dict[str, dict]:
     """Every runner's `tokens` greedy tokens, `chunk` at a time in turns (order `order`), so that drift of the
     host's or the device's speed within the cell reaches every runner alike: at 2K a step is bound by the host's
     work, whose speed moves by tens of percent within minutes. Each turn starts with the device idle (nothing of
     another runner's in flight) and is timed from its first token to its last: tok/s = the turns' intervals over
     their seconds. All runners' caches are held at once; a runner's peak is MLX's peak in its own fill and turns
-    less the bytes the other runners' caches held then (so it reads as if it ran alone)."""
+    less the bytes the other runners' caches held then (so it reads as if it ran alone). `streams`: the runners' own
+    streams (mlx-lm's generation_stream), waited for with the default one at each turn's start."""
     gens, info, held, out = {}, {}, {}, {}
-    for r in order:
+
+    def idle() -> None:
         mx.synchronize()
+        for s in streams:
+            mx.synchronize(s)
+
+    for r in order:
+        idle()
         before = mx.get_active_memory()
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         gens[r], info[r] = starts[r]()
         first = int(next(gens[r]))  # the prompt token's step: not timed, as in each runner's own tok/s
-        mx.synchronize()
+        idle()
         out[r] = {"fill_s": time.perf_counter() - t0, "tokens": [first], "intervals": 0, "seconds": 0.0,
                   "peak_memory_bytes": int(mx.get_peak_memory()) - sum(held.values())}
         held[r] = mx.get_active_memory() - before
@@ -240,14 +247,14 @@ def interleaved(starts: dict, order: list[str], tokens: int, chunk: int) -> dict
             n = min(chunk, tokens - len(out[r]["tokens"]))
             if n <= 0:
                 continue
-            mx.synchronize()
+            idle()
             before = mx.get_active_memory()
             mx.reset_peak_memory()
             stamps = []
             for _ in range(n):
                 out[r]["tokens"].append(int(next(gens[r])))
                 stamps.append(time.perf_counter())
-            mx.synchronize()
+            idle()
             others = sum(v for k, v in held.items() if k != r)
             out[r]["peak_memory_bytes"] = max(out[r]["peak_memory_bytes"], int(mx.get_peak_memory()) - others)
             held[r] += mx.get_active_memory() - before
@@ -288,7 +295,7 @@ def build_rows(runs: dict, contexts: list[int], cfg: dict, label: str) -> list[d
     return rows
 
 
-def build_prefill_rows(runs: dict, lengths: list[int], label: str) -> list[dict]:
+def build_prefill_rows(runs: dict, lengths: list[int], label: str, layers: int) -> list[dict]:
     from rq_core.tools.bench import spread
 
     rows = []
@@ -303,7 +310,7 @@ def build_prefill_rows(runs: dict, lengths: list[int], label: str) -> list[dict]
                 continue
             s = spread([x["prefill_tok_per_s"] for x in xs])
             peak = max(x["peak_memory_bytes"] for x in xs)
-            rows.append({"config": label, "prompt_tokens": n, "runner": r, "prefill_tok_per_s": s,
+            rows.append({"config": label, "layers": layers, "prompt_tokens": n, "runner": r, "prefill_tok_per_s": s,
                          "prefill_tok_per_s_runs": [x["prefill_tok_per_s"] for x in xs],
                          "ratio_to_mlx_lm_fp16": s["median"] / ref if ref > 0 else None,
                          "peak_memory_bytes": peak, "peak_ratio_to_mlx_lm_fp16": peak / ref_peak if ref_peak else None})
@@ -345,8 +352,11 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
               "rq isoquant3": lambda c, n: rq_start(rq.model, iso, c, n, a.seed),
               "mlx-lm fp16": lambda c, n: mlx_start(theirs, c, n, a.seed)}
 
+    from mlx_lm.generate import generation_stream
+
     def cell(c: int, n: int, order: list[str]) -> dict[str, dict]:
-        return interleaved({r: (lambda r=r: starts[r](c, n)) for r in order}, order, n, a.chunk)
+        return interleaved({r: (lambda r=r: starts[r](c, n)) for r in order}, order, n, a.chunk,
+                           streams=(generation_stream,))
 
     info = {"config": label, "layers": tc["num_hidden_layers"], "recipe": recipe_name, "contexts": contexts,
             "contexts_skipped_beyond_max_position_embeddings": skipped, "checkpoint": str(ck),
@@ -357,7 +367,8 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
     cell(min(contexts), min(a.tokens, 2 * a.chunk), list(RUNNERS))  # warm-up: kernels compiled, untimed
     runs: dict[tuple[int, str], list[dict]] = {(c, r): [] for c in contexts for r in RUNNERS}
     for rep in range(a.repeats):
-        order = list(RUNNERS[rep % 3:] + RUNNERS[:rep % 3])
+        # who goes first rotates, and every other repetition the turns run backwards: each runner follows each other
+        order = list(RUNNERS[rep % 3:] + RUNNERS[:rep % 3])[::-1 if rep % 2 else 1]
         for c in contexts:
             for r, x in cell(c, a.tokens, order).items():
                 runs[(c, r)].append(x)
@@ -388,8 +399,8 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
                       f"peak {x['peak_memory_bytes'] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
         if on_partial is not None:
             on_partial({**info, "prefill_repeats_done": rep + 1}, rows,
-                       build_prefill_rows(prefill_runs, lengths, label))
-    prefill_rows = build_prefill_rows(prefill_runs, lengths, label)
+                       build_prefill_rows(prefill_runs, lengths, label, tc["num_hidden_layers"]))
+    prefill_rows = build_prefill_rows(prefill_runs, lengths, label, tc["num_hidden_layers"])
     # the same check in float32, after timing (casting copies the scales, biases and norms): rounding apart, the two
     # models should compute the same function. On the CPU: its float32 is exact, where a GPU's float32 matmuls may
     # round their inputs to TF32, enough for a random router's near-tied experts to swap and the two to part
@@ -424,9 +435,11 @@ def side_by_side(rows: list[dict], infos: dict, along: str, metric: str, digits:
         cells.setdefault((r["config"], r[along]), {})[r["runner"]] = r
     for (config, at), by in cells.items():
         inf = infos[config]
+        row = next(iter(by.values()))  # rows kept from an earlier run (prefill) carry that run's layers
+        layers = row.get("layers", inf["layers"])
         done = inf.get("repeats_done", inf["repeats"])
         part = ((f", {done} of {inf['repeats']} repetitions" if done < inf["repeats"] else ", float32 check not reached")
-                if inf.get("partial") else "")
+                if inf.get("partial") and row.get("run") in (None, inf.get("run")) else "")
 
         def rate(runner: str) -> str:
             d = by.get(runner, {}).get(metric)
@@ -437,7 +450,7 @@ def side_by_side(rows: list[dict], infos: dict, along: str, metric: str, digits:
             return "-" if x is None else f"{x:.2f}x"
 
         peaks = ", ".join("-" if r not in by else f"{by[r]['peak_memory_bytes'] / 2**30:.2f}" for r in RUNNERS)
-        lines.append(f"| {config} ({inf['layers']} layers{part}) | {at} | {rate('rq fp16')} | {rate('rq isoquant3')} | "
+        lines.append(f"| {config} ({layers} layers{part}) | {at} | {rate('rq fp16')} | {rate('rq isoquant3')} | "
                      f"{rate('mlx-lm fp16')} | {ratio('rq fp16')} | {ratio('rq isoquant3')} | {peaks} |")
     return lines
 
@@ -539,7 +552,8 @@ def main() -> None:
     infos = {k: v for k, v in old.get("models", {}).items()}
     rows = [r for r in old.get("rows", []) if r["config"] not in {lab for _, lab in jobs}]
     # prefill rows name their run: a run without --prefill keeps its families' earlier prefill rows
-    prefill = [{**r, "run": r.get("run") or infos.get(r["config"], {}).get("run")} for r in old.get("prefill", [])
+    prefill = [{**r, "run": r.get("run") or infos.get(r["config"], {}).get("run"),
+                "layers": r.get("layers") or infos.get(r["config"], {}).get("layers")} for r in old.get("prefill", [])
                if not a.prefill or r["config"] not in {lab for _, lab in jobs}]
     for cfg, label in jobs:
         def partial(info, part, pre_part, label=label):

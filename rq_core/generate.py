@@ -148,6 +148,8 @@ def prefill(model: nn.Module, prompt: list[int], cache: list, *, temp: float = 0
     """Run `prompt` into `cache` in chunks of `chunk` tokens, end every cache's prefill (compressed caches compress
     the prompt's K/V there) and sample the first token: (its id [1], its read array, evaluated), what
     `decode_steps` takes."""
+    if not prompt:
+        raise RQError("the prompt is empty (it encodes to zero tokens)")
     x = mx.array(prompt, dtype=mx.int32)[None]
     chunk = max(1, int(chunk))
     for i in range(0, len(prompt), chunk):
@@ -179,8 +181,6 @@ def generate(model: nn.Module, prompt: list[int], *, max_tokens: int = 256, temp
     time (`decode_steps`).
     RQError when the logits are not finite (broken weights), instead of whatever token NaN logits sample.
     """
-    if not prompt:
-        raise RQError("the prompt is empty (it encodes to zero tokens)")
     if context_length is not None and len(prompt) > context_length:
         raise RQError(f"the prompt is {len(prompt)} tokens, longer than the model's context of {context_length}")
     if context_length is not None:

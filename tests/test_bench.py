@@ -152,6 +152,14 @@ def test_decode_vs_mlxlm_table_of_merged_and_cut_short_runs():
     assert "b 0.5 / - " in text and "Rows from several runs" in text and "; c D (each model's command" in text
     del infos["a"]["mamba_dt_clamp_aligned"]
     assert "clamped" not in table(rows, infos)
+    # prefill rows kept from an earlier run of b (48 layers) under b's cut-short 2-layer run: labelled as theirs
+    old_run = {"date": "E", "command": "run b before"}
+    pre = [{"config": "b", "layers": 48, "run": old_run, "prompt_tokens": 8192, "runner": "rq fp16",
+            "prefill_tok_per_s": {"median": 2, "min": 1, "max": 3}, "ratio_to_mlx_lm_fp16": None,
+            "peak_memory_bytes": 2**30}]
+    text = table(rows, infos, pre)
+    assert "| b (48 layers) | 8192 | 2 (1-3) |" in text and "rows from a run of their own: b E, `run b before`" in text
+    assert "| b (2 layers, 2 of 3 repetitions) | 64 |" in text
 
 
 def test_decode_vs_mlxlm_runners_take_turns():

@@ -157,6 +157,29 @@ def test_window_slides_without_copies_and_the_prompt_buffer_is_released():
     np.testing.assert_array_equal(np.array(c.k_codes[:, :, :896]), np.array(want))
 
 
+@pytest.mark.parametrize("window", [0, 32, 64, 65])
+def test_a_short_prompts_buffer_shrinks_to_its_window_once(window):
+    """After a short prompt the fp16 rows are at most the window's (rounded to 64, plus 64 of room), never the 256 of
+    FP16Cache's step, and decoding copies the window to the buffer's front about once every 64 steps: no growing and
+    shrinking in turns."""
+    c = _mk(fp16_window=window)
+    q, k, v = _qkv(8, 0)
+    c.attend(q, k, v, scale=SCALE, mask="causal")
+    c.end_prefill()
+    copies = []
+    rebuffer = c._rebuffer
+    c._rebuffer = lambda need, like=None: copies.append(need) or rebuffer(need, like)
+    shapes = []
+    for i in range(256):
+        q1, k1, v1 = _qkv(1, 100 + 3 * i)
+        c.attend(q1, k1, v1, scale=SCALE)
+        if c._fk is not None and (not shapes or shapes[-1] != c._fk.shape[2]):
+            shapes.append(c._fk.shape[2])
+    # the prompt's 64 rows grow once, if at all, to the window's; then the same rows for good
+    assert 1 <= len(shapes) <= 2 and shapes[-1] <= -(-(window + 1 + 64) // 64) * 64, shapes
+    assert len(copies) <= 256 // 64 + 2, copies
+
+
 def test_trim_drops_codes_made_ahead():
     """Window tokens may be coded before they leave the window; trimming them (e.g. rejected draft tokens) must not
     leave their codes to be read for the tokens that replace them."""

@@ -312,8 +312,10 @@ class IsoQuantCache:
     decode_room = (1024, 8192)
     compress_chunk = 4096  # tokens compressed per graph in end_prefill (bounds temporaries)
     # the same without the GPU kernels: quantize_kv's MLX ops hold ~50 KB a vector (a pair codebook's distances), all
-    # of one graph's at once, so a decode step's window is coded in graphs of 8 tokens: 16 put the decode peak above fp16's
-    compress_chunk_ops = 8
+    # of one graph's at once; a prompt in graphs of 16 tokens (below the prefill's own peak), a decode step's window
+    # in graphs of 8 (16 put the decode peak above fp16's)
+    compress_chunk_ops = 16
+    compress_chunk_window = 8
     # a bounded prefill's decoded attention: layers queued ahead of the one waited for (0: wait for each). H200, Qwen3-
     # 30B-A3B shape, 48 layers x 32K: 0 50.2 s, 1 38.3 s (whole prompt in fp16 39.5 s), same peak +2,534 MiB; 8 layers x
     # 128K: 0 +920 MiB, 1 +1,365 (one more layer's decoded K/V), 2 +1,809, times within run-to-run spread
@@ -410,12 +412,15 @@ class IsoQuantCache:
                 if a is not None]
 
     def _fp16_capacity(self, need: int) -> int:
-        """Rows of fp16 buffers for `need` tokens, rounded up to a quarter `step` (never more than FP16Cache's rows);
-        while decoding (a window) a quarter step more, so a window that slides along is copied to the buffer's front
-        once every ~64 steps. A short prompt's 256 rows kept for a 32-token window, with the temporaries of coding
-        it, put the cache's decode peak above an fp16 cache's."""
-        grain = self.step // 4
-        return -(-(need + (0 if self.prefilling else grain)) // grain) * grain
+        """Rows of fp16 buffers for `need` tokens: while decoding (a window) rounded up to a quarter `step`, plus a
+        quarter step, so a window that slides along is copied to the buffer's front once every ~64 steps; while
+        prefilling rounded up to a quarter step up to `step` tokens, then to `step` as FP16Cache grows (never more
+        rows than it). A short prompt's 256 rows kept for a 32-token window, with the temporaries of coding it, put
+        the cache's decode peak above an fp16 cache's."""
+        if not self.prefilling:
+            need += self.step // 4
+        grain = self.step // 4 if not self.prefilling or need <= self.step else self.step
+        return -(-need // grain) * grain
 
     def _rebuffer(self, need: int, like: tuple[mx.array, mx.array] | None = None) -> None:
         """New fp16 buffers of `_fp16_capacity(need)` rows, the segment copied to their front (`like`: the new keys
@@ -510,7 +515,8 @@ class IsoQuantCache:
             a0, m = self._coded - self.packed_len, self.fp16_len - (self._coded - self.packed_len)
             # MLX ops (no kernels) hold float32 temporaries of the tokens they code, several times their fp16 bytes:
             # coded in small graphs, they stay below what the prompt's prefill needed
-            chunk = self.compress_chunk if kernels.available() else self.compress_chunk_ops
+            chunk = (self.compress_chunk if kernels.available() else
+                     self.compress_chunk_window if m <= self.fp16_window + 1 else self.compress_chunk_ops)
             for a in range(0, m, chunk):
                 b = min(m, a + chunk)
                 kc, kn, vc, vn = self.compress_kv(*self._fp16(a0 + a, a0 + b))
@@ -526,8 +532,10 @@ class IsoQuantCache:
         if keep == 0 and self._fk.shape[2] > self.step:
             self._fk = self._fv = None  # the prompt's fp16 buffer is no longer needed
             self._f0 = 0
-        elif self._fk.shape[2] > (2 * self.step + keep if self.prefilling else self._fp16_capacity(keep)):
-            self._rebuffer(keep)  # a prompt's buffer, now holding a window
+        elif self.prefilling and self._fk.shape[2] > 2 * self.step + keep:
+            self._rebuffer(keep)  # a long prompt's buffer, now holding a bounded prefill's tail
+        elif not self.prefilling and self._fk.shape[2] > self._fp16_capacity(keep + 1):
+            self._rebuffer(keep + 1)  # a prompt's buffer, now holding a window (and room for the next token)
 
     # -- protocol --
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
@@ -601,8 +609,8 @@ class IsoQuantCache:
         self.prefilling = False
         self.inflight.drain()
         self._spill(self.fp16_window)
-        if self._fk is not None and self._fk.shape[2] > self._fp16_capacity(self.fp16_len):
-            self._rebuffer(self.fp16_len)  # a short prompt's buffer: a window's rows, not the prompt's step
+        if self._fk is not None and self._fk.shape[2] > self._fp16_capacity(self.fp16_len + 1):
+            self._rebuffer(self.fp16_len + 1)  # a short prompt's buffer: a window's rows, not the prompt's step
         # each layer's compression evaluated as its end_prefill runs: evaluated together, every layer's temporaries
         # (rotation, codebook search) were alive at once (bundled model on the CPU, 2,048 tokens: +227 MiB)
         mx.eval(self.state)

@@ -461,6 +461,24 @@ MUTATIONS: list[Mutation] = [
       "            except BaseException:  # (a page that failed its check): the caches as before the step\n",
       "pager: a queued step that raised leaves its caches holding part of the step",
       ("tests/test_pager.py::test_an_answer_that_fails_on_its_thread_is_raised_by_the_step",)),
+    M("rq_core/cache/kv_cache.py",
+      "        elif not self.prefilling and self._fk.shape[2] > self._fp16_capacity(keep + 1):\n"
+      "            self._rebuffer(keep + 1)",
+      "        elif not self.prefilling and self._fk.shape[2] > self._fp16_capacity(keep):\n"
+      "            self._rebuffer(keep)",
+      "kv cache: the window's rows shrunk one row short (the next token grows them again, every 64 steps)",
+      ("tests/test_kv_cache.py::test_a_short_prompts_buffer_shrinks_to_its_window_once",)),
+    M("rq_core/cache/kv_cache.py",
+      "        grain = self.step // 4 if not self.prefilling or need <= self.step else self.step",
+      "        grain = self.step",
+      "kv cache: a short prompt's fp16 rows kept at FP16Cache's 256 for a 32-token window",
+      ("tests/test_kv_cache.py::test_a_short_prompts_buffer_shrinks_to_its_window_once",
+       "tests/test_kv_cache.py::test_a_compressed_cache_peaks_no_higher_than_fp16_on_the_bundled_model")),
+    M("benchmarks/decode_vs_mlxlm.py",
+      "            others = sum(v for k, v in held.items() if k != r)",
+      "            others = 0",
+      "decode_vs_mlxlm: a runner's peak counts the other runners' caches held during its turns",
+      ("tests/test_bench.py::test_decode_vs_mlxlm_runners_take_turns",)),
 ]
 
 

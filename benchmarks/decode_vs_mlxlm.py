@@ -13,9 +13,9 @@ rq with fp16 KV, rq with IsoQuant-3 KV (as `rq run` makes it: fp16 window 32, 4-
 fp16 KVCache / RotatingKVCache) each get a fresh cache filled to the context with random K/V through the cache's own
 append (rq: rq_core.tools.profile.fill_caches; mlx-lm: update_and_fetch), then --tokens greedy tokens through the
 runner's own loop (rq_core.generate.decode_steps; mlx_lm.generate.generate_step), the three taking turns of --chunk
-tokens (the order rotating each repetition), so that the host's speed, which bounds a step at short context and
-drifts within minutes, reaches all three alike. tok/s: each turn's tokens after its first over the time from its
-first to its last.
+tokens as `rq bench`'s KV modes do (rq_core.tools.bench.decode_in_turns; the order rotating each repetition, reversed
+every other one), so that the host's speed, which bounds a step at short context and drifts within minutes, reaches
+all three alike. tok/s: each turn's tokens after its first over the time from its first to its last.
 Before timing, the two models' logits on a short prompt are compared (max abs difference).
 With --prefill N,...: each runner also prefills the same N random token ids into a fresh cache through its own path
 (rq_core.generate.generate, prompt chunks of 512 and the KV mode's prefill; mlx-lm's generate_step, chunks of 2048)
@@ -200,77 +200,6 @@ def mlx_prefill(model, ids: list[int]) -> dict:
     return out
 
 
-def rq_start(model, kv, context: int, tokens: int, seed: int = 0):
-    """rq's fresh cache filled to `context` (rq_core.tools.profile.fill_caches), and its loop
-    (rq_core.generate.prefill of one real token, then decode_steps)."""
-    from rq_core.attention.dispatch import attention_paths
-    from rq_core.generate import cache_bytes, decode_steps, prefill
-    from rq_core.tools.profile import fill_caches
-
-    cache = model.make_cache(kv)
-    fill_caches(model, cache, context, fill="synthetic", seed=seed)
-    kv_bytes, _ = cache_bytes(cache)
-    y, read = prefill(model, [1], cache)
-    # the compressed layers' attention paths, read once the loop is done
-    return decode_steps(model, cache, y, read, tokens, temp=0.0, top_p=1.0), {
-        "kv_bytes": kv_bytes, "attention_paths": lambda: attention_paths(cache)}
-
-
-def interleaved(starts: dict, order: list[str], tokens: int, chunk: int, streams: tuple = ()) -> dict[str, dict]:
-    """Every runner's `tokens` greedy tokens, `chunk` at a time in turns (order `order`), so that drift of the
-    host's or the device's speed within the cell reaches every runner alike: at 2K a step is bound by the host's
-    work, whose speed moves by tens of percent within minutes. Each turn starts with the device idle (nothing of
-    another runner's in flight) and is timed from its first token to its last: tok/s = the turns' intervals over
-    their seconds. All runners' caches are held at once; a runner's peak is MLX's peak in its own fill and turns
-    less the bytes the other runners' caches held then (so it reads as if it ran alone). `streams`: the runners' own
-    streams (mlx-lm's generation_stream), waited for with the default one at each turn's start."""
-    gens, info, held, out = {}, {}, {}, {}
-
-    def idle() -> None:
-        mx.synchronize()
-        for s in streams:
-            mx.synchronize(s)
-
-    for r in order:
-        idle()
-        before = mx.get_active_memory()
-        mx.reset_peak_memory()
-        t0 = time.perf_counter()
-        gens[r], info[r] = starts[r]()
-        first = int(next(gens[r]))  # the prompt token's step: not timed, as in each runner's own tok/s
-        idle()
-        out[r] = {"fill_s": time.perf_counter() - t0, "tokens": [first], "intervals": 0, "seconds": 0.0,
-                  "peak_memory_bytes": int(mx.get_peak_memory()) - sum(held.values())}
-        held[r] = mx.get_active_memory() - before
-    for _ in range(0, tokens - 1, chunk):
-        for r in order:
-            n = min(chunk, tokens - len(out[r]["tokens"]))
-            if n <= 0:
-                continue
-            idle()
-            before = mx.get_active_memory()
-            mx.reset_peak_memory()
-            stamps = []
-            for _ in range(n):
-                out[r]["tokens"].append(int(next(gens[r])))
-                stamps.append(time.perf_counter())
-            idle()
-            others = sum(v for k, v in held.items() if k != r)
-            out[r]["peak_memory_bytes"] = max(out[r]["peak_memory_bytes"], int(mx.get_peak_memory()) - others)
-            held[r] += mx.get_active_memory() - before
-            out[r]["intervals"] += n - 1
-            out[r]["seconds"] += stamps[-1] - stamps[0]
-    for r in order:
-        x = out[r]
-        x["decode_tok_per_s"] = x["intervals"] / x["seconds"] if x["seconds"] > 0 else 0.0
-        x["generated_tokens"] = len(x["tokens"])
-        x.update({k: v() if callable(v) else v for k, v in info[r].items()})
-    del gens, info
-    gc.collect()
-    mx.clear_cache()
-    return out
-
-
 def build_rows(runs: dict, contexts: list[int], cfg: dict, label: str) -> list[dict]:
     from rq_core.tools.bench import spread
 
@@ -318,7 +247,7 @@ def build_prefill_rows(runs: dict, lengths: list[int], label: str, layers: int) 
 
 
 def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_partial=None) -> dict:
-    from rq_core.tools.bench import kv_settings
+    from rq_core.tools.bench import decode_in_turns, kv_settings, start_decode
     from rq_core.checkpoint import text_config
     from rq_core.cache.kv_cache import DEFAULT_EDGE_LAYERS, DEFAULT_FP16_WINDOW
 
@@ -348,15 +277,15 @@ def run_family(cfg: dict, ck_root: Path, a: argparse.Namespace, label: str, on_p
           f"top-1 agreement {check['top1_agree']:.0%}); mlx-lm model added {shared['added_bytes'] / 2**20:.0f} MiB",
           file=sys.stderr, flush=True)
     fp16, iso = kv_settings(["fp16", "isoquant3"], fp16_window=DEFAULT_FP16_WINDOW, edge_layers=DEFAULT_EDGE_LAYERS)
-    starts = {"rq fp16": lambda c, n: rq_start(rq.model, fp16, c, n, a.seed),
-              "rq isoquant3": lambda c, n: rq_start(rq.model, iso, c, n, a.seed),
+    starts = {"rq fp16": lambda c, n: start_decode(rq.model, fp16, c, n, seed=a.seed),
+              "rq isoquant3": lambda c, n: start_decode(rq.model, iso, c, n, seed=a.seed),
               "mlx-lm fp16": lambda c, n: mlx_start(theirs, c, n, a.seed)}
 
     from mlx_lm.generate import generation_stream
 
     def cell(c: int, n: int, order: list[str]) -> dict[str, dict]:
-        return interleaved({r: (lambda r=r: starts[r](c, n)) for r in order}, order, n, a.chunk,
-                           streams=(generation_stream,))
+        return decode_in_turns({r: (lambda r=r: starts[r](c, n)) for r in order}, order, n, a.chunk,
+                               streams=(generation_stream,))
 
     info = {"config": label, "layers": tc["num_hidden_layers"], "recipe": recipe_name, "contexts": contexts,
             "contexts_skipped_beyond_max_position_embeddings": skipped, "checkpoint": str(ck),

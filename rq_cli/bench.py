@@ -46,7 +46,9 @@ def bench(
                                 "recipe.toml kv settings, else rq run's defaults)."),
     kv_config: KvConfig = None,
     tokens: int = typer.Option(128, "--tokens", "-n", metavar="N", help="Greedy tokens decoded in each timed run."),
-    repeats: int = typer.Option(3, "--repeats", metavar="N", help="Interleaved repetitions of every (context, KV) cell."),
+    repeats: int = typer.Option(3, "--repeats", metavar="N",
+                                help="Repetitions of every (context, KV) cell; at a context the KV modes decode in "
+                                     "turns of 16 tokens."),
     prefill_tokens: int = typer.Option(512, "--prefill-tokens", metavar="N",
                                        help="Random prompt tokens prefilled to time prefill (0 = skip)."),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the synthetic context and prompt."),

@@ -474,11 +474,11 @@ MUTATIONS: list[Mutation] = [
       "kv cache: a short prompt's fp16 rows kept at FP16Cache's 256 for a 32-token window",
       ("tests/test_kv_cache.py::test_a_short_prompts_buffer_shrinks_to_its_window_once",
        "tests/test_kv_cache.py::test_a_compressed_cache_peaks_no_higher_than_fp16_on_the_bundled_model")),
-    M("benchmarks/decode_vs_mlxlm.py",
+    M("rq_core/tools/bench.py",
       "            others = sum(v for k, v in held.items() if k != r)",
       "            others = 0",
-      "decode_vs_mlxlm: a runner's peak counts the other runners' caches held during its turns",
-      ("tests/test_bench.py::test_decode_vs_mlxlm_runners_take_turns",)),
+      "bench: a runner's peak counts the other runners' caches held during its turns",
+      ("tests/test_bench.py::test_runners_take_turns",)),
 ]
 
 

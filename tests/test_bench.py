@@ -162,16 +162,13 @@ def test_decode_vs_mlxlm_table_of_merged_and_cut_short_runs():
     assert "| b (2 layers, 2 of 3 repetitions) | 64 |" in text
 
 
-def test_decode_vs_mlxlm_runners_take_turns():
-    """The runners decode in turns of `chunk` tokens, each its own count; a runner's peak leaves out the bytes the
-    other runners' caches hold (a runner holding nothing peaks far below one holding 8 MB)."""
-    import sys
-    from pathlib import Path
-
+def test_runners_take_turns():
+    """The runners (KV modes in `rq bench`, rq and mlx-lm in benchmarks/decode_vs_mlxlm.py) decode in turns of
+    `chunk` tokens, each its own count; a runner's peak leaves out the bytes the other runners' caches hold (a runner
+    holding nothing peaks far below one holding 8 MB)."""
     import mlx.core as mx
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from decode_vs_mlxlm import interleaved
+    from rq_core.tools.bench import decode_in_turns
 
     seen = []
 
@@ -187,7 +184,7 @@ def test_decode_vs_mlxlm_runners_take_turns():
                 yield i
         return gen(), {"kv_bytes": hold, "paths": lambda: {"fused": 1}}
 
-    out = interleaved({"a": lambda: start("a", 8 << 20), "b": lambda: start("b", 0)}, ["a", "b"], 10, 4)
+    out = decode_in_turns({"a": lambda: start("a", 8 << 20), "b": lambda: start("b", 0)}, ["a", "b"], 10, 4)
     assert seen == ["a", "b"] + ["a"] * 4 + ["b"] * 4 + ["a"] * 4 + ["b"] * 4 + ["a"] * 1 + ["b"] * 1
     for r in ("a", "b"):
         assert out[r]["tokens"] == list(range(10)) and out[r]["generated_tokens"] == 10

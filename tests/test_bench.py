@@ -61,6 +61,13 @@ def test_context_beyond_the_model_is_refused_in_one_line():
     check_contexts([100], 5, 105)
 
 
+def test_too_few_tokens_for_a_rate_are_refused_in_one_line():
+    """Two tokens are the prompt's and one turn of one: no interval to time (a rate of 0 would be silently wrong)."""
+    res = CliRunner().invoke(app, ["bench", "--context", "64", "--tokens", "2", "--json"])
+    lines = [l for l in res.output.strip().splitlines() if l.strip()]
+    assert res.exit_code != 0 and len(lines) == 1 and "--tokens must be at least 3" in lines[0], res.output
+
+
 def test_parse_contexts_and_spread():
     assert parse_contexts("2K,32k,131072") == [2048, 32768, 131072]
     with pytest.raises(RQError):

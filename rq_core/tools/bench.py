@@ -143,8 +143,8 @@ def bench(model: nn.Module, config: dict, contexts: list[int], kvs: list[KVSetti
     """The report `rq bench --json` prints: `decode` rows per (context, kv), `prefill` rows per kv."""
     from rq_core.checkpoint import context_length, text_config
 
-    if tokens < 1 or repeats < 1:
-        raise RQError("tokens and repeats must be at least 1")
+    if tokens < 3 or repeats < 1:  # a decode rate needs a turn of two tokens after the prompt's
+        raise RQError(f"--tokens must be at least 3 and --repeats at least 1 (got {tokens} and {repeats})")
     limit = context_length(config)
     check_contexts(contexts, tokens, limit)
     vocab = int(text_config(config)["vocab_size"])

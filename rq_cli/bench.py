@@ -48,7 +48,7 @@ def bench(
     tokens: int = typer.Option(128, "--tokens", "-n", metavar="N", help="Greedy tokens decoded in each timed run."),
     repeats: int = typer.Option(3, "--repeats", metavar="N",
                                 help="Repetitions of every (context, KV) cell; at a context the KV modes decode in "
-                                     "turns of 16 tokens."),
+                                     "turns of 16 tokens, their caches held together (peaks are reported per mode)."),
     prefill_tokens: int = typer.Option(512, "--prefill-tokens", metavar="N",
                                        help="Random prompt tokens prefilled to time prefill (0 = skip)."),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the synthetic context and prompt."),

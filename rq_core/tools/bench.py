@@ -76,7 +76,8 @@ def decode_in_turns(starts: dict[str, Callable[[], tuple]], order: list[str], to
     minutes. Each turn starts with the device idle (nothing of another runner's in flight) and is timed from its
     first token to its last: tok/s = the turns' intervals over their seconds (a turn's first token, queued in the
     runner's previous turn, is not counted). All runners' caches are held at once; a runner's peak is MLX's peak in
-    its own fill and turns less the bytes the other runners' caches held then (so it reads as if it ran alone).
+    its own fill and turns less the bytes the other runners' caches held then (so it reads as if it ran alone), but
+    the process holds them all: the cell needs the sum of the runners' caches in memory.
     `streams`: the runners' own streams, waited for with the default one at each turn's start."""
     gens, info, held, out = {}, {}, {}, {}
 
@@ -91,9 +92,11 @@ def decode_in_turns(starts: dict[str, Callable[[], tuple]], order: list[str], to
         mx.reset_peak_memory()
         t0 = time.perf_counter()
         gens[r], info[r] = starts[r]()
+        idle()
+        fill_s = time.perf_counter() - t0
         first = int(next(gens[r]))  # the prompt token's step: not timed, as in each runner's own tok/s
         idle()
-        out[r] = {"fill_s": time.perf_counter() - t0, "tokens": [first], "intervals": 0, "seconds": 0.0,
+        out[r] = {"fill_s": fill_s, "tokens": [first], "intervals": 0, "seconds": 0.0,
                   "peak_memory_bytes": int(mx.get_peak_memory()) - sum(held.values())}
         held[r] = mx.get_active_memory() - before
     for _ in range(0, tokens - 1, chunk):

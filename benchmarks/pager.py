@@ -309,6 +309,7 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
         xs = [r["pager"][k] for r in runs if r.get("pager") and r["pager"].get(k) is not None]
         s[k] = statistics.median(xs) if xs else None
     s["queued_whole"] = runs[0].get("queued_whole")
+    s["queue_stopped"] = sum(bool(r.get("pager", {}).get("queue_stopped")) for r in runs)  # runs that stopped queuing
     s["same_tokens"] = sum(r["tokens"] == ref for r in runs)
     s["runs"] = len(runs)
     if full is not None:
@@ -324,7 +325,7 @@ def summarize(c: dict, runs: list[dict], ref: list[int], full: dict | None) -> d
 RUN_KEYS = ("repeat", "decode_tok_per_s", "steady_decode_tok_per_s", "prefill_tok_per_s", "wall_s",
             "measured_peak_bytes", "cached_after_drop", "cached_after_warm", "queued_whole")
 PAGER_KEYS = ("hits", "misses", "evictions", "bytes_read", "read_s", "sync_s", "host_s", "host_syncs", "speculated",
-              "respun", "reruns", "queued", "queue_fallbacks")
+              "respun", "reruns", "queued", "queue_fallbacks", "queue_stopped")
 
 
 def compact(x: dict) -> dict:
@@ -345,7 +346,9 @@ def queued(s: dict) -> str:
     if not s.get("queued_whole"):
         return "by stretch"
     fb = s.get("queue_fallbacks") or 0
-    return "whole" if not fb else f"whole ({fb:.0f} of {s.get('queued') or 0:.0f} again)"
+    out = "whole" if not fb else f"whole ({fb:.0f} of {s.get('queued') or 0:.0f} again)"
+    stopped = s.get("queue_stopped") or 0
+    return out if not stopped else f"{out}, then by stretch ({stopped} of {s.get('runs')} runs)"
 
 
 def table(rows: list[dict], unit: tuple[str, float]) -> str:
@@ -396,7 +399,8 @@ def note(meta: dict, rows: list[dict], a: argparse.Namespace) -> str:
             f"; a fresh model and pager every run, {a.repeats} repetitions of every row, interleaved, the rows' "
             "order rotating: median (min-max). Step queued: whole (the device waits inside the step for each MoE "
             "layer's slots; CUDA) or by stretch (the host queues the layers up to the next MoE layer after each "
-            "routing read); \"again\": steps the device stopped waiting in, run again layer by layer (medians). "
+            "routing read); \"again\": steps the device stopped waiting in, run again layer by layer (medians); "
+            "\"then by stretch\": runs whose pager stopped queuing steps whole after QUEUE_GIVE_UP of them fell back. "
             "Counters (hit rate, misses, evictions) are medians of the runs; "
             "measured peak is the largest. Read GB/s: bytes read over the seconds spent reading and checking "
             "pages. sync and host ms: per MoE layer and forward pass, waiting for the routing read and in the "

@@ -141,7 +141,8 @@ WARMUP_TOKENS = 4  # tokens of each model's warm-up run (its first KV mode, befo
 WARMUP_PROMPT = 512  # the warm-up's prompt tokens at most: one whole prefill chunk
 PAGER_KEYS = ("hit_rate", "hits", "misses", "bytes_read", "evictions", "slots")
 # the pager's counters over the decode steps alone: a step's time apart (reading pages, waiting for the routing)
-PAGER_DECODE_KEYS = PAGER_KEYS + ("host_syncs", "sync_s", "host_s", "read_s", "speculated", "respun", "reruns")
+PAGER_DECODE_KEYS = PAGER_KEYS + ("host_syncs", "sync_s", "host_s", "read_s", "speculated", "respun", "reruns",
+                                  "queued", "queue_fallbacks", "queue_stopped")
 PLAN_KEYS = ("planned_peak_bytes", "min_budget_bytes", "slots_per_layer", "experts_per_layer", "top_k", "fits",
              "resident_bytes", "kv_bytes", "budget_bytes")
 

@@ -595,7 +595,7 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     assert set(d["pager"]) == {"hits", "misses", "hit_rate", "bytes_read", "evictions", "resident_bytes",
                                "slots", "policy", "host_syncs", "read_batches", "read_s", "staging_bytes", "staging_host_resident",
                                "sync_s", "host_s",
-                               "speculated", "respun", "reruns", "queued", "queue_fallbacks"}
+                               "speculated", "respun", "reruns", "queued", "queue_fallbacks", "queue_stopped"}
     # no slack: the plan counts KV room in the caches' 256-token steps (measured 0.66 of the budget here;
     # 1.02 before, when it counted only the tokens)
     assert d["pager"]["slots"] == 2
@@ -1245,6 +1245,30 @@ def test_a_step_the_device_stopped_waiting_in_runs_again_layer_by_layer(packed, 
     assert (pager.stats.hits, pager.stats.misses) == (plain.stats.hits, plain.stats.misses)
     plain.close()
     assert pager.stats.queued == 10 - pager_mod.WARMUP_STEPS and pager.stats.queue_fallbacks == 2
+    for a, b in zip(want, got):
+        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
+    pager.close()
+
+
+class AlwaysGivingUpMailbox(CountingMailbox):
+    """A device that stops waiting for the host in every queued step, after the step ran (as on a model whose steps all
+    outwait mailbox.WAIT_S)."""
+
+    def failed(self) -> bool:
+        return True
+
+
+def test_a_pager_whose_queued_steps_keep_failing_stops_queuing_them(packed, monkeypatch):
+    """Steps queued whole that the device gives up waiting in cost a timeout and a second run each: after QUEUE_GIVE_UP
+    of them (half or more of those queued) the pager runs its steps a stretch at a time, says so in its stats, and the
+    logits are still the all-resident model's."""
+    import rq_core.paging.pager as pager_mod
+
+    want, got, misses, pager = _queued_run(packed, "qwen3_moe", monkeypatch, AlwaysGivingUpMailbox)
+    assert misses > 0 and len(got) == len(want)
+    st = pager.stats
+    assert st.queue_stopped and st.queued == st.queue_fallbacks == pager_mod.QUEUE_GIVE_UP
+    assert pager.mailbox.opened == pager_mod.QUEUE_GIVE_UP  # no step queued after the pager stopped
     for a, b in zip(want, got):
         assert mx.array_equal(a, b), float(mx.abs(a - b).max())
     pager.close()

@@ -12,7 +12,8 @@ transfer: on CUDA by the copy engine, so no page of managed memory migrates), be
 On CUDA the step is queued whole instead (`queue=True`, the default; rq_core.paging.mailbox): each MoE layer's routing
 reaches the host and its slots the device through page-locked memory both address, the device waiting inside the
 step, so it runs on into kernels already launched the moment a layer's experts are in (a step the device stopped
-waiting in runs again layer by layer, its caches put back).
+waiting in runs again layer by layer, its caches put back; where such steps keep coming, QUEUE_GIVE_UP of them and
+half or more of those queued, the pager stops queuing steps whole).
 With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
 sampled token in one sync. Where a layer missed an expert, the layers before it computed what an all-resident model
 computes: the step runs again from that layer, its missing experts read first, the caches of the layers from it on
@@ -61,6 +62,11 @@ RESERVE_DIVISOR = 100  # budget // RESERVE_DIVISOR (1%) of a memory budget is le
 SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
 PROBE_STEPS = 32  # "auto" runs the way its means call slower once in this many steps
 WARMUP_STEPS = 2  # decode steps "auto" does not time: the first runs as written, the second traces the graphs
+# Steps queued whole that the device gave up waiting in (each costs mailbox.WAIT_S and a second run) after which a
+# pager queues no more steps whole, where they are also half or more of those queued: a model whose steps keep failing
+# that way runs a stretch at a time instead (measured on Nemotron 3 Super's shape: every step failed, 2 tok/s against
+# 70-79 by stretch)
+QUEUE_GIVE_UP = 3
 # "auto" speculates only while steps miss in fewer MoE layers than this on average: a speculated step runs again from
 # every layer that missed (a step missing in each of 40 MoE layers would build 40 partial steps)
 MAX_MISSING_LAYERS = 1.0
@@ -94,6 +100,7 @@ class PagerStats:
     reruns: int = 0  # runs again from a layer that missed (a step that missed in two layers counts two)
     queued: int = 0  # decode steps queued whole, the device waiting for each MoE layer's slots (CUDA: mailbox)
     queue_fallbacks: int = 0  # of those, steps the device stopped waiting in, run again layer by layer
+    queue_stopped: bool = False  # steps no longer queued whole: too many of them fell back (QUEUE_GIVE_UP)
     staging_bytes: int = 0  # the staging buffer the pages are read into: host memory, outside MLX's peak
     # on CUDA: the staging buffer is page-locked host memory (the copy engine reads it without staging it again)
     staging_host_resident: bool = False
@@ -522,7 +529,7 @@ class ExpertPager:
                 return out
         self._layered_steps += 1
         # the first steps load the decode kernels (see mailbox); a cache that cannot be put back cannot run again
-        box = self.mailbox if self._layered_steps > WARMUP_STEPS and markable else None
+        box = self.mailbox if self._layered_steps > WARMUP_STEPS and markable and not self.stats.queue_stopped else None
         out, recounted = None, 0
         if box is not None:  # queued whole; where the device gave up waiting, the caches back and layer by layer
             st = self.stats
@@ -541,6 +548,8 @@ class ExpertPager:
             if out is None or box.failed():
                 out = None
                 st.queue_fallbacks += 1
+                if st.queue_fallbacks >= QUEUE_GIVE_UP and 2 * st.queue_fallbacks >= st.queued:
+                    st.queue_stopped = True  # the next steps a stretch at a time (the mailbox is kept for close)
                 recounted = st.hits + st.misses - served  # the run again finds these resident: not hits twice
                 for f in undo:
                     f()

@@ -967,7 +967,7 @@ def test_decode_counters_are_counted_from_their_start():
 
     from rq_core.paging.pager import PagerStats
 
-    sizes = {"hit_rate", "resident_bytes", "slots", "policy", "staging_bytes", "staging_host_resident"}
+    sizes = {"hit_rate", "resident_bytes", "slots", "policy", "staging_bytes", "staging_host_resident", "queue_stopped"}
     s = PagerStats(slots=4, resident_bytes=4096, staging_bytes=512, policy="lru")
     counters = [f.name for f in fields(PagerStats) if f.name not in sizes]
     for i, name in enumerate(counters):  # the prompt's counts

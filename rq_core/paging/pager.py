@@ -64,8 +64,7 @@ PROBE_STEPS = 32  # "auto" runs the way its means call slower once in this many 
 WARMUP_STEPS = 2  # decode steps "auto" does not time: the first runs as written, the second traces the graphs
 # Steps queued whole that the device gave up waiting in (each costs mailbox.WAIT_S and a second run) after which a
 # pager queues no more steps whole, where they are also half or more of those queued: a model whose steps keep failing
-# that way runs a stretch at a time instead (measured on Nemotron 3 Super's shape: every step failed, 2 tok/s against
-# 70-80 by stretch)
+# that way runs a stretch at a time instead (on an H200, Nemotron 3 Super's shape failed every step queued whole)
 QUEUE_GIVE_UP = 3
 # "auto" speculates only while steps miss in fewer MoE layers than this on average: a speculated step runs again from
 # every layer that missed (a step missing in each of 40 MoE layers would build 40 partial steps)

@@ -233,6 +233,30 @@ def gb(n) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
+def routing_of(m: dict, res: dict) -> str:
+    """A model entry's routing; an older file's entries have none: its top-level one (one routing a file then)."""
+    return m.get("routing") or res.get("routing") or "uniform"
+
+
+def routings(res: dict) -> list[str]:
+    """The routings of the table's rows, uniform first."""
+    return sorted({routing_of(m, res) for m in res["models"]}, key=lambda r: (r != "uniform", r))
+
+
+def model_cell(m: dict, res: dict) -> str:
+    """A row's model cell: its config, and its routing where the rows have more than one (one model's uniform and
+    zipf rows side by side)."""
+    return f"{m['config']} ({routing_of(m, res)})" if len(routings(res)) > 1 else m["config"]
+
+
+def canonical_routing(text: str) -> str:
+    """--routing as one spelling ("zipf" and "zipf:1" are one routing): what --merge matches rows by."""
+    from rq_core.tools import synth
+
+    kind, exp = synth.parse_routing(text)
+    return kind if kind == "uniform" else f"{kind}:{exp:g}"
+
+
 def table(res: dict) -> str:
     lines = ["| model | budget | KV | context | expert slots / layer | planned peak GB | MLX peak GB (prefill, decode) "
              "| RSS GB | measured/planned (MLX, RSS) | decode tok/s | TTFT s | hit rate (decode) | KV MB "
@@ -248,16 +272,17 @@ def table(res: dict) -> str:
         if m.get("min_budget"):
             rows.append((f"min {gb(m['min_budget'].get('budget_bytes'))} GB", m["min_budget"]))
         if m.get("error"):
-            lines.append(f"| {m['config']} | {m['budget']} | - | - | - | error: {m['error']} | | | | | | | | {paper} |")
+            lines.append(f"| {model_cell(m, res)} | {m['budget']} | - | - | - | error: {m['error']} | | | | | | | | "
+                         f"{paper} |")
         for budget, c in rows:
             r, p = c.get("run") or {}, c.get("plan") or {}
             if r.get("skipped"):
-                lines.append(f"| {m['config']} | {budget} | {c.get('kv')} | {c.get('context')} | - | - | "
+                lines.append(f"| {model_cell(m, res)} | {budget} | {c.get('kv')} | {c.get('context')} | - | - | "
                              f"{r['skipped']} | | | | | | | {paper} |")
                 continue
             if "error" in r or "error" in p or not r:
                 err = r.get("error") or p.get("error") or "not run"
-                lines.append(f"| {m['config']} | {budget} | {c.get('kv')} | {c.get('context')} | {slots(p)} | "
+                lines.append(f"| {model_cell(m, res)} | {budget} | {c.get('kv')} | {c.get('context')} | {slots(p)} | "
                              f"{gb(p.get('planned_peak_bytes'))} | error: {err} | | | | | | | {paper} |")
                 continue
             pd = r.get("pager_decode")
@@ -268,20 +293,26 @@ def table(res: dict) -> str:
                       if r.get("decode_peak_memory_bytes") else "")
             ratio = "-" if not pk else f"{r['peak_memory_bytes'] / pk:.2f}, {r['peak_rss_bytes'] / pk:.2f}"
             lines.append(
-                f"| {m['config']} | {budget} | {c['kv']} | {r['prompt_tokens']:,} | {slots(p)} | {gb(pk)} | "
+                f"| {model_cell(m, res)} | {budget} | {c['kv']} | {r['prompt_tokens']:,} | {slots(p)} | {gb(pk)} | "
                 f"{gb(r['peak_memory_bytes'])}{phases} | {gb(r['peak_rss_bytes'])} | "
                 f"{ratio} | {rate(r['steady_decode_tok_per_s'])} | "
                 f"{r['prefill_s']:.2f} | {hr} | {r['kv_bytes'] / 1e6:.1f} | {paper} |")
     # the notes as one paragraph (the README shows this table)
-    notes = [f"Synthetic checkpoints (random weights at the recipe's bits, routing {res['routing']}), "
+    rs = routings(res)
+    routing = rs[0] if len(rs) == 1 else " or ".join(rs) + ", each row's in brackets after its model"
+    notes = [f"Synthetic checkpoints (random weights at the recipe's bits, routing {routing}), "
              f"{res['tokens']} greedy tokens after a prompt of the context's length; every cell one `rq run` "
              "process. Decode tok/s: steady (first step apart). TTFT: the prefill. The paper's numbers: Apple M4 Max, "
              "its own checkpoints."]
+    if any(r != "uniform" for r in rs):
+        notes.append("Uniform routers spread the tokens evenly over the experts, a harder case for the pager than a "
+                     "trained model's routing; zipf:S skews each router's choices by a Zipf law of exponent S (a few "
+                     "experts chosen most).")
     warm = [m for m in res["models"] if (m.get("warmup") or {}).get("prefill_s") is not None]
     if warm:
         notes.append(f"Each model's cells ran after a warm-up `rq run` ({WARMUP_TOKENS} tokens after a prompt of up to "
                      f"{WARMUP_PROMPT}), whose kernels MLX compiled into its disk cache (a machine's first run: TTFT, "
-                     "first decode step): " + "; ".join(f"{m['config']} {m['warmup']['prefill_s']:.1f} s, "
+                     "first decode step): " + "; ".join(f"{model_cell(m, res)} {m['warmup']['prefill_s']:.1f} s, "
                                                        f"{m['warmup']['first_step_s']:.1f} s" for m in warm) + ".")
     cmds = {m.get("command") for m in res["models"] if m.get("command")}
     if len(cmds) > 1:  # rows of several runs (--merge)
@@ -292,12 +323,12 @@ def table(res: dict) -> str:
         if all(x == hosts[0] for x in hosts):
             notes.append(f"Measured on {where(hosts[0])}.")
         else:  # rows merged from runs on different machines: each model's
-            notes.append("Measured on: " + "; ".join(f"{m['config']} {where(x)}" for m, x in zip(res["models"], hosts)
-                                                    if x) + ".")
+            notes.append("Measured on: " + "; ".join(f"{model_cell(m, res)} {where(x)}"
+                                                    for m, x in zip(res["models"], hosts) if x) + ".")
         if any(x and x["accelerator"] == "CPU" for x in hosts):
             notes.append("Decode tok/s and TTFT measured on a CPU are not comparable with the paper's Apple M4 Max "
                          "numbers.")
-    budgets = [f"{m['config']} {m['budget']}" + budget_note(m, m.get("host") or h) for m in res["models"]
+    budgets = [f"{model_cell(m, res)} {m['budget']}" + budget_note(m, m.get("host") or h) for m in res["models"]
                if m.get("budget_source") != "tiny"]
     if budgets:
         notes.append("Budgets: " + "; ".join(budgets) + ".")
@@ -309,7 +340,7 @@ def table(res: dict) -> str:
                   "| --- | --- | --- | --- | --- |"]
         for m in ck:
             c = m["checkpoint"]
-            lines.append(f"| {m['config']} | {gb(c['planned_bytes'])} | {gb(c['disk_bytes'])} | "
+            lines.append(f"| {model_cell(m, res)} | {gb(c['planned_bytes'])} | {gb(c['disk_bytes'])} | "
                          f"{c['disk_bytes'] / c['planned_bytes']:.3f} | "
                          f"{'reused' if c.get('reused') else c.get('write_s')} |")
     so = [m for m in res["models"] if m.get("soak")]
@@ -320,13 +351,13 @@ def table(res: dict) -> str:
         for m in so:
             k = m["soak"]
             if "error" in k:
-                lines.append(f"| {m['config']} | {m['budget']} | - | - | error: {k['error']} | | | | | | | | |")
+                lines.append(f"| {model_cell(m, res)} | {m['budget']} | - | - | error: {k['error']} | | | | | | | | |")
                 continue
 
             def f(x, spec, scale=1.0):
                 return "-" if x is None else format(x * scale, spec)
             lines.append(
-                f"| {m['config']} | {k['budget']} | {k['kv']} | {f(k.get('elapsed_s'), '.1f', 1 / 60)} | "
+                f"| {model_cell(m, res)} | {k['budget']} | {k['kv']} | {f(k.get('elapsed_s'), '.1f', 1 / 60)} | "
                 f"{k['tokens_generated']} | {f(k['decode_tok_per_s_mean'], '.2f')} | {f(k['memory_cv'], '.2%')} | "
                 f"{f(k['memory_growth_bytes_per_hour'], '+.1f', 2 ** -20)} | "
                 f"{f(k['rss_growth_bytes_per_hour'], '+.1f', 2 ** -20)} | {f(k['throughput_drift'], '+.1%')} | "
@@ -351,7 +382,7 @@ def step_table(res: dict) -> list[str]:
             ms = lambda s: f"{1e3 * s / n:.1f}"  # noqa: E731
             rest = r["decode_s"] - pd["sync_s"] - pd["host_s"]
             budget = f"min {gb(c['budget_bytes'])} GB" if c.get("budget_bytes") else m["budget"]
-            out.append(f"| {m['config']} | {budget} | {c.get('kv')} | {r['prompt_tokens']:,} "
+            out.append(f"| {model_cell(m, res)} | {budget} | {c.get('kv')} | {r['prompt_tokens']:,} "
                        f"| {ms(r['decode_s'])} | {ms(pd['read_s'])} | {ms(pd['sync_s'])} | "
                        f"{ms(pd['host_s'] - pd['read_s'])} | {ms(rest)} | {pd['misses'] / n:.1f} | "
                        f"{pd['bytes_read'] / n / 1e6:.1f} |")
@@ -408,6 +439,22 @@ def slots(p: dict) -> str:
     return "-" if n is None or e is None else f"{n} / {e}"
 
 
+def kept_rows(old: dict, tiny: bool, names: list[str], routing: str) -> list[dict]:
+    """--merge: the results file's rows that this run does not measure, i.e. other models, and this run's models at
+    another routing (one model's uniform and zipf rows side by side). Each keeps its machine and its routing (an
+    older file's top-level one, which this run's would otherwise stand in for)."""
+    if bool(old.get("tiny")) != tiny:
+        return []
+    rows = [{"host": old.get("host"), **m, "routing": canonical_routing(routing_of(m, old))}
+            for m in old.get("models", []) if m.get("model") in MODELS]
+    return [m for m in rows if m["model"] not in names or m["routing"] != routing]
+
+
+def in_order(models: list[dict]) -> list[dict]:
+    """MODELS' order; a model's uniform rows before its other routings'."""
+    return sorted(models, key=lambda m: (list(MODELS).index(m["model"]), m["routing"] != "uniform", m["routing"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="nemotron_h,qwen3_moe,gemma4")
@@ -432,8 +479,9 @@ def main() -> None:
     ap.add_argument("--soak-tokens", type=int, default=64, metavar="N", help="rq soak's --max-tokens")
     ap.add_argument("--render", action="store_true", help="rewrite the results file's table from its data and exit "
                                                           "(no runs; its date and command stay)")
-    ap.add_argument("--merge", action="store_true", help="keep the results file's models that this run does not "
-                                                         "measure (one model a run, rows of the others kept)")
+    ap.add_argument("--merge", action="store_true", help="keep the results file's models, or routings of a model, "
+                                                         "that this run does not measure (one model a run, rows of "
+                                                         "the others kept; uniform and zipf rows side by side)")
     ap.add_argument("--no-warmup", action="store_true", help="skip each model's warm-up run (a GPU's first run "
                                                               "compiles MLX's kernels into its disk cache)")
     ap.add_argument("--seed", type=int, default=0)
@@ -453,7 +501,7 @@ def main() -> None:
     if not a.dir:
         ap.error("--dir is required")
     routing = a.routing
-    synth.parse_routing(routing)  # a bad value fails before any work
+    label = canonical_routing(routing)  # a bad value fails before any work
     budgets = parse_budgets(a.budget)
     contexts = [int(x) for x in (a.contexts or ("64,256" if a.tiny else "2048,32768")).split(",")]
     kvs = a.kv.split(",")
@@ -464,22 +512,18 @@ def main() -> None:
     d = Path(a.dir).expanduser().resolve()
     d.mkdir(parents=True, exist_ok=True)
     soak_models = set((a.soak_models or a.models).split(",")) if a.soak_minutes > 0 else set()
-    res = {"routing": routing, "tokens": a.tokens, "tiny": a.tiny, "contexts": contexts, "kv": kvs, "host": host(),
+    res = {"routing": label, "tokens": a.tokens, "tiny": a.tiny, "contexts": contexts, "kv": kvs, "host": host(),
            "models": []}
     out_path = Path(a.out) if a.out else None
 
     kept = []
-    if a.merge:  # the results file's other models, in MODELS' order with this run's
+    if a.merge:
         old_path = out_path or _readme.RESULTS / "paper_table.json"
         if old_path.is_file():
-            old = json.loads(old_path.read_text())
-            if bool(old.get("tiny")) == a.tiny:
-                kept = [{"host": old.get("host"), **m} for m in old.get("models", [])
-                        if m.get("model") in MODELS and m.get("model") not in names]  # each row keeps its machine
+            kept = kept_rows(json.loads(old_path.read_text()), a.tiny, names, label)
 
     def merged() -> dict:
-        ms = kept + res["models"]
-        return {**res, "models": sorted(ms, key=lambda m: list(MODELS).index(m["model"]))}
+        return {**res, "models": in_order(kept + res["models"])}
 
     def save() -> None:
         full = merged()
@@ -495,7 +539,8 @@ def main() -> None:
         cfg = synth.read_config(cfg_name)
         if a.tiny:
             cfg = synth.truncate(cfg, 2)
-        m = {"model": fam, "config": cfg_name, "recipe": rec_name, "budget": budget, "paper_budget": paper_budget,
+        m = {"model": fam, "config": cfg_name, "recipe": rec_name, "routing": label, "budget": budget,
+             "paper_budget": paper_budget,
              "measured": _readme.meta()["date"], "command": _readme.meta()["command"], "host": res["host"],
              "contexts": contexts,
              "kv": kvs,

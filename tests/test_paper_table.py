@@ -157,3 +157,52 @@ def test_render_rewrites_the_table_and_keeps_the_runs_metadata(tmp_path):
     d = json.loads(f.read_text())
     assert d["table"] != "stale" and "| model | budget |" in d["table"]
     assert (d["date"], d["command"]) == ("2000-01-01 00:00 UTC", "cmd")
+
+
+def test_merge_keeps_one_models_uniform_and_zipf_rows_side_by_side():
+    """A --routing zipf run of a model merged into a file with its uniform rows (an older file: the routing only at
+    its top) keeps both, uniform first; every table names each row's routing. A rerun at one routing replaces only
+    that routing's rows, and a file of one routing renders its rows without it."""
+    pt = _module()
+    cpu = {"accelerator": "CPU", "cpu_cores": 2, "memory_bytes": 24 * 2 ** 30}
+    pd = {"misses": 10, "read_s": 0.5, "sync_s": 1.0, "host_s": 2.0, "bytes_read": 4e6}
+
+    def entry(hit_rate: float, **kw) -> dict:
+        run = {"prompt_tokens": 16, "peak_memory_bytes": 5e9, "peak_rss_bytes": 6e9, "steady_decode_tok_per_s": 2.0,
+               "prefill_s": 1.0, "kv_bytes": 1e6, "decode_tok_per_s": 2.0, "decode_s": 4.0, "decode_steps": 8,
+               "pager": {"hit_rate": hit_rate}, "pager_decode": {**pd, "hit_rate": hit_rate}}
+        soak = {"budget": "16GB", "kv": "isoquant3", "elapsed_s": 60, "tokens_generated": 8,
+                "decode_tok_per_s_mean": 2.0, "memory_cv": 0.01, "memory_growth_bytes_per_hour": 0,
+                "rss_growth_bytes_per_hour": 0, "throughput_drift": 0.0, "peak_memory_bytes": 5e9,
+                "peak_rss_bytes": 6e9, "passed": True}
+        return {"model": "qwen3_moe", "config": "qwen3-30b-a3b", "budget": "16GB", "paper_budget": "16GB",
+                "budget_source": "paper", "paper": None, "host": cpu, "contexts": [16], "kv": ["isoquant3"],
+                "checkpoint": {"planned_bytes": 10e9, "disk_bytes": 10e9, "write_s": 5.0}, "soak": soak,
+                "cells": [{"kv": "isoquant3", "context": 16, "plan": {}, "run": run}], **kw}
+
+    old = {"routing": "uniform", "tiny": False, "tokens": 4, "host": cpu, "models": [entry(0.4)]}
+    # one routing: the rows as before, no routing in the model cells
+    assert "| qwen3-30b-a3b | 16GB | isoquant3 | 16 |" in pt.table(old) and "(uniform)" not in pt.table(old)
+    assert "routing uniform)" in pt.table(old)
+
+    zipf = {"routing": "zipf:1.1", "tiny": False, "tokens": 4, "host": cpu,
+            "models": [entry(0.8, routing="zipf:1.1")]}
+    kept = pt.kept_rows(old, False, ["qwen3_moe"], "zipf:1.1")
+    assert [m["routing"] for m in kept] == ["uniform"]  # the old file's top-level routing, not this run's
+    res = {**zipf, "models": pt.in_order(zipf["models"] + kept)}
+    assert [m["routing"] for m in res["models"]] == ["uniform", "zipf:1.1"]
+    t = pt.table(res)
+    for cell in ("qwen3-30b-a3b (uniform)", "qwen3-30b-a3b (zipf:1.1)"):
+        assert f"| {cell} | 16GB | isoquant3 | 16 |" in t  # the main table
+        assert f"| {cell} | 16GB | isoquant3 | 16 | 500.0 |" in t  # the step breakdown
+        assert f"| {cell} | 10.00 | 10.00 |" in t  # the checkpoint
+        assert f"| {cell} | 16GB | isoquant3 | 1.0 | 8 |" in t  # the soak
+    assert "40.0%" in t and "80.0%" in t
+    assert "routing uniform or zipf:1.1" in t and "routing uniform)" not in t
+
+    # a uniform rerun replaces the uniform rows and keeps the zipf ones; "zipf" is zipf:1 ("zipf:1.0" too)
+    assert [m["routing"] for m in pt.kept_rows(res, False, ["qwen3_moe"], "uniform")] == ["zipf:1.1"]
+    assert pt.kept_rows(res, False, ["gemma4"], "uniform") == pt.kept_rows(res, False, [], "uniform")
+    assert len(pt.kept_rows(res, False, ["gemma4"], "uniform")) == 2
+    assert pt.canonical_routing("zipf") == pt.canonical_routing("zipf:1.0") == "zipf:1"
+    assert pt.kept_rows(res, True, [], "uniform") == []  # a --tiny run does not mix with real-size rows

@@ -264,7 +264,7 @@ def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespa
         if plan["slots_per_layer"] != slots:
             print(f"  the plan for {slots} slots' budget gives {plan['slots_per_layer']} slots", flush=True)
         pager = ExpertPager(model, ck, slots=plan["slots_per_layer"], speculate=c["speculate"], verify=c["verify"],
-                            queue=bool(c["queue"]))
+                            queue=bool(c["queue"]), memory_limit=plan["memory_limit_bytes"])
         run.update(slots=plan["slots_per_layer"], budget_bytes=budget, planned_peak_bytes=plan["planned_peak_bytes"],
                    moe_layers=plan["moe_layers"])
     t = time.perf_counter()

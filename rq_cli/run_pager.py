@@ -100,4 +100,5 @@ default CKPT/experts)."""
                       f"that runs is {p['min_budget_bytes']:,} bytes ({fmt_bytes(p['min_budget_bytes'])})")
     if index is None:
         raise RQError(f"{ckpt.path} has no expert pages: run `rq pack {ckpt.path}` first")
-    return ExpertPager(ckpt.model, ckpt.path, slots=p["slots_per_layer"], policy=policy, pages=pages)
+    return ExpertPager(ckpt.model, ckpt.path, slots=p["slots_per_layer"], policy=policy, pages=pages,
+                       memory_limit=p["memory_limit_bytes"])

@@ -18,3 +18,14 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped on CI, where every test must run: {reason}"
+
+
+@pytest.fixture(autouse=True)
+def mlx_memory_limit():
+    """MLX's memory limit as it was before the test: an expert pager a test leaves open keeps its budget's limit,
+    under which MLX's evaluation of later tests' work would wait for each queued task."""
+    import mlx.core as mx
+
+    limit = mx.get_memory_limit()
+    yield
+    mx.set_memory_limit(limit)

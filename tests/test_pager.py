@@ -608,6 +608,45 @@ def test_run_cli_memory_budget_json_and_plan(packed):
     assert r.exit_code == 2 and "fifo" in r.output
 
 
+def test_a_memory_budget_is_mlxs_memory_limit_while_the_pager_serves(packed, monkeypatch):
+    """MLX allocates a queued graph's buffers as it encodes it: a decode step queued ahead holds all its working
+    memory at once unless MLX's memory limit makes its evaluation wait. `rq run --memory-budget` sets the limit to
+    what the budget leaves MLX (less the reserve and the staging buffer, host memory) on top of what MLX held before;
+    close() puts the old limit back."""
+    from rq_cli.main import app
+
+    ck = packed["qwen3_moe"]
+    cfg = json.loads((ck / "config.json").read_text())
+    model = load(ck, tokenizer=False).model
+    ctx = len(PROMPT) + 8
+    budget = budget_for_slots(slots_for_budget(model, cfg, 1 << 40, context=ctx, prefill_chunk=16), 2)
+    p = slots_for_budget(model, cfg, budget, context=ctx, prefill_chunk=16)
+    assert p["memory_limit_bytes"] == budget - p["reserve_bytes"] - p["staging_bytes"]
+    assert p["planned_peak_bytes"] - p["staging_bytes"] <= p["memory_limit_bytes"]  # the plan's MLX parts fit under it
+    before = mx.get_memory_limit()
+    held = mx.get_active_memory()
+    pager = ExpertPager(model, ck, slots=p["slots_per_layer"], memory_limit=p["memory_limit_bytes"])
+    assert mx.get_memory_limit() == held + p["memory_limit_bytes"]
+    res = generate(model, PROMPT, max_tokens=8, seed=0, prefill_chunk=16)
+    pager.close()
+    assert mx.get_memory_limit() == before
+    assert res.tokens == generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=8, seed=0,
+                                  prefill_chunk=16).tokens
+    # the CLI's pager gets the plan's limit
+    limits = []
+    real = mx.set_memory_limit
+    monkeypatch.setattr(mx, "set_memory_limit", lambda n: limits.append(n) or real(n))
+    base = ["run", str(ck), "-p", "to be or not to be", "-n", "4", "--seed", "0", "--json"]
+    budget = budget_for_slots(json.loads(CliRunner().invoke(app, base + ["--memory-budget", "1GB", "--plan"]).stdout)[
+        "plan"], 2)
+    plan = json.loads(CliRunner().invoke(app, base + ["--memory-budget", str(budget), "--plan"]).stdout)["plan"]
+    assert not limits and plan["slots_per_layer"] == 2  # --plan alone attaches nothing
+    r = CliRunner().invoke(app, base + ["--memory-budget", str(budget)])
+    assert r.exit_code == 0, r.output
+    assert len(limits) == 1 and limits[0] - plan["memory_limit_bytes"] >= 0
+    assert limits[0] - plan["memory_limit_bytes"] <= mx.get_active_memory() + (1 << 30)  # on top of what MLX held
+
+
 def test_corrupt_page_is_detected(packed, tmp_path):
     import shutil
 

@@ -404,12 +404,16 @@ class ExpertPager:
     MoE layer; "auto" (the default) whichever its measured step times say is faster (`benchmarks/pager.py
     --speculate off,auto` compares them). `queue`: on CUDA, queue a layer-by-layer step whole, the device waiting for
     each MoE layer's slots (rq_core.paging.mailbox; False: a stretch between two MoE layers at a time, as on Metal and
-    the CPU; `benchmarks/pager.py --by-stretch` compares)."""
+    the CPU; `benchmarks/pager.py --by-stretch` compares). `memory_limit`: the bytes MLX may hold for this run (slots_for_budget's
+    memory_limit_bytes: what the budget leaves MLX), its memory limit while the pager serves on top of what MLX held
+    before (restored by close())."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
-                 threads: int = READ_THREADS, speculate: str = "auto", queue: bool = True) -> None:
+                 threads: int = READ_THREADS, speculate: str = "auto", queue: bool = True,
+                 memory_limit: Optional[int] = None) -> None:
         check_policy(policy)
+        mlx_before = mx.get_active_memory()  # what MLX held before this run's weights (the model is lazy until here)
         if speculate not in SPECULATE:
             raise RQError(f"unknown speculation {speculate!r} (choose from: {', '.join(SPECULATE)})")
         banks = expert_banks(model)
@@ -478,6 +482,11 @@ class ExpertPager:
         self._box: Optional[mailbox.Mailbox] = None  # the mailbox while a step that uses it is being built
         self._posted = 0  # MoE layers of that step posted so far
         self._launch: Optional[mx.array] = None  # the last posted layer's slots, where not launched yet
+        # MLX's memory limit while the pager serves (restored by close): MLX allocates a queued graph's buffers as it
+        # encodes it and frees them as the device finishes it, so a step queued ahead holds its whole working memory
+        # at once; over the limit, MLX's eval waits for queued work to finish before it encodes more (and its
+        # allocator keeps freed buffers cached only within the limit)
+        self._old_memory_limit = mx.set_memory_limit(mlx_before + memory_limit) if memory_limit is not None else None
         model.expert_pager = self  # generate() decodes through decode_step with a pager (see there)
 
     def _speculation_pays(self) -> bool:
@@ -728,6 +737,9 @@ class ExpertPager:
         self.copier.close()
         for l in self.layers.values():
             l.close()
+        if self._old_memory_limit is not None:
+            mx.set_memory_limit(self._old_memory_limit)
+            self._old_memory_limit = None
 
 
 def staging_bytes(index: dict, banks: Iterable[str], slots: int, threads: int = READ_THREADS,
@@ -804,7 +816,9 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
                      prefill_fp16: Optional[int] = None, edge_layers: int = 0) -> dict[str, Any]:
     """How many expert slots per MoE layer fit `budget` bytes next to the resident weights (measured
     from the loaded model's arrays), the KV cache for `context` tokens, a compressing cache's fp16 prompt while it
-    prefills (planner.prefill_fp16_bytes; `prefill_fp16`: kv.prefill_fp16) and a prefill working reserve."""
+    prefills (planner.prefill_fp16_bytes; `prefill_fp16`: kv.prefill_fp16) and a prefill working reserve.
+    `memory_limit_bytes`: what the budget leaves MLX (less the reserve and the staging buffer, host memory), its
+    memory limit while the pager serves (ExpertPager's `memory_limit`)."""
     from mlx.utils import tree_flatten
 
     from rq_core.paging.planner import _moe_info, activation_bytes, cache_tokens, kv_bytes, prefill_fp16_bytes
@@ -843,7 +857,7 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     while slots > 0 and slots * per_slot + min(slots, cap) * used > free:
         slots -= 1
     stage = min(slots, cap) * used
-    return {"budget_bytes": budget, "resident_bytes": resident, "kv_bytes": kvb, "prefill_fp16_bytes": pre,
+    return {"budget_bytes": budget, "memory_limit_bytes": budget - reserve - stage, "resident_bytes": resident, "kv_bytes": kvb, "prefill_fp16_bytes": pre,
             "activation_bytes": act, "staging_bytes": stage, "staging_bytes_per_expert": used,
             "staged_experts": min(slots, cap), "bytes_per_expert": per_expert, "moe_layers": n_moe,
             "experts_per_layer": E, "top_k": k, "slots_per_layer": slots, "fits": slots >= k, "reserve_bytes": reserve,

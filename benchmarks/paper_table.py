@@ -311,8 +311,8 @@ def table(res: dict) -> str:
     warm = [m for m in res["models"] if (m.get("warmup") or {}).get("prefill_s") is not None]
     if warm:
         notes.append(f"Each model's cells ran after a warm-up `rq run` ({WARMUP_TOKENS} tokens after a prompt of up to "
-                     f"{WARMUP_PROMPT}), whose kernels MLX compiled into its disk cache (a machine's first run: TTFT, "
-                     "first decode step): " + "; ".join(f"{model_cell(m, res)} {m['warmup']['prefill_s']:.1f} s, "
+                     f"{WARMUP_PROMPT}), whose kernels MLX compiled into its disk cache where an earlier run had "
+                     "not (the warm-up's TTFT, first decode step): " + "; ".join(f"{model_cell(m, res)} {m['warmup']['prefill_s']:.1f} s, "
                                                        f"{m['warmup']['first_step_s']:.1f} s" for m in warm) + ".")
     cmds = {m.get("command") for m in res["models"] if m.get("command")}
     if len(cmds) > 1:  # rows of several runs (--merge)
@@ -366,6 +366,14 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def queued(pd: dict) -> str:
+    """A cell's decode steps queued whole and those the device gave up waiting in (each run again layer by layer),
+    and whether the pager stopped queuing them; '-' in older files."""
+    if pd.get("queued") is None:
+        return "-"
+    return f"{pd['queued']} ({pd['queue_fallbacks']}" + (", then by stretch)" if pd.get("queue_stopped") else ")")
+
+
 def step_table(res: dict) -> list[str]:
     """Where a paged decode step's time goes, per token over the decode steps (the first, with its kernel compile,
     included): reading pages, waiting for each MoE layer's routing (the device computing the layers before it), the
@@ -385,15 +393,15 @@ def step_table(res: dict) -> list[str]:
             out.append(f"| {model_cell(m, res)} | {budget} | {c.get('kv')} | {r['prompt_tokens']:,} "
                        f"| {ms(r['decode_s'])} | {ms(pd['read_s'])} | {ms(pd['sync_s'])} | "
                        f"{ms(pd['host_s'] - pd['read_s'])} | {ms(rest)} | {pd['misses'] / n:.1f} | "
-                       f"{pd['bytes_read'] / n / 1e6:.1f} |")
+                       f"{pd['bytes_read'] / n / 1e6:.1f} | {queued(pd)} |")
     if not out:
         return []
     return ["", "A decode step's time (ms a token, over all decode steps): reading pages, waiting for each MoE layer's "
                 "routing (the device runs the layers before it meanwhile), the pager's other host work, and the rest "
                 "(building the graphs, the device's work after the last routing read, the first step's kernel compile).",
             "", "| model | budget | KV | context | decode ms | read pages | wait for routing | pager host, besides reads "
-                "| rest | misses / token | MB read / token |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + out
+                "| rest | misses / token | MB read / token | steps queued whole (fell back) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + out
 
 
 def rate(x: float) -> str:

@@ -122,7 +122,14 @@ def test_step_table_counts_steps_exactly():
     assert (1 / 49) * 49 < 1
     res = {"models": [{"config": "qwen3-30b-a3b", "budget": "1GB", "cells": [{"kv": "fp16", "run": run}]}]}
     (row,) = [x for x in pt.step_table(res) if x.startswith("| qwen3")]
-    assert row == "| qwen3-30b-a3b | 1GB | fp16 | 16 | 49000.0 | 500.0 | 1000.0 | 1500.0 | 46000.0 | 10.0 | 4.0 |"
+    assert row == "| qwen3-30b-a3b | 1GB | fp16 | 16 | 49000.0 | 500.0 | 1000.0 | 1500.0 | 46000.0 | 10.0 | 4.0 | - |"
+    # steps queued whole, those that fell back, whether the pager stopped queuing them
+    pd.update(queued=3, queue_fallbacks=3, queue_stopped=True)
+    (row,) = [x for x in pt.step_table(res) if x.startswith("| qwen3")]
+    assert row.endswith("| 10.0 | 4.0 | 3 (3, then by stretch) |")
+    pd.update(queued=20, queue_fallbacks=0, queue_stopped=False)
+    (row,) = [x for x in pt.step_table(res) if x.startswith("| qwen3")]
+    assert row.endswith("| 4.0 | 20 (0) |")
     run["decode_steps"] = 7  # recorded: taken as is
     (row,) = [x for x in pt.step_table(res) if x.startswith("| qwen3")]
     assert row.startswith("| qwen3-30b-a3b | 1GB | fp16 | 16 | 7000.0 | 71.4 |")

@@ -132,6 +132,28 @@ def test_mamba_conv_is_the_depthwise_conv1d_without_the_conv_op(monkeypatch) -> 
         assert mx.array_equal(carried, mx.concatenate([prev, u], axis=1)[:, -3:])
 
 
+def test_a_prompts_mamba_state_holds_only_its_own_memory() -> None:
+    """After a prompt chunk the cache holds the conv window (K - 1 rows) and the SSM state, not the chunk's input
+    behind them: a slice is a view of its source's buffer, and the window as a view of the padded chunk kept [B,
+    chunk + K - 1, conv_dim] alive as every Mamba layer's state until the first decode step (10.5 MB a layer for
+    Nemotron 3 Super's 512-token chunks, ~0.4 GB over its 40 Mamba layers, outside the memory plan)."""
+    import gc
+
+    m = Mamba2Mixer(64, 8, 16, 8, 2, 4)
+    mx.eval(m.parameters())
+    cache = MambaCache()
+    gc.collect()
+    before = mx.get_active_memory()
+    h = mx.random.normal((1, 2048, 64), key=mx.random.key(0))
+    y = m(h, cache)
+    mx.eval(y, cache.conv_state, cache.ssm_state)
+    del h, y
+    gc.collect()
+    held = mx.get_active_memory() - before
+    own = cache.conv_state.nbytes + cache.ssm_state.nbytes
+    assert held <= own + (64 << 10), (held, own)  # the chunk's padded input: 2,051 x 160 floats, 1.3 MB
+
+
 def test_mamba_dt_floor_applies_in_prefill_and_decode() -> None:
     m = _random_mixer(2)
     m.update({"dt_bias": mx.full((4,), -9.0)})  # softplus(-9 + small) ≈ 1e-4 < dt_min = 0.05

@@ -130,6 +130,8 @@ class Mamba2Mixer(nn.Module):
         prev = mx.zeros((B, K - 1, self.conv_dim), dtype=u.dtype) if prev is None else prev.astype(u.dtype)
         padded = mx.concatenate([prev, u], axis=1)
         carried = padded[:, -(K - 1):, :] if K > 1 else padded[:, :0, :]
+        if L > 1:  # a prompt chunk: as a view, the carried window would hold the whole chunk's input in memory
+            carried = mx.contiguous(carried)
         w = self.conv1d.weight[:, :, 0].T.astype(mx.float32)  # [K, C] (Conv1d: [C, K, 1])
         x = padded.astype(mx.float32)
         y = x[:, :L] * w[0]

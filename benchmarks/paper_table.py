@@ -312,8 +312,9 @@ def table(res: dict) -> str:
     if warm:
         notes.append(f"Each model's cells ran after a warm-up `rq run` ({WARMUP_TOKENS} tokens after a prompt of up to "
                      f"{WARMUP_PROMPT}), whose kernels MLX compiled into its disk cache where an earlier run had "
-                     "not (the warm-up's TTFT, first decode step): " + "; ".join(f"{model_cell(m, res)} {m['warmup']['prefill_s']:.1f} s, "
-                                                       f"{m['warmup']['first_step_s']:.1f} s" for m in warm) + ".")
+                     "not (the warm-up's TTFT, first decode step): "
+                     + "; ".join(f"{model_cell(m, res)} {m['warmup']['prefill_s']:.1f} s, "
+                                 f"{m['warmup']['first_step_s']:.1f} s" for m in warm) + ".")
     cmds = {m.get("command") for m in res["models"] if m.get("command")}
     if len(cmds) > 1:  # rows of several runs (--merge)
         notes.append("Rows from several runs (`--merge`): each model's command and date are in the results file.")

@@ -404,9 +404,9 @@ class ExpertPager:
     MoE layer; "auto" (the default) whichever its measured step times say is faster (`benchmarks/pager.py
     --speculate off,auto` compares them). `queue`: on CUDA, queue a layer-by-layer step whole, the device waiting for
     each MoE layer's slots (rq_core.paging.mailbox; False: a stretch between two MoE layers at a time, as on Metal and
-    the CPU; `benchmarks/pager.py --by-stretch` compares). `memory_limit`: the bytes MLX may hold for this run (slots_for_budget's
-    memory_limit_bytes: what the budget leaves MLX), its memory limit while the pager serves on top of what MLX held
-    before (restored by close())."""
+    the CPU; `benchmarks/pager.py --by-stretch` compares). `memory_limit`: the bytes MLX may hold for this run
+    (slots_for_budget's memory_limit_bytes: what the budget leaves MLX), its memory limit while the pager serves on
+    top of what MLX held before (restored by close())."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
@@ -857,8 +857,9 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     while slots > 0 and slots * per_slot + min(slots, cap) * used > free:
         slots -= 1
     stage = min(slots, cap) * used
-    return {"budget_bytes": budget, "memory_limit_bytes": budget - reserve - stage, "resident_bytes": resident, "kv_bytes": kvb, "prefill_fp16_bytes": pre,
-            "activation_bytes": act, "staging_bytes": stage, "staging_bytes_per_expert": used,
+    return {"budget_bytes": budget, "memory_limit_bytes": budget - reserve - stage, "resident_bytes": resident,
+            "kv_bytes": kvb, "prefill_fp16_bytes": pre, "activation_bytes": act, "staging_bytes": stage,
+            "staging_bytes_per_expert": used,
             "staged_experts": min(slots, cap), "bytes_per_expert": per_expert, "moe_layers": n_moe,
             "experts_per_layer": E, "top_k": k, "slots_per_layer": slots, "fits": slots >= k, "reserve_bytes": reserve,
             "planned_peak_bytes": resident + kvb + pre + act + stage + n_moe * slots * per_expert,

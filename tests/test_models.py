@@ -382,7 +382,7 @@ class _NextTokenModel:
     def __init__(self, peak: float = 10.0) -> None:
         self.peak, self.widths = peak, []
 
-    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache=None, last: bool = False) -> mx.array:
         self.widths.append(inputs.shape[1])
         nxt = (inputs[0, -1].item() + 1) % self.V
         row = mx.where(mx.arange(self.V) == nxt, self.peak, 0.0)
@@ -438,3 +438,28 @@ def test_sliding_window_cache_matches_direct_attention() -> None:
     # measured 0.0 (values up to 2.4); 1e-6 is 4 float32 ulps there
     assert np.allclose(np.concatenate([np.array(p) for p in parts], axis=2), want, atol=1e-6)
     assert c.offset == L and c.valid == W and c.keys.shape[2] == W  # a ring of `window` slots
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "nemotron_h", "gemma4"])
+def test_a_prompts_end_computes_the_head_at_its_last_position_alone(family, tmp_path, monkeypatch):
+    """model(x, cache, last=True) is the full logits' last row, [B, 1, vocab]; generate's prefill asks for it on the
+    prompt's last chunk (and only there), so the chunk x vocabulary head is never computed."""
+    from tests._tiny_models import available, make_tiny
+
+    from rq_core.generate import prefill
+
+    if not available(family):
+        pytest.skip(f"{family} is not built here")
+    model = load(make_tiny(family, tmp_path / family), tokenizer=False).model
+    ids = mx.array([list(range(3, 23))], mx.int32)
+    full = model(ids, cache=model.make_cache())
+    last = model(ids, cache=model.make_cache(), last=True)
+    assert last.shape == (1, 1, full.shape[-1])
+    assert mx.allclose(last[:, 0], full[:, -1], atol=1e-5).item()
+    asked = []
+    real = type(model).__call__
+    monkeypatch.setattr(type(model), "__call__", lambda self, x, cache=None, last=False: asked.append(
+        (x.shape[1], last)) or real(self, x, cache, last))
+    y, _ = prefill(model, list(range(3, 23)), model.make_cache(), chunk=8)
+    assert asked == [(8, False), (8, False), (4, True)]
+    assert y.item() == mx.argmax(full[0, -1]).item()

@@ -145,7 +145,7 @@ class _CountingModel:
     def __init__(self, events: list, nan_at: int = 0):
         self.events, self.calls, self.nan_at = events, 0, nan_at
 
-    def __call__(self, tokens: mx.array, cache=None) -> mx.array:
+    def __call__(self, tokens: mx.array, cache=None, last: bool = False) -> mx.array:
         self.calls += 1
         self.events.append("step")
         logits = (mx.arange(8) == (tokens[..., None] + 1) % 8).astype(mx.float32)

@@ -371,10 +371,11 @@ class Model(nn.Module):
     def _lm(self) -> nn.Module:
         return self.language_model if self.args.multimodal else self
 
-    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None, last: bool = False) -> mx.array:
+        """Logits [B, L, vocab]; `last`: the last position's alone ([B, 1, vocab]: a prompt's end needs no more)."""
         lm = self._lm
         h = lm.model(inputs, cache)
-        logits = lm_logits(lm, h, lm.model.embed_tokens)
+        logits = lm_logits(lm, h[:, -1:] if last else h, lm.model.embed_tokens)
         cap = self.args.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap

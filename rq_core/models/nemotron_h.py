@@ -272,8 +272,10 @@ class Model(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
-        return lm_logits(self, self.backbone(inputs, cache), self.backbone.embeddings)
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None, last: bool = False) -> mx.array:
+        """Logits [B, L, vocab]; `last`: the last position's alone ([B, 1, vocab]: a prompt's end needs no more)."""
+        h = self.backbone(inputs, cache)
+        return lm_logits(self, h[:, -1:] if last else h, self.backbone.embeddings)
 
     @property
     def layers(self) -> list:

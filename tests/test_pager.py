@@ -630,6 +630,17 @@ def test_a_memory_budget_is_mlxs_memory_limit_while_the_pager_serves(packed, mon
     res = generate(model, PROMPT, max_tokens=8, seed=0, prefill_chunk=16)
     pager.close()
     assert mx.get_memory_limit() == before
+    # a budget beyond MLX's own limit (a share of the device's memory) leaves that limit as it is
+    fresh = lambda: load(ck, tokenizer=False).model  # noqa: E731 (a model's banks take one pager)
+    huge = ExpertPager(fresh(), ck, slots=p["slots_per_layer"], memory_limit=before + (1 << 40))
+    assert mx.get_memory_limit() == before
+    huge.close()
+    mx.set_memory_limit(before // 2)
+    big = ExpertPager(fresh(), ck, slots=p["slots_per_layer"], memory_limit=before)
+    assert mx.get_memory_limit() == before // 2
+    big.close()
+    assert mx.get_memory_limit() == before // 2
+    mx.set_memory_limit(before)
     assert res.tokens == generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=8, seed=0,
                                   prefill_chunk=16).tokens
     # the CLI's pager gets the plan's limit

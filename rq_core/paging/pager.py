@@ -406,7 +406,7 @@ class ExpertPager:
     each MoE layer's slots (rq_core.paging.mailbox; False: a stretch between two MoE layers at a time, as on Metal and
     the CPU; `benchmarks/pager.py --by-stretch` compares). `memory_limit`: the bytes MLX may hold for this run
     (slots_for_budget's memory_limit_bytes: what the budget leaves MLX), its memory limit while the pager serves on
-    top of what MLX held before (restored by close())."""
+    top of what MLX held before, at most MLX's limit as it was (restored by close())."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
@@ -485,8 +485,11 @@ class ExpertPager:
         # MLX's memory limit while the pager serves (restored by close): MLX allocates a queued graph's buffers as it
         # encodes it and frees them as the device finishes it, so a step queued ahead holds its whole working memory
         # at once; over the limit, MLX's eval waits for queued work to finish before it encodes more (and its
-        # allocator keeps freed buffers cached only within the limit)
-        self._old_memory_limit = mx.set_memory_limit(mlx_before + memory_limit) if memory_limit is not None else None
+        # allocator keeps freed buffers cached only within the limit). Never above MLX's own limit (a share of the
+        # device's memory): a budget larger than the device must not lift MLX's guard
+        self._old_memory_limit = None
+        if memory_limit is not None:
+            self._old_memory_limit = mx.set_memory_limit(min(mlx_before + memory_limit, mx.get_memory_limit()))
         model.expert_pager = self  # generate() decodes through decode_step with a pager (see there)
 
     def _speculation_pays(self) -> bool:

@@ -17,9 +17,10 @@ values `--speculate` lists ("always" too). Options add rows: `--cold` (each row 
 with the page files dropped from the OS page cache before every run: os.posix_fadvise(POSIX_FADV_DONTNEED) on every
 file of the pack folder, without root, so best-effort; the share of the pack still cached after the drop is
 measured with mincore and printed), `--verify-cost` (a row at 50% of experts without the pages' CRC32 checks,
-verify=False, beside the verify=True one), `--by-stretch` (a row at 50% with each step queued a stretch between two
-MoE layers at a time, queue=False, beside the default row whose step is queued whole, the device waiting for each MoE
-layer's slots; on CUDA only do the two differ: rq_core/paging/mailbox.py). Warm rows read the pack folder once before each run (mincore checks that
+verify=False, beside the verify=True one), `--by-stretch` (rows at 50% with each step queued whole, queue="always",
+the device waiting for each MoE layer's slots and copying its pages in, and a stretch between two MoE layers at a
+time, queue="off", beside the default row, queue="auto", which times both and runs the faster; on CUDA only do they
+differ: rq_core/paging/mailbox.py). Warm rows read the pack folder once before each run (mincore checks that
 it is cached). Every cell runs
 `--repeats` times, interleaved, the cells' order rotating each repetition; the table gives medians (min-max).
 Writes benchmarks/results/pager.json (overwritten by a rerun; the README's `pager` table).
@@ -211,18 +212,20 @@ def cells(a: argparse.Namespace) -> list[dict]:
     specs = [s.strip() for s in a.speculate.split(",") if s.strip()]
     caches = ["warm", "cold"] if a.cold else ["warm"]
     out = [{"fraction": 1.0, "speculate": None, "cache": None, "verify": None, "queue": None}]
+    alt = {"verify": [False], "queue": ["always", "off"]}  # the rows a flag adds beside the default one
     for f in fracs:
         if f >= 1.0:
             continue
-        out += [{"fraction": f, "speculate": s, "cache": c, "verify": True, "queue": True} for s in specs
+        out += [{"fraction": f, "speculate": s, "cache": c, "verify": True, "queue": "auto"} for s in specs
                 for c in caches]
     for flag, key in ((a.verify_cost, "verify"), (a.by_stretch, "queue")):
         if flag:
             for c in caches:
-                base = {"fraction": 0.5, "speculate": "off", "cache": c, "verify": True, "queue": True}
+                base = {"fraction": 0.5, "speculate": "off", "cache": c, "verify": True, "queue": "auto"}
                 if base not in out:
                     out.append(base)
-                out.insert(out.index(base) + 1, {**base, key: not base[key]})
+                for i, v in enumerate(alt[key]):
+                    out.insert(out.index(base) + 1 + i, {**base, key: v})
     return out
 
 
@@ -230,7 +233,7 @@ def label(c: dict) -> str:
     if c["speculate"] is None:
         return "all resident"
     return (f"{c['fraction']:.0%} {c['speculate']} {c['cache']}" + ("" if c["verify"] else " no-verify")
-            + ("" if c["queue"] else " by-stretch"))
+            + ("" if c["queue"] in (None, "auto") else f" queue-{c['queue']}"))
 
 
 def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespace, files: list[Path]) -> dict:
@@ -264,7 +267,7 @@ def run_one(ck: Path, cfg: dict, c: dict, prompt: list[int], a: argparse.Namespa
         if plan["slots_per_layer"] != slots:
             print(f"  the plan for {slots} slots' budget gives {plan['slots_per_layer']} slots", flush=True)
         pager = ExpertPager(model, ck, slots=plan["slots_per_layer"], speculate=c["speculate"], verify=c["verify"],
-                            queue=bool(c["queue"]), memory_limit=plan["memory_limit_bytes"])
+                            queue=c["queue"], memory_limit=plan["memory_limit_bytes"])
         run.update(slots=plan["slots_per_layer"], budget_bytes=budget, planned_peak_bytes=plan["planned_peak_bytes"],
                    moe_layers=plan["moe_layers"])
     t = time.perf_counter()
@@ -341,12 +344,14 @@ def _mm(s: dict | None, f: str = "{:.1f}") -> str:
     return f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])})"
 
 
-def queued(s: dict) -> str:
-    """How the row's steps were queued: whole (and how many of those ran again layer by layer), or by stretch."""
+def queued(s: dict, mode: str) -> str:
+    """How the row's steps were queued (`mode`: its ExpertPager(queue=)): whole (and how many of those ran again layer
+    by layer), "auto" and how many steps it queued whole, or by stretch."""
     if not s.get("queued_whole"):
         return "by stretch"
     fb = s.get("queue_fallbacks") or 0
-    out = "whole" if not fb else f"whole ({fb:.0f} of {s.get('queued') or 0:.0f} again)"
+    out = "whole" if mode == "always" else f"auto ({s.get('queued') or 0:.0f} whole)"
+    out += "" if not fb else f" ({fb:.0f} of {s.get('queued') or 0:.0f} again)"
     stopped = s.get("queue_stopped") or 0
     return out if not stopped else f"{out}, then by stretch ({stopped} of {s.get('runs')} runs)"
 
@@ -371,7 +376,7 @@ def table(rows: list[dict], unit: tuple[str, float]) -> str:
 
         out.append("| " + " | ".join([
             f"{c['fraction']:.0%}", c["speculate"] or "—",
-            queued(s) if paged else "—", c["cache"] or "—",
+            queued(s, c["queue"]) if paged else "—", c["cache"] or "—",
             "—" if not paged else ("on" if c["verify"] else "off"),
             _mm(s["decode_tok_per_s"]), _mm(s["steady_decode_tok_per_s"]),
             f"{s.get('decode_share', 1.0):.0%} ({s.get('steady_share', 1.0):.0%})",
@@ -398,7 +403,8 @@ def note(meta: dict, rows: list[dict], a: argparse.Namespace) -> str:
                                                "greedily") +
             f"; a fresh model and pager every run, {a.repeats} repetitions of every row, interleaved, the rows' "
             "order rotating: median (min-max). Step queued: whole (the device waits inside the step for each MoE "
-            "layer's slots; CUDA) or by stretch (the host queues the layers up to the next MoE layer after each "
+            "layer's slots and copies its pages in; CUDA), auto (timed both ways, the faster run: the steps queued "
+            "whole, medians) or by stretch (the host queues the layers up to the next MoE layer after each "
             "routing read); \"again\": steps the device stopped waiting in, run again layer by layer (medians); "
             "\"then by stretch\": runs whose pager stopped queuing steps whole after QUEUE_GIVE_UP of them fell back. "
             "Counters (hit rate, misses, evictions) are medians of the runs; "
@@ -444,7 +450,8 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="also with the pack dropped from the OS page cache")
     ap.add_argument("--verify-cost", action="store_true", help="a row at 50%% without CRC32 checks")
     ap.add_argument("--by-stretch", action="store_true",
-                    help="a row at 50%% with each step queued a stretch between two MoE layers at a time (queue=False)")
+                    help="rows at 50%% with each step queued whole (queue=\"always\") and a stretch between two MoE "
+                         "layers at a time (queue=\"off\")")
     ap.add_argument("--synthetic", metavar="DIR", help="write (or reuse) a real-size synthetic Qwen3-30B-A3B here")
     ap.add_argument("--ckpt", metavar="DIR", help="a quantized checkpoint to page instead")
     ap.add_argument("--no-save", action="store_true", help="print the table, write no results file")

@@ -741,10 +741,12 @@ def test_mailbox_kernels_syntax_check(tmp_path):
     prefix = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
     errors = []
     for name, sig, body in (("post", "const uint32_t* ids, const uint64_t* box, int32_t* posted", mailbox._POST),
-                            ("wait", "const int32_t* posted, const uint64_t* box, int32_t* slots", mailbox._WAIT)):
+                            ("wait", "const int32_t* posted, const uint64_t* box, int32_t* slots", mailbox._WAIT),
+                            ("load", "const int32_t* slots, const uint64_t* box, int32_t* out", mailbox._LOAD)):
         f = tmp_path / f"mailbox_{name}.cpp"
         f.write_text(prefix + mailbox._HEADER + "namespace mlx::core::cu {\n__global__ void k(" + sig
-                     + ") {\n  constexpr int N = 22;\n" + body + "}\n}\n")
+                     + ") {\n  constexpr int N = 22;\n  constexpr int DESC = 50;\n  constexpr int C = 132;\n" + body
+                     + "}\n}\n")
         p = subprocess.run([cc, "-std=c++17", "-fsyntax-only", "-Wno-attributes", "-Wno-unknown-pragmas",
                             "-I" + str(STUBS / "cuda"), str(f)], capture_output=True, text=True, timeout=120)
         if p.returncode != 0:

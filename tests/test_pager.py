@@ -3,6 +3,7 @@ hit rate reported; the mmap policy refused in one line; prefill with more distin
 
 import contextlib
 import json
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -517,7 +518,7 @@ def test_a_small_staging_buffer_reads_in_several_batches(packed):
     ck = packed["qwen3_moe"]
     ref = generate(load(ck, tokenizer=False).model, PROMPT, max_tokens=8, seed=0, prefill_chunk=16)
     model = load(ck, tokenizer=False).model
-    pager = ExpertPager(model, ck, slots=8, threads=2)  # all 8 experts resident, staged 2 at a time
+    pager = ExpertPager(model, ck, slots=8, threads=2)  # all 8 experts resident, staged top-k (2) at a time
     got = generate(model, PROMPT, max_tokens=8, seed=0, prefill_chunk=16)
     st = pager.report()
     pager.close()
@@ -987,7 +988,7 @@ def test_a_miss_evicts_the_least_recently_used_expert():
     layer.lru, layer.free, layer.lut = OrderedDict(), [0, 1, 2], np.zeros(8, np.int32)
     layer._lut_raw = object()
     loads = []
-    layer.load = lambda experts, slots, progress=None: loads.append((list(experts), list(slots)))
+    layer.load = lambda experts, slots, progress=None, copies=None: loads.append((list(experts), list(slots)))
 
     def acquire(*experts):
         layer.acquire(np.array(experts))
@@ -1043,14 +1044,18 @@ class HostMailbox:
     their `wait` kernels, then its routing is evaluated (on the building thread: MLX's CPU streams are per thread) and
     it is ready. `fetch` (the answers' thread) waits until its layer is ready: a layer never launched is never fetched.
     The slots `post` hands back are read from an array that `answer` writes in place, so a graph built before the
-    answer reads what the answer wrote. `log`: what happened, in order."""
+    answer reads what the answer wrote; `answer` makes the copies the device's `load` would (host addresses: on the CPU
+    the device's), before the layer's experts are computed (at the step's evaluation). `log`: what happened, in
+    order."""
 
-    def __init__(self, copier, layers: int, k: int) -> None:
+    def __init__(self, copier, layers: int, k: int, copies: int) -> None:
         import threading
 
         from rq_core.paging.transfer import Copier
 
-        self.k = k
+        self.k, self.copies = k, copies
+        self.staging: list = []
+        self.copied = 0  # bytes answer copied
         self.slots = [mx.zeros((k,), mx.int32) for _ in range(layers)]
         mx.eval(self.slots)
         self.raw = [Copier.raw(a) for a in self.slots]
@@ -1106,9 +1111,23 @@ class HostMailbox:
     def progress(self, entry: int) -> None:
         self.beats += 1
 
-    def answer(self, entry: int, slots) -> None:
+    def staging_buffer(self, n: int):
         import numpy as np
 
+        self.staging.append(np.zeros(n, np.uint8))
+        return self.staging[-1], self.staging[-1].ctypes.data
+
+    def answer(self, entry: int, slots, copies) -> None:
+        import ctypes
+
+        import numpy as np
+
+        assert len(copies) <= self.copies
+        lo, hi = self.staging[0].ctypes.data, self.staging[0].ctypes.data + self.staging[0].nbytes
+        for dst, src, n in copies:
+            assert lo <= src and src + n <= hi  # the pages come from the staging buffer
+            ctypes.memmove(dst, src, n)
+            self.copied += n
         self.raw[entry][:4 * len(slots)] = np.asarray(slots, np.int32).view(np.uint8)
         with self.cv:
             self.log.append(("answer", entry))
@@ -1128,9 +1147,9 @@ class HostMailbox:
         return self.released
 
 
-def _queued_run(packed, family: str, monkeypatch, box_class) -> tuple:
+def _queued_run(packed, family: str, monkeypatch, box_class, queue: str | None = "always") -> tuple:
     """(all-resident logits, logits of steps queued whole through box_class, misses, the pager) of _paged_logits'
-    steps, with 2 slots a layer."""
+    steps, with 2 slots a layer (`queue`: the pager's; None: its default)."""
     import rq_core.paging.pager as pager_mod
 
     if family not in packed:
@@ -1147,7 +1166,8 @@ def _queued_run(packed, family: str, monkeypatch, box_class) -> tuple:
             box.launched()
 
     monkeypatch.setattr(pager_mod.mx, "async_eval", launch)
-    pager = ExpertPager(model, ck, slots=2, speculate="off")  # queued whole by default, where a mailbox can be made
+    pager = ExpertPager(model, ck, slots=2, speculate="off",  # queued whole where a mailbox can be made
+                        **({} if queue is None else {"queue": queue}))
     got, misses, _ = _paged_logits(model, True, pager)
     return want, got, misses, pager
 
@@ -1165,6 +1185,16 @@ def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, 
     import rq_core.paging.pager as pager_mod
     from rq_core.paging.mailbox import LAUNCH_EVERY
 
+    from rq_core.paging import transfer
+
+    writers = set()  # threads that queued copies on the copy engine
+    real_write = transfer.Copier.write
+
+    def write(self, *a) -> None:
+        writers.add(threading.current_thread())
+        real_write(self, *a)
+
+    monkeypatch.setattr(transfer.Copier, "write", write)
     want, got, misses, pager = _queued_run(packed, family, monkeypatch, HostMailbox)
     box = pager.mailbox
     assert isinstance(box, HostMailbox) and misses > 0 and len(got) == len(want)
@@ -1183,6 +1213,8 @@ def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, 
     assert len(steps) == 10 - pager_mod.WARMUP_STEPS and pager.stats.queued == len(steps)  # the first as written
     assert pager.stats.queue_fallbacks == 0
     assert box.answer_threads and threading.main_thread() not in box.answer_threads
+    # the queued steps' pages came in by the device's copies (mailbox `load`): the answers' thread makes no CUDA call
+    assert box.copied > 0 and writers == {threading.main_thread()}
     assert box.beats >= misses  # each page read moved its layer's progress on (the device's patience restarts)
     for ev in steps:
         posts = [e for k, e in (x for x in ev if x != "launch") if k == "post"]
@@ -1201,6 +1233,47 @@ def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, 
     pager.close()
     assert not any(t.is_alive() for t in box.answer_threads)  # close ends the thread
 
+
+
+class SlowMailbox(HostMailbox):
+    """A device on which a step queued whole is slow (each launch of posted layers waits 0.15 s)."""
+
+    def launched(self) -> None:
+        if self.posted:  # (a step by stretch launches through the same patched async_eval, nothing posted)
+            time.sleep(0.15)
+        super().launched()
+
+
+@pytest.mark.parametrize("slower", ["whole", "stretch"])
+def test_auto_queuing_runs_the_faster_way_and_the_slower_less_and_less(packed, monkeypatch, slower):
+    """queue="auto" (the default) times steps queued whole and by stretch in turn (two each), then runs the faster by
+    the medians of each way's last steps, the slower once after PROBE_STEPS steps and twice as many steps each time
+    it stays slower; the logits are the all-resident model's either way."""
+    import rq_core.paging.pager as pager_mod
+
+    monkeypatch.setattr(pager_mod, "PROBE_STEPS", 2)
+    if slower == "stretch":  # a stretch-by-stretch step waits 0.15 s a MoE layer
+        real = pager_mod._Layer.settle
+
+        def settle(self, indices):
+            time.sleep(0.15)
+            real(self, indices)
+        monkeypatch.setattr(pager_mod._Layer, "settle", settle)
+    want, got, misses, pager = _queued_run(packed, "qwen3_moe", monkeypatch,  # the default: "auto"
+                                           SlowMailbox if slower == "whole" else HostMailbox, queue=None)
+    for a, b in zip(want, got):
+        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
+    # steps 3-10 (1-2 warm up by stretch): whole at 3 and 5, stretch at 4 and 6, then the slower at 7 (probe: after 2
+    # steps), not again before 7 + 4
+    whole = {3, 5, 7} if slower == "whole" else {3, 5, 8, 9, 10}
+    assert pager.stats.queued == len(whole) and pager.stats.queue_fallbacks == 0, (pager.stats, pager._times)
+    assert pager._probe_every == 4
+    pager.close()
+
+
+def test_queuing_is_checked():
+    with pytest.raises(RQError, match="step queuing"):
+        ExpertPager(None, "x", slots=2, queue=True)
 
 
 class BrokenMailbox(HostMailbox):
@@ -1288,13 +1361,42 @@ def test_a_step_the_device_stopped_waiting_in_runs_again_layer_by_layer(packed, 
     want, got, misses, pager = _queued_run(packed, family, monkeypatch, GivingUpMailbox)
     assert isinstance(pager.mailbox, GivingUpMailbox)
     plain = ExpertPager(model := load(packed[family], tokenizer=False).model, packed[family], slots=2, speculate="off",
-                        queue=False)  # each step run once (the mailbox stand-in is still in place)
+                        queue="off")  # each step run once (the mailbox stand-in is still in place)
     _paged_logits(model, True, plain)
     assert plain.stats.queued == 0 and misses > 0
     # the counters a step run once counts: the run again finds the experts its first try read resident
     assert (pager.stats.hits, pager.stats.misses) == (plain.stats.hits, plain.stats.misses)
     plain.close()
     assert pager.stats.queued == 10 - pager_mod.WARMUP_STEPS and pager.stats.queue_fallbacks == 2
+    for a, b in zip(want, got):
+        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
+    pager.close()
+
+
+class LateAnswerMailbox(CountingMailbox):
+    """A device that gave up waiting in the 4th queued step just before the host answered a layer that read pages in:
+    that layer's copies are never made (its `load` saw the wait fail), and the step failed."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.skipped = 0  # bytes of copies the device did not make
+
+    def answer(self, entry: int, slots, copies) -> None:
+        if self.opened == 4 and copies and not self.skipped:
+            self.skipped = sum(n for _, _, n in copies)
+            copies = []
+        super().answer(entry, slots, copies)
+
+    def failed(self) -> bool:
+        return self.opened == 4 or self.released
+
+
+def test_experts_a_failed_step_read_in_are_read_again(packed, monkeypatch):
+    """The device copies a queued step's pages only where its wait saw the answer: after a step it gave up in, the
+    experts that step's answers took in are no longer counted resident, and the step run again reads them again (the
+    logits are the all-resident model's, not computed from slots that never received their pages)."""
+    want, got, misses, pager = _queued_run(packed, "qwen3_moe", monkeypatch, LateAnswerMailbox)
+    assert pager.mailbox.skipped > 0 and pager.stats.queue_fallbacks == 1
     for a, b in zip(want, got):
         assert mx.array_equal(a, b), float(mx.abs(a - b).max())
     pager.close()
@@ -1349,7 +1451,7 @@ def test_an_answer_that_fails_on_its_thread_is_raised_by_the_step(packed, monkey
     monkeypatch.setattr(pager_mod.mailbox, "Mailbox", FailingMailbox)
     model = load(packed["qwen3_moe"], tokenizer=False).model
     monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: pager.mailbox and pager.mailbox.launched())
-    pager = ExpertPager(model, packed["qwen3_moe"], slots=2, speculate="off")
+    pager = ExpertPager(model, packed["qwen3_moe"], slots=2, speculate="off", queue="always")
     cache = model.make_cache(KVSettings(mode="fp16"))
     model(mx.array([PROMPT[:12]]), cache=cache)
     for c in cache:
@@ -1376,6 +1478,71 @@ def test_an_answer_that_fails_on_its_thread_is_raised_by_the_step(packed, monkey
     # the 2nd queued step: its first layer failed, the others' answers skipped, the mailbox released
     assert box.fetch_calls.count(2) == 1 and "answer" not in failed and "release" in failed
     assert box.fetch_calls.count(3) == len(pager.layers)  # the next step answered every layer again
+    pager.close()
+
+
+class LateThenFailingMailbox(CountingMailbox):
+    """In the 2nd queued step the device gives up waiting for the first layer that reads pages in just before the host
+    answers it (its copies never made), then the next layer's answer fails (as a page that fails its check does)."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.skipped = 0
+
+    def answer(self, entry: int, slots, copies) -> None:
+        if self.opened == 2 and copies and not self.skipped:
+            self.skipped = sum(n for _, _, n in copies)
+            copies = []
+        super().answer(entry, slots, copies)
+
+    def fetch(self, entry: int, n: int):
+        if self.opened == 2 and self.skipped:
+            raise RQError("expert page failed")
+        return super().fetch(entry, n)
+
+    def failed(self) -> bool:  # (where no layer came after the skipped one)
+        return (self.opened == 2 and self.skipped > 0) or self.released
+
+
+def test_experts_a_step_that_raised_read_in_are_read_again(packed, monkeypatch):
+    """A queued step whose answer raised after another layer's copies were never made: the error comes out, and the
+    experts that step took in are not taken as resident later (the steps after compute the all-resident logits)."""
+    import rq_core.paging.pager as pager_mod
+
+    ck = packed["qwen3_moe"]
+    monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
+    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", LateThenFailingMailbox)
+    model = load(ck, tokenizer=False).model
+    monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: pager.mailbox and pager.mailbox.launched())
+    pager = ExpertPager(model, ck, slots=2, speculate="off", queue="always")
+    cache = model.make_cache(KVSettings(mode="fp16"))
+    model(mx.array([PROMPT[:12]]), cache=cache)
+    for c in cache:
+        c.end_prefill()
+
+    def build(t: int):
+        def run(key):
+            logits = model(mx.array([[t]]), cache=cache)
+            pager.settle()
+            return logits, logits[0, -1, :2]
+        return run
+
+    tokens, got, raised = (5, 11, 17, 23, 29, 31), [], 0
+    for t in tokens:  # the first WARMUP_STEPS run a stretch at a time
+        try:
+            got.append(pager.decode_step(build(t), cache)[0])
+        except RQError:  # the step again, as a caller would: its layers route to the same experts
+            raised += 1
+            got.append(pager.decode_step(build(t), cache)[0])
+    assert pager.mailbox.skipped > 0 and raised == 1
+    ref = load(ck, tokenizer=False).model
+    rcache = ref.make_cache(KVSettings(mode="fp16"))
+    ref(mx.array([PROMPT[:12]]), cache=rcache)
+    for c in rcache:
+        c.end_prefill()
+    for t, g in zip(tokens, got):
+        want = ref(mx.array([[t]]), cache=rcache)
+        assert mx.array_equal(want, g), (t, float(mx.abs(want - g).max()))
     pager.close()
 
 
@@ -1459,3 +1626,34 @@ def test_a_fetch_gives_up_when_the_step_is_released_or_its_wait_gave_up():
     assert box.failed() and (box.box[:, mailbox.GO] == 1).all()
     box.open()
     assert not box.failed()
+
+
+def test_an_answer_lays_out_its_slots_and_copies_where_the_load_kernel_reads_them():
+    """Mailbox.answer (here on a numpy array): the slots after the ids, the number of copies, the copies as int64
+    (destination, source, bytes) triples from int32 word `desc` (8-byte aligned, past the slots), then `go`; the
+    `load` kernel reads that layout. release_all lets an entry not answered run with no copies, never one answered."""
+    import numpy as np
+
+    from rq_core.paging import mailbox
+
+    k, copies = 3, 4
+    box = object.__new__(mailbox.Mailbox)
+    box.k, box.copies, box._released = k, copies, False
+    box.desc = -(-(mailbox.HEAD + 2 * k) // 2) * 2
+    assert box.desc % 2 == 0 and box.desc >= mailbox.HEAD + 2 * k
+    box.box = np.zeros((3, box.desc + 6 * copies), np.int32)
+    box.box[:, mailbox.NCOPY] = 9  # what an earlier step left
+    cps = [(1 << 40, (1 << 33) + 16, 688128), (5, 6, 86016)]
+    box.answer(0, np.array([2, 0, 1], np.int32), cps)
+    row = box.box[0]
+    assert row[mailbox.HEAD + k:mailbox.HEAD + 2 * k].tolist() == [2, 0, 1] and row[mailbox.GO] == 1
+    assert row[mailbox.NCOPY] == 2
+    assert row[box.desc:box.desc + 6 * 2].view(np.int64).reshape(2, 3).tolist() == [list(c) for c in cps]
+    with pytest.raises(RQError, match="internal"):
+        box.answer(1, np.zeros(k, np.int32), [(0, 0, 1)] * (copies + 1))
+    box.release_all()
+    assert box.box[:, mailbox.NCOPY].tolist() == [2, 0, 0] and (box.box[:, mailbox.GO] == 1).all()
+    before = box.box.copy()
+    with pytest.raises(mailbox.Abandoned):  # an answer after the release writes nothing (the device may be copying)
+        box.answer(2, np.array([1, 1, 1], np.int32), cps)
+    assert (box.box == before).all()

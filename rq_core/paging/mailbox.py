@@ -2,26 +2,31 @@
 
 Layer by layer, the host reads each MoE layer's routing back (a sync that drains the device's queue), writes the
 missing experts in, and only then queues the graph that reads them, so the device idles while the host encodes and
-launches every stretch of layers between two MoE layers. Here each paged MoE layer runs two small kernels between its
+launches every stretch of layers between two MoE layers. Here each paged MoE layer runs three small kernels between its
 router and its experts instead: `post` writes the layer's expert ids into page-locked host memory the device can
 address (one entry a layer, the mailbox) and raises the entry's `ready` flag; `wait` spins until the host raises its
-`go` flag and hands the experts' slots, which the host wrote beside it, to the layer's expert matmuls: the device runs
-on into the next layer the moment its experts are in, on kernels already launched.
+`go` flag and hands the experts' slots, which the host wrote beside it; `load` then copies the missing experts' pages,
+which the host read into page-locked host memory the device also addresses (the staging buffer), into their slots, by
+the list of copies the host wrote into the entry: the device runs on into the layer's expert matmuls the moment its
+experts are in, on kernels already launched.
 
-The host's side runs on a thread of its own (`Answers`): each posted layer's ids fetched, its experts made resident
-and its slots answered, in the order the layers were posted, while the main thread builds and launches the layers
-after it, every `LAUNCH_EVERY` MoE layers (each launch costs host time; with the answers on the main thread the device
+The host's side runs on a thread of its own (`Answers`): each posted layer's ids fetched, its pages read and its slots
+and copies answered, in the order the layers were posted, while the main thread builds and launches the layers after
+it, every `LAUNCH_EVERY` MoE layers (each launch costs host time; with the answers on the main thread the device
 waited while the host launched, and MLX's eval also waits for the device once more than 10 command buffers are in
-flight, which with the device waiting on that same thread stalled the step).
+flight, which with the device waiting on that same thread stalled the step). The answers make no CUDA call: the
+device copies the pages itself. Copies the host queued on the copy engine while the device waited in the step were
+held up until the `wait` gave up (on an H100, a 12-layer slice of Nemotron 3 Super: the answers' copy, or the wait for
+it, blocked until two layers' waits had given up, and the building thread's launch with it; every step fell back),
+and anything a CUDA call may wait behind is outside the host's control.
 
 The flags are written once per step and cleared when it starts (`open`). While the host answers a layer it moves the
 entry's `progress` word on (its ids taken, each page read); a `wait` that sees neither `go` nor progress for `WAIT_S`
-gives up (slots 0) and marks its entry failed: the answers' CUDA copies may be held by a call that waits for the
-whole device (CUDA loads a kernel's module on its first launch that way, and the building thread launches while the
-device waits), and a host that never answers (an error, a bug) cannot hang the device. The step's result is then
-wrong: the pager puts its caches back and runs it again layer by layer (ExpertPager.decode_step). After an error the
-host releases every entry (`release_all`) and waits for the device, so no kernel of that step is still spinning when
-the next one starts; a released step counts as failed.
+gives up (slots 0, no copies) and marks its entry failed: a host that never answers (an error, a bug, a page read
+stalled) cannot hang the device. The step's result is then wrong: the pager puts its caches back, forgets the experts
+its answers took in (their copies may not have run) and runs it again layer by layer (ExpertPager.decode_step). After
+an error the host releases every entry (`release_all`: an entry not answered copies nothing) and waits for the
+device, so no kernel of that step is still spinning when the next one starts; a released step counts as failed.
 
 CUDA only: Metal has no way for a kernel MLX launches to wait for the host (a shared event would be encoded into
 MLX's command buffers), so there the pager keeps the layer-by-layer step.
@@ -40,18 +45,22 @@ import numpy as np
 from rq_core.errors import RQError
 from rq_core.paging.transfer import Copier
 
-READY, GO, FAILED, PROGRESS, HEAD = 0, 1, 2, 3, 4  # an entry's int32 words: flags, then the expert ids, then slots
-# A `wait` gives up after WAIT_S without progress: longer than a page takes to read from a disk, or than a layer's copies
-# take once its pages are read, short enough that a step whose answers are held by CUDA loading a module (it waits for
-# the device, which waits for them) costs little before it runs again layer by layer.
+# an entry's int32 words: flags, the number of copies, then the expert ids, the slots, and (from an 8-byte boundary) the
+# copies, three int64 words each: destination and source addresses on the device, bytes
+READY, GO, FAILED, PROGRESS, NCOPY, HEAD = 0, 1, 2, 3, 4, 5
+# A `wait` gives up after WAIT_S without progress: longer than a page takes to read from a disk, short enough that a
+# step whose host stalls costs little before it runs again layer by layer.
 WAIT_S = 0.25
 REACH_S = 120.0  # the host's patience for the device to reach a layer's routing
 LAUNCH_EVERY = 2  # MoE layers a launch of a step queued whole takes (fewer launches, against the device idling sooner)
 _THREADS = 32
+# `load`: blocks of 256 threads copying a layer's pages from host memory (enough loads in flight to fill the bus)
+LOAD_BLOCKS = 64
 _ORDER = threading.Lock()  # taking a lock is a full memory barrier: the slots' stores before the flag's on any host
+_ANSWER = threading.Lock()  # an answer is written whole or not at all, never across a release_all
 
 _HEADER = (f"#define READY {READY}\n#define GO {GO}\n#define FAILED {FAILED}\n#define PROGRESS {PROGRESS}\n"
-           f"#define HEAD {HEAD}\n#define LIMIT_NS {int(WAIT_S * 1e9)}ULL\n")
+           f"#define NCOPY {NCOPY}\n#define HEAD {HEAD}\n#define LIMIT_NS {int(WAIT_S * 1e9)}ULL\n")
 
 # one block: the ids out, a system-wide fence so they land before the flag, the flag
 _POST = """
@@ -94,6 +103,39 @@ _WAIT = """
   for (unsigned int j = threadIdx.x; j < N; j += blockDim.x) slots[j] = ok ? e[HEAD + N + j] : 0;
 """
 
+# the grid copies the entry's pages where its wait saw `go` (not where it gave up), 16 bytes a load where the copy's
+# addresses and length allow; each block reads the list of copies from host memory once, into shared memory (C: the
+# most an entry holds); `out`: the slots, so that the expert matmuls run after the copies
+_LOAD = """
+  volatile int* e = (volatile int*)(size_t)box[0];
+  __shared__ long long d[3 * C];
+  if (blockIdx.x == 0) {
+    for (unsigned int j = threadIdx.x; j < N; j += blockDim.x) out[j] = slots[j];
+  }
+  if (e[GO] == 0 || e[FAILED] != 0) return;
+  const int listed = e[NCOPY];
+  const int n = listed < C ? listed : C;
+  volatile const long long* list = (volatile const long long*)(e + DESC);
+  for (int j = threadIdx.x; j < 3 * n; j += blockDim.x) d[j] = list[j];
+  __syncthreads();
+  const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  for (int c = 0; c < n; c++) {
+    unsigned char* dst = (unsigned char*)(size_t)d[3 * c];
+    const unsigned char* src = (const unsigned char*)(size_t)d[3 * c + 1];
+    const unsigned long long nb = (unsigned long long)d[3 * c + 2];
+    if ((((size_t)dst | (size_t)src | nb) & 15) == 0) {
+      for (unsigned long long i = first; i < nb / 16; i += stride)
+        ((uint4*)dst)[i] = ((const uint4*)src)[i];
+    } else if ((((size_t)dst | (size_t)src | nb) & 3) == 0) {
+      for (unsigned long long i = first; i < nb / 4; i += stride)
+        ((unsigned int*)dst)[i] = ((const unsigned int*)src)[i];
+    } else {
+      for (unsigned long long i = first; i < nb; i += stride) dst[i] = src[i];
+    }
+  }
+"""
+
 
 def available(copier: Copier) -> bool:
     """Whether a step can be queued whole here: MLX's default device is a CUDA GPU and the copier reaches its runtime
@@ -110,13 +152,14 @@ class Abandoned(Exception):
 
 
 class Mailbox:
-    """`layers` entries of room for `k` expert ids each, in mapped page-locked host memory (Copier.mapped_buffer).
-    The kernels are compiled and loaded here, by one launch through a spare entry answered beforehand: a decode step
-    would otherwise load them while a `wait` spins."""
+    """`layers` entries of room for `k` expert ids each and `copies` copies, in mapped page-locked host memory
+    (Copier.mapped_buffer). The kernels are compiled and loaded here, by one launch through a spare entry answered
+    beforehand: a decode step would otherwise load them while a `wait` spins."""
 
-    def __init__(self, copier: Copier, layers: int, k: int) -> None:
-        self.k = k
-        width = -(-(HEAD + 2 * k) // 16) * 16  # int32 words an entry, whole 64-byte lines
+    def __init__(self, copier: Copier, layers: int, k: int, copies: int) -> None:
+        self.k, self.copies, self._copier = k, copies, copier
+        self.desc = -(-(HEAD + 2 * k) // 2) * 2  # the copies' first int32 word (8-byte aligned)
+        width = -(-(self.desc + 6 * copies) // 16) * 16  # int32 words an entry, whole 64-byte lines
         self.box, addr = copier.mapped_buffer((layers + 1) * width * 4)
         self.box = self.box.view(np.int32).reshape(layers + 1, width)
         self._addr = [mx.array(np.array([addr + i * width * 4], np.uint64)) for i in range(layers + 1)]
@@ -125,6 +168,8 @@ class Mailbox:
                                          output_names=["posted"], source=_POST, header=_HEADER)
         self._wait = mx.fast.cuda_kernel(name="rq_mailbox_wait", input_names=["posted", "box"],
                                          output_names=["slots"], source=_WAIT, header=_HEADER)
+        self._load = mx.fast.cuda_kernel(name="rq_mailbox_load", input_names=["slots", "box"],
+                                         output_names=["out"], source=_LOAD, header=_HEADER)
         self.box[layers, GO] = 1
         mx.eval(self.post(layers, mx.zeros((k,), mx.uint32)))
         self.box[:] = 0
@@ -146,7 +191,14 @@ class Mailbox:
         slots = self._wait(inputs=[posted, addr], template=[("N", n)],
                            grid=(_THREADS, 1, 1), threadgroup=(_THREADS, 1, 1), output_shapes=[(n,)],
                            output_dtypes=[mx.int32])[0]
+        slots = self._load(inputs=[slots, addr], template=[("N", n), ("DESC", self.desc), ("C", self.copies)],
+                           grid=(LOAD_BLOCKS * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(n,)],
+                           output_dtypes=[mx.int32])[0]
         return slots.reshape(ids.shape)
+
+    def staging_buffer(self, n: int) -> tuple[np.ndarray, int]:
+        """(n bytes of host memory the pages are read into and `load` copies from, its address on the device)."""
+        return self._copier.mapped_buffer(n)
 
     def fetch(self, entry: int, n: int) -> np.ndarray:
         """The n expert ids the device posted to `entry`, once it has (the host spins on the flag, yielding).
@@ -162,7 +214,7 @@ class Mailbox:
             elif time.monotonic() > deadline:
                 raise RQError(f"the device did not reach an expert layer's routing in {REACH_S:.0f} s")
             time.sleep(0)
-        if row[FAILED] or self._released:  # given up since it posted: nothing of this step is kept
+        if self._released or box[:, FAILED].any():  # a wait of this step gave up: nothing of it is kept
             raise Abandoned()
         row[PROGRESS] += 1  # taken: the wait's patience starts again
         return row[HEAD:HEAD + n].copy()
@@ -171,20 +223,34 @@ class Mailbox:
         """The host is still at `entry` (a page of it read): its wait's patience starts again."""
         self.box[entry, PROGRESS] += 1
 
-    def answer(self, entry: int, slots: np.ndarray) -> None:
-        """The slots for `entry`'s ids (its experts written in and landed), then its `go` flag: the device runs on."""
-        row = self.box[entry]
-        n = len(slots)
-        row[HEAD + n:HEAD + 2 * n] = slots
-        with _ORDER:  # the slots visible before the flag (a weakly ordered host may reorder plain stores)
-            pass
-        row[GO] = 1
+    def answer(self, entry: int, slots: np.ndarray, copies: list[tuple[int, int, int]]) -> None:
+        """The slots for `entry`'s ids and the copies that bring its missing experts in (destination and source
+        addresses on the device, bytes; the pages read into the staging buffer), then its `go` flag: the device
+        copies them and runs on."""
+        if len(copies) > self.copies:
+            raise RQError(f"internal: {len(copies)} copies for a mailbox entry of {self.copies}")
+        with _ANSWER:
+            if self._released:  # the device may be copying by the entry already: nothing written, the step is given up
+                raise Abandoned()
+            row = self.box[entry]
+            n = len(slots)
+            row[HEAD + n:HEAD + 2 * n] = slots
+            if copies:
+                row[self.desc:self.desc + 6 * len(copies)] = np.asarray(copies, np.int64).reshape(-1).view(np.int32)
+            row[NCOPY] = len(copies)
+            with _ORDER:  # the slots and copies visible before the flag (a weakly ordered host may reorder stores)
+                pass
+            row[GO] = 1
 
     def release_all(self) -> None:
-        """Every entry answered (with whatever slots it holds), and a fetch not yet answered gives up: a step
-        abandoned after an error drains."""
-        self._released = True
-        self.box[:, GO] = 1
+        """Every entry answered (an entry not answered yet with whatever slots it holds and no copies), and a fetch not
+        yet answered gives up: a step abandoned after an error drains."""
+        with _ANSWER:
+            self._released = True
+            self.box[self.box[:, GO] == 0, NCOPY] = 0
+            with _ORDER:
+                pass
+            self.box[:, GO] = 1
 
     def failed(self) -> bool:
         """Whether a `wait` of this step gave up (its layer computed on slot 0) or the step was released (its layers

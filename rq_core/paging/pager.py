@@ -9,11 +9,13 @@ host builds the layers after a MoE layer while the device runs the ones before i
 layer (or the step's end): the misses are read together, in parallel (os.preadv on a pool of threads, a page a row of
 a host staging buffer, a lone miss cut into pieces), and copied into their slots and the table written, in place (rq_core.paging.
 transfer: on CUDA by the copy engine, so no page of managed memory migrates), before the graph that reads them runs.
-On CUDA the step is queued whole instead (`queue=True`, the default; rq_core.paging.mailbox): each MoE layer's routing
+On CUDA the step may be queued whole instead (`queue`: "auto", the default, where measured steps say it pays;
+rq_core.paging.mailbox): each MoE layer's routing
 reaches the host and its slots the device through page-locked memory both address, the device waiting inside the
-step, so it runs on into kernels already launched the moment a layer's experts are in (a step the device stopped
-waiting in runs again layer by layer, its caches put back; where such steps keep coming, QUEUE_GIVE_UP of them and
-half or more of those queued, the pager stops queuing steps whole).
+step and copying the pages the host read (into a staging buffer it addresses too) into their slots itself, so it runs
+on into kernels already launched the moment a layer's experts are in (a step the device stopped waiting in runs again
+layer by layer, its caches put back and the experts its answers took in read again; where such steps keep coming,
+QUEUE_GIVE_UP of them and half or more of those queued, the pager stops queuing steps whole).
 With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
 sampled token in one sync. Where a layer missed an expert, the layers before it computed what an all-resident model
 computes: the step runs again from that layer, its missing experts read first, the caches of the layers from it on
@@ -36,10 +38,11 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 import time
 import weakref
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,16 +58,19 @@ from rq_core.paging.pack import expert_banks, load_index, open_page_file, source
 from rq_core.paging.transfer import Copier, host_cast
 from rq_core.quant.recipe import GONE_POLICIES as GONE, POLICIES
 
-READ_THREADS = 8  # parallel page reads of one layer's misses; also the experts the staging buffer holds
+READ_THREADS = 8  # parallel page reads of one layer's misses
 SPAN_MIN = 256 << 10  # the smallest piece of a page one read thread takes (smaller pieces cost more than they save)
 SPECULATE = ("auto", "always", "off")
+QUEUE = ("auto", "always", "off")
+QUEUE_PROBE_MAX = 1024  # "auto" queuing: the longest stretch of steps between two runs of the way it finds slower
+QUEUE_SAMPLES = 3  # "auto" queuing: each way's last step times it compares (their medians)
 RESERVE_DIVISOR = 100  # budget // RESERVE_DIVISOR (1%) of a memory budget is left out of the plan's parts
 SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
 PROBE_STEPS = 32  # "auto" runs the way its means call slower once in this many steps
 WARMUP_STEPS = 2  # decode steps "auto" does not time: the first runs as written, the second traces the graphs
 # Steps queued whole that the device gave up waiting in (each costs mailbox.WAIT_S and a second run) after which a
 # pager queues no more steps whole, where they are also half or more of those queued: a model whose steps keep failing
-# that way runs a stretch at a time instead (on an H200, Nemotron 3 Super's shape failed every step queued whole)
+# that way runs a stretch at a time instead
 QUEUE_GIVE_UP = 3
 # "auto" speculates only while steps miss in fewer MoE layers than this on average: a speculated step runs again from
 # every layer that missed (a step missing in each of 40 MoE layers would build 40 partial steps)
@@ -184,12 +190,16 @@ class _Layer:
                           f"{self.pager.dir / self.meta['file']}): run `rq pack` again, or fetch the checkpoint again")
         self.checked[e] = 1
 
-    def load(self, experts: list[int], slots: list[int], progress: Optional[Callable[[], None]] = None) -> None:
+    def load(self, experts: list[int], slots: list[int], progress: Optional[Callable[[], None]] = None,
+             copies: Optional[list] = None) -> None:
         """Read `experts` (in parallel, into the staging buffer) and copy them into `slots` of the banks, in place
-        (`progress()` after each piece read)."""
+        (`progress()` after each piece read); or, given `copies` (a step queued whole), add to it the copies from the
+        staging buffer into the banks that the device makes (experts no more than the buffer holds)."""
         cap = self.pager.stage_experts
-        for i in range(0, len(experts), cap):  # more than the buffer holds: a long prefill's passes, a top-k > cap
-            self._load(experts[i:i + cap], slots[i:i + cap], progress)
+        if copies is not None and len(experts) > cap:
+            raise RQError(f"internal: {len(experts)} experts for a staging buffer of {cap}")
+        for i in range(0, len(experts), cap):  # more than the buffer holds: a long prefill's passes
+            self._load(experts[i:i + cap], slots[i:i + cap], progress, copies)
 
     def _spans(self, n: int) -> list[tuple[int, int]]:
         """How each of n pages is cut for the read threads: whole pages where there are as many pages as threads, else
@@ -199,7 +209,8 @@ class _Layer:
         step = -(-used // parts)
         return [(a, min(a + step, used)) for a in range(0, used, step)]
 
-    def _load(self, experts: list[int], slots: list[int], progress: Optional[Callable[[], None]]) -> None:
+    def _load(self, experts: list[int], slots: list[int], progress: Optional[Callable[[], None]],
+              copies: Optional[list]) -> None:
         n, used = len(experts), self.meta["used_bytes"]
         pager = self.pager
         pool = pager._pool
@@ -230,6 +241,12 @@ class _Layer:
         st.read_s += time.perf_counter() - t0
         st.bytes_read += n * used
         st.read_batches += 1
+        if copies is not None:  # a step queued whole: the device copies the rows into the slots (mailbox `load`)
+            for t in self.meta["tensors"]:
+                raw, row = self._raw[t["name"]], self._raw[t["name"]].nbytes // self.slots
+                copies += [(raw.ctypes.data + s * row, pager._staging_dev + j * used + t["offset"], t["nbytes"])
+                           for j, s in enumerate(slots)]
+            return
         host, cp = pager._staging_host, pager.copier
         for t in self.meta["tensors"]:
             name, off, nb = t["name"], t["offset"], t["nbytes"]
@@ -246,9 +263,11 @@ class _Layer:
                         raise RQError(f"internal: pages of {t['dtype']} into a {self.dtypes[name]} bank")
                 cp.write(raw, s * row, src)
 
-    def acquire(self, needed: np.ndarray, table: bool = True, progress: Optional[Callable[[], None]] = None) -> None:
+    def acquire(self, needed: np.ndarray, table: bool = True, progress: Optional[Callable[[], None]] = None,
+                copies: Optional[list] = None) -> list[int]:
         """Make `needed` experts (len <= slots) resident and (`table`) the device table map them to their slots
-        (`progress()` after each piece of a page read)."""
+        (`progress()` after each piece of a page read); with `copies` (a step queued whole) the pages are read and the
+        copies into their slots added to it, for the device to make. The experts it read in (the misses)."""
         st = self.pager.stats
         lru = self.lru
         needed = needed.tolist()
@@ -262,7 +281,7 @@ class _Layer:
                 miss.append(e)
         st.hits += len(needed) - len(miss)
         if not miss:
-            return
+            return miss
         self.pager._layers_missed += 1
         if self._lut_raw is None:
             raise RQError(f"the expert pager of {self.path} is closed: it cannot read experts in any more")
@@ -278,7 +297,7 @@ class _Layer:
             slots.append(s)
         st.misses += len(miss)
         try:
-            self.load(miss, slots, progress)
+            self.load(miss, slots, progress, copies)
         except BaseException:  # a page that did not read (a request may be served after the error): not resident
             for e, s in zip(miss, slots):
                 if lru.get(e) == s:  # (one whose check failed was dropped already)
@@ -292,6 +311,7 @@ class _Layer:
             else:
                 self._lut_stale = True
             self.pager.copier.fence()
+        return miss
 
     def drop(self, e: int) -> None:
         """Expert e is no longer resident (its page failed its check): its slot is free, a later call reads it again."""
@@ -376,8 +396,10 @@ class _Layer:
         needed = np.unique(idx)
         if len(needed) > self.slots:  # cannot happen: paged_experts asks serves_a_token() first
             raise RQError(f"internal: {len(needed)} experts for {self.slots} slots in one decode step")
-        self.acquire(needed, table=False, progress=functools.partial(box.progress, self.entry))
-        box.answer(self.entry, self.lut[idx])
+        copies: list = []
+        miss = self.acquire(needed, table=False, progress=functools.partial(box.progress, self.entry), copies=copies)
+        self.pager._answered.append((self, miss))  # forgotten where the step fails (the device may not copy them)
+        box.answer(self.entry, self.lut[idx], copies)
         st.host_s += time.perf_counter() - t1
 
     def stepping(self) -> bool:
@@ -398,24 +420,27 @@ class ExpertPager:
     """Attach to a loaded (lazy) model: the routed-expert banks become slot banks fed from page files.
 
     `pages`: the pack folder (default CKPT/experts). `verify`: check each expert's CRC32 on its first
-    read (off only to measure what it costs). `threads`: parallel reads of one layer's misses, and the pages
-    the staging buffer holds. `speculate`: "always" runs each decode step on the resident experts with one host
-    sync a run, again from the first layer that missed (see the module's text); "off", layer by layer, a sync a
-    MoE layer; "auto" (the default) whichever its measured step times say is faster (`benchmarks/pager.py
-    --speculate off,auto` compares them). `queue`: on CUDA, queue a layer-by-layer step whole, the device waiting for
-    each MoE layer's slots (rq_core.paging.mailbox; False: a stretch between two MoE layers at a time, as on Metal and
-    the CPU; `benchmarks/pager.py --by-stretch` compares). `memory_limit`: the bytes MLX may hold for this run
-    (slots_for_budget's memory_limit_bytes: what the budget leaves MLX), its memory limit while the pager serves on
-    top of what MLX held before, at most MLX's limit as it was (restored by close())."""
+    read (off only to measure what it costs). `threads`: parallel reads of one layer's misses. `speculate`: "always"
+    runs each decode step on the resident experts with one host sync a run, again from the first layer that missed (see
+    the module's text); "off", layer by layer, a sync a MoE layer; "auto" (the default) whichever its measured step
+    times say is faster (`benchmarks/pager.py --speculate off,auto` compares them). `queue`: on CUDA, "always" queues a
+    layer-by-layer step whole, the device waiting for each MoE layer's slots and copying its pages in
+    (rq_core.paging.mailbox); "off", a stretch between two MoE layers at a time, as on Metal and the CPU; "auto" (the
+    default) whichever its measured step times say is faster (`benchmarks/pager.py --by-stretch` compares).
+    `memory_limit`: the bytes MLX may hold for this run (slots_for_budget's memory_limit_bytes: what the budget leaves
+    MLX), its memory limit while the pager serves on top of what MLX held before, at most MLX's limit as it was
+    (restored by close())."""
 
     def __init__(self, model: Any, ckpt: str | os.PathLike, *, slots: int, policy: str = "lru",
                  verify: bool = True, pages: Optional[str | os.PathLike] = None,
-                 threads: int = READ_THREADS, speculate: str = "auto", queue: bool = True,
+                 threads: int = READ_THREADS, speculate: str = "auto", queue: str = "auto",
                  memory_limit: Optional[int] = None) -> None:
         check_policy(policy)
         mlx_before = mx.get_active_memory()  # what MLX held before this run's weights (the model is lazy until here)
         if speculate not in SPECULATE:
             raise RQError(f"unknown speculation {speculate!r} (choose from: {', '.join(SPECULATE)})")
+        if queue not in QUEUE:
+            raise RQError(f"unknown step queuing {queue!r} (choose from: {', '.join(QUEUE)})")
         banks = expert_banks(model)
         index = load_index(ckpt, pages=pages, banks=banks)
         self.dir = Path(index["dir"])
@@ -450,14 +475,16 @@ class ExpertPager:
         self.stats.slots = min(slots, max(l.E for l in self.layers.values()))
         self.stats.resident_bytes = sum(l.resident_bytes for l in self.layers.values())
         # one staging buffer for every layer (layers run one after another), made at the first call, when top-k
-        # is known: room for min(slots, threads, top-k) pages (a decode step's misses of one layer, up to 8)
+        # is known: room for min(slots, top-k) pages (a decode step's misses of one layer)
         # bank paths, not the modules: a module -> pager reference cycle would keep a dropped model's banks alive
         self._index, self._bank_paths, self._slots, self._threads = index, set(banks), slots, threads
         self.top_k: Optional[int] = None  # experts a token takes, from the first call
         self._token_fits = False  # every layer takes a token's experts at once (known with top_k)
         self.stage_experts = 0
-        # the staging buffer the page reads write into and the slot writes copy from (Copier.host_buffer)
+        # the staging buffer the page reads write into and the slot writes copy from (Copier.host_buffer; with a mailbox
+        # memory the device reads too, at _staging_dev)
         self._staging_host: Optional[np.ndarray] = None
+        self._staging_dev = 0
         # within decode_step's build, the MoE layer whose routing is not read yet: (layer, routing indices). Its second
         # graph is built on the device table before the read, and runs only after it (`settle`, which the build calls
         # before it queues the step: generate._queue_step)
@@ -474,13 +501,21 @@ class ExpertPager:
         self._missing: Optional[float] = None  # running mean of the MoE layers a decode step read misses for
         self._layers_missed = 0  # calls of acquire that read misses, so far
         self._layered_steps = 0  # decode steps run layer by layer (not speculated), so far
-        # `queue`, on CUDA: a layer-by-layer step is queued whole, the device waiting for each layer's slots
+        # `queue`, on CUDA: a layer-by-layer step queued whole, the device waiting for each layer's slots
         # (rq_core.paging.mailbox; made with the staging buffer)
         self._queue = queue
+        # "auto": the last seconds of steps queued whole (True) and by stretch (False) (which is faster depends on the
+        # machine: how fast the device reads the staging buffer, how long the host takes to build a stretch), the
+        # steps between two runs of the slower way, the step of the last such run
+        self._times: dict[bool, deque] = {True: deque(maxlen=QUEUE_SAMPLES), False: deque(maxlen=QUEUE_SAMPLES)}
+        self._probe_every = PROBE_STEPS
+        self._probed = 0
+        self._probing = False
         self.mailbox: Optional[mailbox.Mailbox] = None
         self._answers: Optional[mailbox.Answers] = None  # the thread that answers its layers (made with it)
         self._box: Optional[mailbox.Mailbox] = None  # the mailbox while a step that uses it is being built
         self._posted = 0  # MoE layers of that step posted so far
+        self._answered: list = []  # (layer, experts read in) of that step's answers
         self._launch: Optional[mx.array] = None  # the last posted layer's slots, where not launched yet
         # MLX's memory limit while the pager serves (restored by close): MLX allocates a queued graph's buffers as it
         # encodes it and frees them as the device finishes it, so a step queued ahead holds its whole working memory
@@ -508,6 +543,37 @@ class ExpertPager:
             return self._t_spec is None
         faster = self._t_spec <= self._t_layered
         return faster != (self._steps % PROBE_STEPS == 0)
+
+    def _queue_faster(self) -> Optional[bool]:
+        """Whether a step queued whole is the faster by the medians of each way's last steps (None: not timed yet)."""
+        w, s = self._times[True], self._times[False]
+        if len(w) < QUEUE_SAMPLES - 1 or len(s) < QUEUE_SAMPLES - 1:
+            return None
+        return statistics.median(w) <= statistics.median(s)
+
+    def _queue_pays(self) -> bool:
+        """Whether this layer-by-layer step is queued whole (a mailbox made, past the warm-up): "always", never with
+        "off"; "auto" times the two ways in turn (whole first) until each has QUEUE_SAMPLES - 1 steps, then runs the
+        faster by the medians of each way's last QUEUE_SAMPLES steps, the slower once in a while: after PROBE_STEPS
+        steps, twice as many each time it stays slower (up to QUEUE_PROBE_MAX)."""
+        if self._queue != "auto":
+            return self._queue == "always"
+        whole = self._queue_faster()
+        if whole is None:
+            return len(self._times[True]) <= len(self._times[False])
+        if self._layered_steps - self._probed >= self._probe_every:
+            self._probed, self._probing = self._layered_steps, True
+            return not whole
+        return whole
+
+    def _time_queuing(self, whole: bool, seconds: float) -> None:
+        """A timed layer-by-layer step (queued whole or by stretch) for "auto"."""
+        before = self._queue_faster()
+        self._times[whole].append(seconds)
+        if self._probing:
+            self._probing = False
+            same = before == self._queue_faster()
+            self._probe_every = min(2 * self._probe_every, QUEUE_PROBE_MAX) if same else PROBE_STEPS
 
     def _mean(self, attr: str, seconds: float) -> None:
         # the first steps trace the decode graphs (seconds on a GPU, against milliseconds a step): not measured
@@ -540,12 +606,16 @@ class ExpertPager:
                 return out
         self._layered_steps += 1
         # the first steps load the decode kernels (see mailbox); a cache that cannot be put back cannot run again
-        box = self.mailbox if self._layered_steps > WARMUP_STEPS and markable and not self.stats.queue_stopped else None
+        timed = self.mailbox is not None and self._layered_steps > WARMUP_STEPS and markable and \
+            not self.stats.queue_stopped
+        t1 = time.perf_counter()  # (a speculated run that fell back before this is not the queuing's to count)
+        box = self.mailbox if timed and self._queue_pays() else None
         out, recounted = None, 0
         if box is not None:  # queued whole; where the device gave up waiting, the caches back and layer by layer
             st = self.stats
             st.queued += 1
             served = st.hits + st.misses
+            self._answered = []
             undo = [c.mark() for c in caches]
             key = mx.random.split(mx.random.state[0])[1] if draws else None  # as the layered step would draw
             try:
@@ -553,12 +623,14 @@ class ExpertPager:
             except mailbox.Abandoned:
                 pass
             except BaseException:  # (a page that failed its check): the caches as before the step
+                self._forget_answered()
                 for f in undo:
                     f()
                 raise
             if out is None or box.failed():
                 out = None
                 st.queue_fallbacks += 1
+                self._forget_answered()
                 if st.queue_fallbacks >= QUEUE_GIVE_UP and 2 * st.queue_fallbacks >= st.queued:
                     st.queue_stopped = True  # the next steps a stretch at a time (the mailbox is kept for close)
                 recounted = st.hits + st.misses - served  # the run again finds these resident: not hits twice
@@ -571,10 +643,23 @@ class ExpertPager:
             out = self._layered(build, None, None)
             self.stats.hits -= recounted
         y, read = out
-        # a speculated step that fell back costs both runs
+        # a speculated step that fell back costs both runs (and a step queued whole that fell back, both of its runs)
         self._mean("_t_spec" if spec else "_t_layered", time.perf_counter() - t0)
+        if timed:
+            self._time_queuing(box is not None, time.perf_counter() - t1)
         self._count_missing(missed0)
         return y, read
+
+    def _forget_answered(self) -> None:
+        """A step queued whole that failed or raised: the experts its answers took in are taken out of their slots (the
+        device copies an entry's pages only where its wait saw the answer), read again by the run again (whose misses
+        count them), and their layers' calls are not counted twice."""
+        for layer, miss in self._answered:
+            for e in miss:
+                layer.drop(e)
+            self.stats.misses -= len(miss)
+            self._layers_missed -= bool(miss)
+        self._answered = []
 
     def _layered(self, build: Callable[[Optional[mx.array]], tuple[mx.array, mx.array]], key: Optional[mx.array],
                  box: Optional[mailbox.Mailbox]) -> tuple[mx.array, mx.array]:
@@ -691,21 +776,28 @@ class ExpertPager:
 
     def _ready(self, top_k: int) -> None:
         if self._staging_host is None:
-            self.stage_experts = max(1, min(self._slots, self._threads, top_k))
+            self.stage_experts = max(1, min(self._slots, top_k))
             self.top_k = top_k
             self._token_fits = all(l.serves_a_token() for l in self.layers.values())  # fixed from here on
-            n = staging_bytes(self._index, self._bank_paths, self._slots, self._threads, top_k)
+            n = staging_bytes(self._index, self._bank_paths, self._slots, top_k)
             self.stats.staging_bytes = n
-            self._staging_host = self.copier.host_buffer(n)  # host memory, not MLX's: its peak does not count it
-            self.stats.staging_host_resident = self.copier.pinned
-            if self._queue and self._token_fits and mailbox.available(self.copier):
+            # the device copies a queued step's pages itself: only where the banks hold the pages' dtype
+            same = all(l.dtypes[t["name"]] == getattr(mx, t["dtype"]) for l in self.layers.values()
+                       for t in l.meta["tensors"])
+            if self._queue != "off" and self._token_fits and same and mailbox.available(self.copier):
+                copies = top_k * max(len(l.meta["tensors"]) for l in self.layers.values())
                 try:
-                    self.mailbox = mailbox.Mailbox(self.copier, len(self.layers), top_k)
+                    box = mailbox.Mailbox(self.copier, len(self.layers), top_k, copies)
+                    self._staging_host, self._staging_dev = box.staging_buffer(n)
+                    self.mailbox = box
                 except (RQError, RuntimeError):  # no page-locked memory the device addresses, kernels that do not
                     self.mailbox = None  # build here: the step queued a stretch at a time
                 else:
                     self._answers = mailbox.Answers()
                     weakref.finalize(self, self._answers.stop)  # a pager dropped unclosed: its thread ends too
+            if self._staging_host is None:
+                self._staging_host = self.copier.host_buffer(n)  # host memory, not MLX's: its peak does not count it
+            self.stats.staging_host_resident = self.copier.pinned
 
     def settle(self) -> None:
         """The pending MoE layer of a decode step being built (serve): its routing read, its experts made resident.
@@ -745,11 +837,10 @@ class ExpertPager:
             self._old_memory_limit = None
 
 
-def staging_bytes(index: dict, banks: Iterable[str], slots: int, threads: int = READ_THREADS,
-                  top_k: int = READ_THREADS) -> int:
-    """Bytes of the pager's staging buffer (host memory): min(slots, threads, top_k) pages (used bytes) of the largest
-    layer of `banks` (their paths)."""
-    n = max(1, min(slots, threads, top_k))
+def staging_bytes(index: dict, banks: Iterable[str], slots: int, top_k: int) -> int:
+    """Bytes of the pager's staging buffer (host memory): min(slots, top_k) pages (used bytes) of the largest layer of
+    `banks` (their paths): a decode step's misses of one layer at once."""
+    n = max(1, min(slots, top_k))
     return max((min(n, m["num_experts"]) * m["used_bytes"] for p, m in index["layers"].items() if p in banks),
                default=0)
 
@@ -844,8 +935,8 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     else:  # default 0: a model (or a rank's slice of one) without routed experts
         per_expert = max((sum(v.nbytes for _, v in tree_flatten(m.parameters())) // max(E, 1)
                           for m in banks.values()), default=0)
-    # a batch of misses: the staging buffer pages are read into (host memory: min(slots, READ_THREADS) pages of the
-    # largest layer), and as much again in the banks' dtype, room for casting where it differs from the pages'
+    # a batch of misses: the staging buffer pages are read into (host memory: min(slots, top-k) pages of the largest
+    # layer), and as much again in the banks' dtype, room for casting where it differs from the pages'
     # (float32 on the CPU; the cast is made a tensor row at a time, so most of that room is spare)
     used = max((m["used_bytes"] for p, m in index["layers"].items() if p in banks), default=0) if index else per_expert
     used += per_expert
@@ -855,7 +946,7 @@ def slots_for_budget(model: Any, config: dict, budget: int, *, context: int, pre
     reserve = budget // RESERVE_DIVISOR
     free = budget - reserve - resident - kvb - pre - act
     per_slot = max(n_moe * per_expert, 1)
-    cap = min(READ_THREADS, k or READ_THREADS)  # pages a batch of misses holds (ExpertPager._ready)
+    cap = k or READ_THREADS  # pages a batch of misses holds (ExpertPager._ready)
     slots = int(max(0, min(E, free // per_slot)))
     while slots > 0 and slots * per_slot + min(slots, cap) * used > free:
         slots -= 1
@@ -877,7 +968,7 @@ def budget_for_slots(plan: dict, slots: int) -> int:
     this model and context (the parts do not depend on the budget)."""
     parts = (plan["resident_bytes"] + plan["kv_bytes"] + plan.get("prefill_fp16_bytes", 0) + plan["activation_bytes"]
              + slots * plan["moe_layers"] * plan["bytes_per_expert"]
-             + min(slots, READ_THREADS, plan["top_k"] or READ_THREADS) * plan["staging_bytes_per_expert"])
+             + min(slots, plan["top_k"] or READ_THREADS) * plan["staging_bytes_per_expert"])
     b = -(-parts * RESERVE_DIVISOR // (RESERVE_DIVISOR - 1))  # about the least b with b - b // D >= parts
     while b - 1 - (b - 1) // RESERVE_DIVISOR >= parts:
         b -= 1

@@ -1442,16 +1442,16 @@ class FailingMailbox(CountingMailbox):
         return super().fetch(entry, n)
 
 
-def test_an_answer_that_fails_on_its_thread_is_raised_by_the_step(packed, monkeypatch):
-    """An error in a queued step's answers (on their own thread) comes out of decode_step on the calling thread, the
-    step's mailbox released and its other answers skipped, not a hang; the next steps are queued whole again."""
+def _queued_steps(ck, monkeypatch, box_class) -> tuple:
+    """(pager, caches, build) for decode steps queued whole through box_class on checkpoint ck's model (2 slots a
+    layer), after a 12-token prompt: build(t) is decode_step's `build` for token t."""
     import rq_core.paging.pager as pager_mod
 
     monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
-    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", FailingMailbox)
-    model = load(packed["qwen3_moe"], tokenizer=False).model
+    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", box_class)
+    model = load(ck, tokenizer=False).model
     monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: pager.mailbox and pager.mailbox.launched())
-    pager = ExpertPager(model, packed["qwen3_moe"], slots=2, speculate="off", queue="always")
+    pager = ExpertPager(model, ck, slots=2, speculate="off", queue="always")
     cache = model.make_cache(KVSettings(mode="fp16"))
     model(mx.array([PROMPT[:12]]), cache=cache)
     for c in cache:
@@ -1464,6 +1464,13 @@ def test_an_answer_that_fails_on_its_thread_is_raised_by_the_step(packed, monkey
             return logits, logits[0, -1, :2]
         return run
 
+    return pager, cache, build
+
+
+def test_an_answer_that_fails_on_its_thread_is_raised_by_the_step(packed, monkeypatch):
+    """An error in a queued step's answers (on their own thread) comes out of decode_step on the calling thread, the
+    step's mailbox released and its other answers skipped, not a hang; the next steps are queued whole again."""
+    pager, cache, build = _queued_steps(packed["qwen3_moe"], monkeypatch, FailingMailbox)
     raised = []
     for t in (5, 11, 17, 23, 29, 31):  # the first WARMUP_STEPS run a stretch at a time
         before = [c.offset for c in cache]
@@ -1507,26 +1514,8 @@ class LateThenFailingMailbox(CountingMailbox):
 def test_experts_a_step_that_raised_read_in_are_read_again(packed, monkeypatch):
     """A queued step whose answer raised after another layer's copies were never made: the error comes out, and the
     experts that step took in are not taken as resident later (the steps after compute the all-resident logits)."""
-    import rq_core.paging.pager as pager_mod
-
     ck = packed["qwen3_moe"]
-    monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
-    monkeypatch.setattr(pager_mod.mailbox, "Mailbox", LateThenFailingMailbox)
-    model = load(ck, tokenizer=False).model
-    monkeypatch.setattr(pager_mod.mx, "async_eval", lambda *a: pager.mailbox and pager.mailbox.launched())
-    pager = ExpertPager(model, ck, slots=2, speculate="off", queue="always")
-    cache = model.make_cache(KVSettings(mode="fp16"))
-    model(mx.array([PROMPT[:12]]), cache=cache)
-    for c in cache:
-        c.end_prefill()
-
-    def build(t: int):
-        def run(key):
-            logits = model(mx.array([[t]]), cache=cache)
-            pager.settle()
-            return logits, logits[0, -1, :2]
-        return run
-
+    pager, cache, build = _queued_steps(ck, monkeypatch, LateThenFailingMailbox)
     tokens, got, raised = (5, 11, 17, 23, 29, 31), [], 0
     for t in tokens:  # the first WARMUP_STEPS run a stretch at a time
         try:

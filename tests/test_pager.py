@@ -259,6 +259,11 @@ def test_copier_writes_and_reads_through_the_copy_engine_where_the_cuda_runtime_
         assert buf.nbytes == 64 and cp.pinned == (rc == 0) and rt.cleared == cleared + 3 * rc
         held = [ctypes.addressof(b) for b in rt.held]
         assert ([buf.ctypes.data] == held) == (rc == 0) and len(held) == (rc == 0)
+        buf[24:32] = np.array([9.0, 9.5], np.float32).view(np.uint8)
+        cp.copy(raw.ctypes.data + 72, buf.ctypes.data + 24, 8)  # by address, the caller keeping the source
+        assert rt.queued[-1] == (raw.ctypes.data + 72, buf.ctypes.data + 24, 8, transfer.MEMCPY_DEFAULT, stream)
+        cp.fence()
+        assert a[3, :2].tolist() == [9.0, 9.5]  # landed at the fence (by the stand-in), at once where refused
         buf[:24] = np.full(6, 3.0, np.float32).view(np.uint8)
         syncs = rt.syncs
         cp.write(raw, 0, buf[:24])
@@ -729,15 +734,35 @@ def test_a_batch_of_pages_costs_its_own_bytes_on_the_device(packed):
     assert grew <= 0 < layer.expert_bytes, (grew, layer.expert_bytes)
 
 
-@pytest.mark.parametrize("preadv", [True, False])
-def test_batches_that_reuse_the_staging_buffer_each_write_their_own_experts(packed, preadv, monkeypatch):
+@pytest.mark.parametrize("way", ["preadv", "pread", "copy engine"])
+def test_batches_that_reuse_the_staging_buffer_each_write_their_own_experts(packed, way, monkeypatch):
     """Eight experts read two at a time through one staging buffer: each slot ends up holding its own expert's
     weights, bit for bit (a slot written from rows the next batch has read into would hold that batch's bytes); also
-    where the platform has no os.preadv."""
+    where the platform has no os.preadv, and with the copies made by address on a copy engine (a stand-in whose
+    copies land at the fence)."""
+    import ctypes
     import os
 
-    if not preadv:
+    from rq_core.paging import transfer
+
+    if way == "pread":
         monkeypatch.delattr(os, "preadv", raising=False)
+    if way == "copy engine":
+        pending: list = []
+
+        def copy(self, dst: int, src: int, n: int) -> None:
+            pending.append((dst, src, n))
+            self._dirty = True
+
+        def fence(self) -> None:
+            for dst, src, n in pending:
+                ctypes.memmove(dst, src, n)
+            pending.clear()
+            self._dirty = False
+
+        monkeypatch.setattr(transfer.Copier, "device_copies", property(lambda self: True))
+        monkeypatch.setattr(transfer.Copier, "copy", copy)
+        monkeypatch.setattr(transfer.Copier, "fence", fence)
     ck = packed["qwen3_moe"]
     ref = load(ck, tokenizer=False).model
     model = load(ck, tokenizer=False).model
@@ -746,6 +771,7 @@ def test_batches_that_reuse_the_staging_buffer_each_write_their_own_experts(pack
     path, layer = next(iter(pager.layers.items()))
     order = [5, 2, 7, 0, 3, 6, 1, 4]
     layer.load(order, list(range(8)))
+    pager.copier.fence()  # (acquire's: the last batch's copies landed before anything reads the slots)
     mod = ref
     for part in path.split("."):
         mod = mod[int(part)] if part.isdigit() else getattr(mod, part)

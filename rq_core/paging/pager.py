@@ -159,6 +159,7 @@ class _Layer:
         self.lut_dev = mx.zeros((self.E,), mx.int32)
         mx.eval(list(banks.values()), self.lut_dev)
         self._raw = {name: Copier.raw(b) for name, b in banks.items()}  # their memory, as bytes
+        self._raw_addr = {name: r.ctypes.data for name, r in self._raw.items()}  # and where it starts
         self._lut_raw = Copier.raw(self.lut_dev)
 
     @property
@@ -243,18 +244,23 @@ class _Layer:
         st.read_batches += 1
         if copies is not None:  # a step queued whole: the device copies the rows into the slots (mailbox `load`)
             for t in self.meta["tensors"]:
-                raw, row = self._raw[t["name"]], self._raw[t["name"]].nbytes // self.slots
-                copies += [(raw.ctypes.data + s * row, pager._staging_dev + j * used + t["offset"], t["nbytes"])
+                addr, row = self._raw_addr[t["name"]], self._raw[t["name"]].nbytes // self.slots
+                copies += [(addr + s * row, pager._staging_dev + j * used + t["offset"], t["nbytes"])
                            for j, s in enumerate(slots)]
             return
         host, cp = pager._staging_host, pager.copier
+        base = host.ctypes.data
         for t in self.meta["tensors"]:
             name, off, nb = t["name"], t["offset"], t["nbytes"]
             proj, part = name.split(".")
-            raw, row = self._raw[name], self._raw[name].nbytes // self.slots
+            raw, row, addr = self._raw[name], self._raw[name].nbytes // self.slots, self._raw_addr[name]
             bank = self.module[proj][part]  # the same memory (a traced graph's inputs come back as new objects)
-            if bank.nbytes != raw.nbytes or Copier.address(bank) != raw.ctypes.data:
+            if bank.nbytes != raw.nbytes or Copier.address(bank) != addr:
                 raise RQError(f"internal: layer {self.path}'s {name} bank was replaced after the pager attached")
+            if cp.device_copies and row == nb:  # by address: each row within its bank and the staging buffer
+                for j, s in enumerate(slots):
+                    cp.copy(addr + s * row, base + j * used + off, nb)
+                continue
             for j, s in enumerate(slots):
                 src = host[j * used + off:j * used + off + nb]
                 if row != nb:  # the model computes in another dtype than the pages hold (float32 on the CPU)
@@ -413,7 +419,7 @@ class _Layer:
 
     def close(self) -> None:
         os.close(self.fd)
-        self._raw, self._lut_raw = {}, None  # views of the banks' memory: not kept past the pager's use
+        self._raw, self._raw_addr, self._lut_raw = {}, {}, None  # the banks' memory: not kept past the pager's use
 
 
 class ExpertPager:

@@ -179,6 +179,16 @@ class Copier:
             self._lib.cudaGetLastError()
         dst[offset:offset + n] = src.reshape(-1).view(np.uint8)
 
+    def copy(self, dst: int, src: int, n: int) -> None:
+        """n bytes from address `src` to address `dst`, by the copy engine (`device_copies` only; without the numpy
+        views and their checks `write` makes a call, which a layer's dozens of copies a step felt): the caller keeps
+        the source valid until the fence (the page-locked staging buffer) and checks the bounds."""
+        if self._lib.cudaMemcpyAsync(dst, src, n, MEMCPY_DEFAULT, self._stream) == 0:
+            self._dirty = True
+            return
+        self._lib.cudaGetLastError()
+        ctypes.memmove(dst, src, n)  # both host-addressable here (managed memory, page-locked host memory)
+
     def fence(self) -> None:
         """Wait for the copies `write` made (on CUDA the copy engine's may still be landing: a kernel on MLX's own
         stream is not ordered after them). Only the copies' own stream: a step queued whole may be waiting on the

@@ -10,12 +10,12 @@ layer (or the step's end): the misses are read together, in parallel (os.preadv 
 a host staging buffer, a lone miss cut into pieces), and copied into their slots and the table written, in place (rq_core.paging.
 transfer: on CUDA by the copy engine, so no page of managed memory migrates), before the graph that reads them runs.
 On CUDA the step may be queued whole instead (`queue`: "auto", the default, where measured steps say it pays;
-rq_core.paging.mailbox): each MoE layer's routing
-reaches the host and its slots the device through page-locked memory both address, the device waiting inside the
-step and copying the pages the host read (into a staging buffer it addresses too) into their slots itself, so it runs
-on into kernels already launched the moment a layer's experts are in (a step the device stopped waiting in runs again
-layer by layer, its caches put back and the experts its answers took in read again; where such steps keep coming,
-QUEUE_GIVE_UP of them and half or more of those queued, the pager stops queuing steps whole).
+rq_core.paging.mailbox): each MoE layer's routing reaches the host and its slots the device through page-locked memory
+both address, the device waiting inside the step and copying the pages the host read (into a staging buffer it addresses
+too) into their slots itself, so it runs on into kernels already launched the moment a layer's experts are in (a step
+the device stopped waiting in runs again layer by layer, its caches put back and the experts its answers took in read
+again; where such steps keep coming, QUEUE_GIVE_UP of them and half or more of those queued, the pager stops queuing
+steps whole).
 With speculation (`speculate=`), a step runs on the experts already resident, every layer's routing read with the
 sampled token in one sync. Where a layer missed an expert, the layers before it computed what an all-resident model
 computes: the step runs again from that layer, its missing experts read first, the caches of the layers from it on
@@ -320,7 +320,8 @@ class _Layer:
         return miss
 
     def drop(self, e: int) -> None:
-        """Expert e is no longer resident (its page failed its check): its slot is free, a later call reads it again."""
+        """Expert e is no longer resident (its page failed its check, or a step queued whole that read it in failed):
+        its slot is free, a later call reads it again."""
         s = self.lru.pop(e, None)
         if s is not None:
             self.free.append(s)

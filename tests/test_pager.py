@@ -467,26 +467,56 @@ def test_speculation_undoes_a_compressed_cache(packed, window):
     assert st.speculated > st.respun > 0
 
 
-def test_auto_takes_the_faster_way_and_probes_the_other(packed, monkeypatch):
-    """"auto" runs a speculated step and a layer-by-layer step first (each way measured once, after the steps that
-    trace the graphs), then the way whose running mean is lower, the other once every PROBE_STEPS steps; "off" never
-    speculates, nor does "auto" where a layer has fewer slots than a token's experts."""
+@pytest.mark.parametrize("slower", [True, False])
+def test_race_runs_the_faster_way_and_probes_the_slower_less_and_less(monkeypatch, slower):
+    """A Race alternates until each way has two times, then runs the faster by the medians of each way's last three,
+    the slower after 4, 8, 16, 16, ... picks (PROBE_STEPS 4, PROBE_MAX 16 here); where a probe finds
+    the order changed, the other way is the faster and the probes start again at 4 picks."""
     from rq_core.paging import pager as pager_mod
-    from rq_core.paging.pager import PROBE_STEPS
+
+    monkeypatch.setattr(pager_mod, "PROBE_STEPS", 4)
+    monkeypatch.setattr(pager_mod, "PROBE_MAX", 16)
+    race = pager_mod.Race()
+    cost = {slower: 2.0, not slower: 1.0}
+    ways = []
+    for _ in range(60):
+        w = race.pick()
+        ways.append(w)
+        race.record(w, cost[w])
+    assert ways[:4] == [True, False, True, False]
+    slow_at = [i + 1 for i, w in enumerate(ways) if w == slower]
+    first = 1 if slower else 2
+    # known after pick 4: picks 8, 16, 32, 48 (16 at most)
+    assert slow_at == [first, first + 2, 8, 16, 32, 48], slow_at
+    assert race.probe_every == 16
+    # the slower way turns faster: its second probe from here (at 4 and then 20: the median takes two new times) finds
+    # it so; the race runs it from then on, the other way after 4 picks, then 8
+    cost = {slower: 0.5, not slower: 1.0}
+    ways = []
+    for _ in range(40):
+        w = race.pick()
+        ways.append(w)
+        race.record(w, cost[w])
+    assert [i + 1 for i, w in enumerate(ways) if w != slower] == [i for i in range(1, 20) if i != 4] + [24, 32], ways
+
+
+def test_auto_speculation_is_timed_both_ways(packed, monkeypatch):
+    """speculate="auto" times speculated and layer-by-layer steps in turn (after the steps that trace the graphs),
+    then runs as its Race says; "off" never speculates, nor does "auto" where a layer has fewer slots than a token's
+    experts."""
+    from rq_core.paging import pager as pager_mod
 
     monkeypatch.setattr(pager_mod, "MAX_MISSING_LAYERS", float("inf"))  # how often steps miss: the next test
     ck = packed["qwen3_moe"]
     model = load(ck, tokenizer=False).model
     pager = ExpertPager(model, ck, slots=2, speculate="auto")
-    generate(model, PROMPT, max_tokens=6, seed=0, prefill_chunk=16)
+    generate(model, PROMPT, max_tokens=8, seed=0, prefill_chunk=16)
     st = pager.report()
     # step 1 layer by layer (how often a step misses is not known yet), 2 speculated, both untimed (graphs traced);
-    # 3 speculated and timed, 4 layer by layer and timed, 5 the faster way
-    assert 2 <= st.speculated <= 3 and pager._t_spec is not None and pager._t_layered is not None, st
-    for spec, layered, want in ((0.01, 0.02, True), (0.02, 0.01, False)):
-        pager._t_spec, pager._t_layered = spec, layered
-        ways = [pager._speculation_pays() for _ in range(2 * PROBE_STEPS)]
-        assert ways.count(not want) == 2 and ways.count(want) == 2 * PROBE_STEPS - 2, (spec, layered)
+    # 3 and 5 speculated, 4 and 6 layer by layer, 7 the faster way, all timed
+    times = pager._spec_race.times
+    assert len(times[True]) >= 2 and len(times[False]) >= 2 and len(times[True]) + len(times[False]) == 5, times
+    assert st.speculated == 1 + len(times[True]), (st, times)
     pager.close()
     for mode, slots in (("off", 2), ("auto", 1)):  # the tiny models take top-2
         model = load(ck, tokenizer=False).model
@@ -1289,11 +1319,11 @@ def test_auto_queuing_runs_the_faster_way_and_the_slower_less_and_less(packed, m
                                            SlowMailbox if slower == "whole" else HostMailbox, queue=None)
     for a, b in zip(want, got):
         assert mx.array_equal(a, b), float(mx.abs(a - b).max())
-    # steps 3-10 (1-2 warm up by stretch): whole at 3 and 5, stretch at 4 and 6, then the slower at 7 (probe: after 2
-    # steps), not again before 7 + 4
-    whole = {3, 5, 7} if slower == "whole" else {3, 5, 8, 9, 10}
-    assert pager.stats.queued == len(whole) and pager.stats.queue_fallbacks == 0, (pager.stats, pager._times)
-    assert pager._probe_every == 4
+    # steps 3-10 (1-2 warm up by stretch): whole at 3 and 5, stretch at 4 and 6, then the slower at 8 (probe: 2 steps
+    # after the faster is known), not again before 8 + 4
+    whole = {3, 5, 8} if slower == "whole" else {3, 5, 7, 9, 10}
+    assert pager.stats.queued == len(whole) and pager.stats.queue_fallbacks == 0, (pager.stats, pager._queue_race.times)
+    assert pager._queue_race.probe_every == 4
     pager.close()
 
 

@@ -62,11 +62,11 @@ READ_THREADS = 8  # parallel page reads of one layer's misses
 SPAN_MIN = 256 << 10  # the smallest piece of a page one read thread takes (smaller pieces cost more than they save)
 SPECULATE = ("auto", "always", "off")
 QUEUE = ("auto", "always", "off")
-QUEUE_PROBE_MAX = 1024  # "auto" queuing: the longest stretch of steps between two runs of the way it finds slower
-QUEUE_SAMPLES = 3  # "auto" queuing: each way's last step times it compares (their medians)
 RESERVE_DIVISOR = 100  # budget // RESERVE_DIVISOR (1%) of a memory budget is left out of the plan's parts
-SMOOTHING = 0.1  # weight of the newest step in the running means that decide whether speculation pays
-PROBE_STEPS = 32  # "auto" runs the way its means call slower once in this many steps
+SMOOTHING = 0.1  # weight of the newest step in the running mean of the MoE layers a step reads misses for
+RACE_SAMPLES = 3  # "auto": each way's last step times it compares (their medians)
+PROBE_STEPS = 32  # "auto": steps before the way it finds slower runs again (doubled each time it stays slower)
+PROBE_MAX = 1024  # "auto": the longest stretch of steps between two runs of the way it finds slower
 WARMUP_STEPS = 2  # decode steps "auto" does not time: the first runs as written, the second traces the graphs
 # Steps queued whole that the device gave up waiting in (each costs mailbox.WAIT_S and a second run) after which a
 # pager queues no more steps whole, where they are also half or more of those queued: a model whose steps keep failing
@@ -423,6 +423,48 @@ class _Layer:
         self._raw, self._raw_addr, self._lut_raw = {}, {}, None  # the banks' memory: not kept past the pager's use
 
 
+class Race:
+    """Two ways of running a step (True and False), chosen by their measured times: each tried in turn (True first)
+    until each has RACE_SAMPLES - 1 times, then the faster by the medians of each way's last RACE_SAMPLES times, the
+    slower once after PROBE_STEPS picks, then after twice as many each time it stays the slower (up to PROBE_MAX),
+    after PROBE_STEPS again once the order changes."""
+
+    def __init__(self) -> None:
+        self.times: dict[bool, deque] = {True: deque(maxlen=RACE_SAMPLES), False: deque(maxlen=RACE_SAMPLES)}
+        self.probe_every = PROBE_STEPS
+        self._picks = 0
+        self._probed = 0  # the pick that last ran the slower way
+        self._probing = False
+
+    def faster(self) -> Optional[bool]:
+        """The faster way by the medians of each way's last times (None: not timed enough yet)."""
+        a, b = self.times[True], self.times[False]
+        if len(a) < RACE_SAMPLES - 1 or len(b) < RACE_SAMPLES - 1:
+            return None
+        return statistics.median(a) <= statistics.median(b)
+
+    def pick(self) -> bool:
+        """The way to run the next step (whose time `record` then takes)."""
+        self._picks += 1
+        faster = self.faster()
+        if faster is None:
+            return len(self.times[True]) <= len(self.times[False])
+        if self._picks - self._probed >= self.probe_every:
+            self._probed, self._probing = self._picks, True
+            return not faster
+        return faster
+
+    def record(self, way: bool, seconds: float) -> None:
+        before = self.faster()
+        self.times[way].append(seconds)
+        if before is None:
+            self._probed = self._picks  # the probes count from when the faster is first known
+        elif self._probing:
+            self._probing = False
+            same = before == self.faster()
+            self.probe_every = min(2 * self.probe_every, PROBE_MAX) if same else PROBE_STEPS
+
+
 class ExpertPager:
     """Attach to a loaded (lazy) model: the routed-expert banks become slot banks fed from page files.
 
@@ -500,10 +542,8 @@ class ExpertPager:
         self._pool = ThreadPoolExecutor(max_workers=threads) if threads > 1 else None
         self._checks: list = []  # (layer, [(expert, staging row)], futures): checksums still running (join_checks)
         self._routing: Optional[list] = None  # while a step speculates: (layer, routing indices, decoder layer)
-        # running means of a speculated step's seconds and a layer-by-layer step's (misses included in both), and
-        # the steps decided by "auto"
-        self._t_spec: Optional[float] = None
-        self._t_layered: Optional[float] = None
+        # speculate="auto": speculated steps (True) against layer-by-layer ones, misses included in both
+        self._spec_race = Race()
         self._steps = 0
         self._missing: Optional[float] = None  # running mean of the MoE layers a decode step read misses for
         self._layers_missed = 0  # calls of acquire that read misses, so far
@@ -511,13 +551,9 @@ class ExpertPager:
         # `queue`, on CUDA: a layer-by-layer step queued whole, the device waiting for each layer's slots
         # (rq_core.paging.mailbox; made with the staging buffer)
         self._queue = queue
-        # "auto": the last seconds of steps queued whole (True) and by stretch (False) (which is faster depends on the
-        # machine: how fast the device reads the staging buffer, how long the host takes to build a stretch), the
-        # steps between two runs of the slower way, the step of the last such run
-        self._times: dict[bool, deque] = {True: deque(maxlen=QUEUE_SAMPLES), False: deque(maxlen=QUEUE_SAMPLES)}
-        self._probe_every = PROBE_STEPS
-        self._probed = 0
-        self._probing = False
+        # queue="auto": steps queued whole (True) against steps by stretch (which is faster depends on the machine:
+        # how fast the device reads the staging buffer, how long the host takes to build a stretch)
+        self._queue_race = Race()
         self.mailbox: Optional[mailbox.Mailbox] = None
         self._answers: Optional[mailbox.Answers] = None  # the thread that answers its layers (made with it)
         self._box: Optional[mailbox.Mailbox] = None  # the mailbox while a step that uses it is being built
@@ -535,10 +571,9 @@ class ExpertPager:
         model.expert_pager = self  # generate() decodes through decode_step with a pager (see there)
 
     def _speculation_pays(self) -> bool:
-        """"auto": layer by layer while steps miss in MAX_MISSING_LAYERS MoE layers or more on average; then the
-        faster of the two ways by their running means, each measured once first, and the slower one run again every
-        PROBE_STEPS steps (what pays changes with the context and with how often steps miss). Never where a layer
-        cannot take a token's experts at once (such a step always runs layer by layer)."""
+        """"auto": layer by layer while steps miss in MAX_MISSING_LAYERS MoE layers or more on average; then as its
+        Race says (what pays changes with the context and with how often steps miss). Never where a layer cannot take
+        a token's experts at once (such a step always runs layer by layer)."""
         if self.speculate == "off" or not self._token_fits:
             return False
         if self.speculate == "always":
@@ -546,48 +581,14 @@ class ExpertPager:
         self._steps += 1
         if self._missing is None or self._missing >= MAX_MISSING_LAYERS:
             return False
-        if self._t_spec is None or self._t_layered is None:
-            return self._t_spec is None
-        faster = self._t_spec <= self._t_layered
-        return faster != (self._steps % PROBE_STEPS == 0)
-
-    def _queue_faster(self) -> Optional[bool]:
-        """Whether a step queued whole is the faster by the medians of each way's last steps (None: not timed yet)."""
-        w, s = self._times[True], self._times[False]
-        if len(w) < QUEUE_SAMPLES - 1 or len(s) < QUEUE_SAMPLES - 1:
-            return None
-        return statistics.median(w) <= statistics.median(s)
+        return self._spec_race.pick()
 
     def _queue_pays(self) -> bool:
         """Whether this layer-by-layer step is queued whole (a mailbox made, past the warm-up): "always", never with
-        "off"; "auto" times the two ways in turn (whole first) until each has QUEUE_SAMPLES - 1 steps, then runs the
-        faster by the medians of each way's last QUEUE_SAMPLES steps, the slower once in a while: after PROBE_STEPS
-        steps, twice as many each time it stays slower (up to QUEUE_PROBE_MAX)."""
+        "off"; "auto" as its Race says."""
         if self._queue != "auto":
             return self._queue == "always"
-        whole = self._queue_faster()
-        if whole is None:
-            return len(self._times[True]) <= len(self._times[False])
-        if self._layered_steps - self._probed >= self._probe_every:
-            self._probed, self._probing = self._layered_steps, True
-            return not whole
-        return whole
-
-    def _time_queuing(self, whole: bool, seconds: float) -> None:
-        """A timed layer-by-layer step (queued whole or by stretch) for "auto"."""
-        before = self._queue_faster()
-        self._times[whole].append(seconds)
-        if self._probing:
-            self._probing = False
-            same = before == self._queue_faster()
-            self._probe_every = min(2 * self._probe_every, QUEUE_PROBE_MAX) if same else PROBE_STEPS
-
-    def _mean(self, attr: str, seconds: float) -> None:
-        # the first steps trace the decode graphs (seconds on a GPU, against milliseconds a step): not measured
-        if self._steps <= WARMUP_STEPS:
-            return
-        old = getattr(self, attr)
-        setattr(self, attr, seconds if old is None else old + SMOOTHING * (seconds - old))
+        return self._queue_race.pick()
 
     def decode_step(self, build: Callable[[Optional[mx.array]], tuple[mx.array, mx.array]], cache: list, *,
                     draws: bool = False) -> tuple[mx.array, mx.array]:
@@ -608,7 +609,7 @@ class ExpertPager:
             out = self._speculate(build, cache, caches, draws)
             if out is not None:
                 self.join_checks()
-                self._mean("_t_spec", time.perf_counter() - t0)
+                self._time_speculation(True, time.perf_counter() - t0)
                 self._count_missing(missed0)
                 return out
         self._layered_steps += 1
@@ -651,11 +652,16 @@ class ExpertPager:
             self.stats.hits -= recounted
         y, read = out
         # a speculated step that fell back costs both runs (and a step queued whole that fell back, both of its runs)
-        self._mean("_t_spec" if spec else "_t_layered", time.perf_counter() - t0)
-        if timed:
-            self._time_queuing(box is not None, time.perf_counter() - t1)
+        self._time_speculation(spec, time.perf_counter() - t0)
+        if timed and self._queue == "auto":
+            self._queue_race.record(box is not None, time.perf_counter() - t1)
         self._count_missing(missed0)
         return y, read
+
+    def _time_speculation(self, spec: bool, seconds: float) -> None:
+        # the first steps trace the decode graphs (seconds on a GPU, against milliseconds a step): not timed
+        if self.speculate == "auto" and self._steps > WARMUP_STEPS:
+            self._spec_race.record(spec, seconds)
 
     def _forget_answered(self) -> None:
         """A step queued whole that failed or raised: the experts its answers took in are taken out of their slots (the

@@ -741,8 +741,9 @@ def test_mailbox_kernels_syntax_check(tmp_path):
     prefix = '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
     errors = []
     for name, sig, body in (("post", "const uint32_t* ids, const uint64_t* box, int32_t* posted", mailbox._POST),
-                            ("wait", "const int32_t* posted, const uint64_t* box, int32_t* slots", mailbox._WAIT),
-                            ("load", "const int32_t* slots, const uint64_t* box, int32_t* out", mailbox._LOAD)):
+                            ("wait", "const int32_t* posted, const uint64_t* box, int32_t* slots, int64_t* plan",
+                             mailbox._WAIT),
+                            ("load", "const int32_t* slots, const int64_t* plan, int32_t* out", mailbox._LOAD)):
         f = tmp_path / f"mailbox_{name}.cpp"
         f.write_text(prefix + mailbox._HEADER + "namespace mlx::core::cu {\n__global__ void k(" + sig
                      + ") {\n  constexpr int N = 22;\n  constexpr int DESC = 50;\n  constexpr int C = 132;\n" + body

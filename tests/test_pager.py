@@ -1644,6 +1644,63 @@ def test_answers_run_in_order_on_their_thread_and_raise_on_the_callers():
     assert not thread.is_alive()
 
 
+@pytest.mark.parametrize("fault", [None, "ids not posted", "a copy left out", "slots not handed back", "wait gave up"])
+def test_a_mailbox_whose_device_side_does_not_check_out_is_refused(monkeypatch, fault):
+    """A Mailbox launches its kernels once through a spare entry, as a step's layer runs (ids posted, the host fetches
+    and answers them with slots and two copies, 16-byte and 1-byte loads, while the kernels run), and checks what came
+    back: a device that does not follow the protocol is refused with RQError (the pager then queues by stretch), not
+    used to compute on the wrong experts. The device here is played by the host (on the CPU a host address is the
+    device's)."""
+    import ctypes
+
+    import numpy as np
+
+    from rq_core.paging import mailbox
+
+    class MappedMemory:  # Copier.mapped_buffer's contract, host memory
+        def __init__(self):
+            self.held = []
+
+        def mapped_buffer(self, n):
+            b = np.zeros(n, np.uint8)
+            self.held.append(b)
+            return b, b.ctypes.data
+
+    class Running:  # the wait and load kernels of a posted entry, run when their result is read
+        def __init__(self, box, entry, n):
+            self.box, self.entry, self.n = box, entry, n
+
+        def __array__(self, dtype=None, copy=None):
+            box, row, n = self.box, self.box.box[self.entry], self.n
+            if fault == "wait gave up" or row[mailbox.GO] == 0:
+                row[mailbox.FAILED] = 1
+                return np.zeros(n, np.int32)
+            listed = row[mailbox.NCOPY] - (fault == "a copy left out")
+            for d, src, nb in row[box.desc:box.desc + 6 * listed].view(np.int64).reshape(-1, 3):
+                ctypes.memmove(int(d), int(src), int(nb))
+            slots = row[mailbox.HEAD + n:mailbox.HEAD + 2 * n].copy()
+            return np.zeros_like(slots) if fault == "slots not handed back" else slots
+
+    def post(self, entry, ids):
+        row = self.box[entry]
+        ids = np.array(ids).reshape(-1)
+        row[mailbox.HEAD:mailbox.HEAD + ids.size] = ids + (fault == "ids not posted")
+        if fault == "wait gave up":
+            row[mailbox.FAILED] = 1
+        row[mailbox.READY] = 1
+        return Running(self, entry, ids.size)
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: None, raising=False)
+    monkeypatch.setattr(mailbox.Mailbox, "post", post)
+    monkeypatch.setattr(mailbox.mx, "async_eval", lambda *a: None)
+    if fault is None:
+        box = mailbox.Mailbox(MappedMemory(), 3, 4, 8)
+        assert not box.box.any()  # the check leaves no trace in the entries
+    else:
+        with pytest.raises(RQError, match="did not check out"):
+            mailbox.Mailbox(MappedMemory(), 3, 4, 8)
+
+
 def test_a_fetch_gives_up_when_the_step_is_released_or_its_wait_gave_up():
     """Mailbox.fetch (on page-locked memory, here a numpy array): a layer the device never posts is given up when the
     step is released from another thread (a layer not launched), ids posted are taken with progress moved on, and a

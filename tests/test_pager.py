@@ -477,12 +477,15 @@ def test_race_runs_the_faster_way_and_probes_the_slower_less_and_less(monkeypatc
     monkeypatch.setattr(pager_mod, "PROBE_STEPS", 4)
     monkeypatch.setattr(pager_mod, "PROBE_MAX", 16)
     race = pager_mod.Race()
-    cost = {slower: 2.0, not slower: 1.0}
-    ways = []
-    for _ in range(60):
-        w = race.pick()
-        ways.append(w)
-        race.record(w, cost[w])
+
+    def run(picks, cost):
+        ways = []
+        for _ in range(picks):
+            ways.append(race.pick())
+            race.record(ways[-1], cost[ways[-1]])
+        return ways
+
+    ways = run(60, {slower: 2.0, not slower: 1.0})
     assert ways[:4] == [True, False, True, False]
     slow_at = [i + 1 for i, w in enumerate(ways) if w == slower]
     first = 1 if slower else 2
@@ -491,12 +494,7 @@ def test_race_runs_the_faster_way_and_probes_the_slower_less_and_less(monkeypatc
     assert race.probe_every == 16
     # the slower way turns faster: its second probe from here (at 4 and then 20: the median takes two new times) finds
     # it so; the race runs it from then on, the other way after 4 picks, then 8
-    cost = {slower: 0.5, not slower: 1.0}
-    ways = []
-    for _ in range(40):
-        w = race.pick()
-        ways.append(w)
-        race.record(w, cost[w])
+    ways = run(40, {slower: 0.5, not slower: 1.0})
     assert [i + 1 for i, w in enumerate(ways) if w != slower] == [i for i in range(1, 20) if i != 4] + [24, 32], ways
 
 

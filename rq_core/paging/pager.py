@@ -433,7 +433,7 @@ class Race:
         self.times: dict[bool, deque] = {True: deque(maxlen=RACE_SAMPLES), False: deque(maxlen=RACE_SAMPLES)}
         self.probe_every = PROBE_STEPS
         self._picks = 0
-        self._probed = 0  # the pick that last ran the slower way
+        self._probed = 0  # the pick the next probe counts from (the last probe, or when the faster was first known)
         self._probing = False
 
     def faster(self) -> Optional[bool]:

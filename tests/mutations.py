@@ -516,6 +516,11 @@ MUTATIONS: list[Mutation] = [
       "            others = 0",
       "bench: a runner's peak counts the other runners' caches held during its turns",
       ("tests/test_bench.py::test_runners_take_turns",)),
+    M("rq_core/paging/pager.py",
+      "            pager._launch = slots\n",
+      "            pager._launch = slots\n            mx.async_eval(slots)\n",
+      "pager: a step queued whole is launched layer by layer while the building thread, holding the GIL, still builds",
+      ("tests/test_pager.py::test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued",)),
 ]
 
 

@@ -11,14 +11,18 @@ address (one entry a layer, the mailbox) and raises the entry's `ready` flag; `w
 its experts are in, on kernels already launched.
 
 The host's side runs on a thread of its own (`Answers`): each posted layer's ids fetched, its pages read and its slots
-and copies answered, in the order the layers were posted, while the main thread builds and launches the layers after
-it, every `LAUNCH_EVERY` MoE layers (each launch costs host time; with the answers on the main thread the device
-waited while the host launched, and MLX's eval also waits for the device once more than 10 command buffers are in
-flight, which with the device waiting on that same thread stalled the step). The answers make no CUDA call: the
-device copies the pages itself. Copies the host queued on the copy engine while the device waited in the step were
-held up until the `wait` gave up (on an H100, a 12-layer slice of Nemotron 3 Super: the answers' copy, or the wait for
-it, blocked until two layers' waits had given up, and the building thread's launch with it; every step fell back),
-and anything a CUDA call may wait behind is outside the host's control.
+and copies answered, in the order the layers were posted (on the building thread the device would wait while the host
+builds). The step is launched once it is built (ExpertPager.settle), not layer by layer as it is built: the answers'
+thread needs Python's GIL, which the building thread holds while it builds, and an MLX call made while building can
+wait for the device (an array made from host data where MLX is over its memory limit frees cached buffers, and
+cudaFree waits for the device). With layers launched and a `wait` spinning, that call and the device would wait for
+each other until the wait gave up: on an H200 every step of a Nemotron 3 Super 120B-shaped model at a 32 GB budget
+queued that way fell back, and on an H100 a 12-layer slice of it ran 38.2 tok/s launched once a step against 36.0
+launched every two MoE layers. Once the step is launched the building thread only waits, without the GIL (for the
+answers, then for the step's result). The answers make no CUDA call: the device copies the pages itself. Copies the
+host queued on the copy engine while the device waited in the step were held up until the `wait` gave up (on the H100
+slice: the answers' copy, or the wait for it, blocked until two layers' waits had given up; every step fell back), and
+anything a CUDA call may wait behind is outside the host's control.
 
 The flags are written once per step and cleared when it starts (`open`). While the host answers a layer it moves the
 entry's `progress` word on (its ids taken, each page read); a `wait` that sees neither `go` nor progress for `WAIT_S`
@@ -52,7 +56,6 @@ READY, GO, FAILED, PROGRESS, NCOPY, HEAD = 0, 1, 2, 3, 4, 5
 # step whose host stalls costs little before it runs again layer by layer.
 WAIT_S = 0.25
 REACH_S = 120.0  # the host's patience for the device to reach a layer's routing
-LAUNCH_EVERY = 2  # MoE layers a launch of a step queued whole takes (fewer launches, against the device idling sooner)
 _THREADS = 32
 _CHECK_BYTES = 256  # the bytes Mailbox._check copies
 _WAIT_THREADS = 128  # a wait's block, which takes the answer's copy list from host memory (3 words a copy)

@@ -364,16 +364,13 @@ class _Layer:
         if not pager._deferring:  # cannot happen: paged_experts serves a layer only within decode_step
             raise RQError("internal: a paged decode layer served outside a decode step")
         if pager._box is not None:
-            # the step queued whole: the layer answered on the answers' thread once the device posts it, launched
-            # every LAUNCH_EVERY MoE layers up to its wait, so the device runs on into kernels already launched
+            # the step queued whole: the layer answered on the answers' thread once the device posts it; the step is
+            # launched once built (settle), never while this thread builds (see mailbox: the device would wait for
+            # the answers' thread while this one holds the GIL)
             box = pager._box
             slots = box.post(self.entry, indices)
             pager._answers.submit(functools.partial(self.answer, box, indices.size), box)
-            pager._posted += 1
             pager._launch = slots
-            if pager._posted % mailbox.LAUNCH_EVERY == 0:
-                mx.async_eval(slots)
-                pager._launch = None
             pager._answers.check()  # a layer that failed: the step is not built further
             return slots
         pager.settle()  # the MoE layer before this one: its experts in before anything after it runs
@@ -557,7 +554,6 @@ class ExpertPager:
         self.mailbox: Optional[mailbox.Mailbox] = None
         self._answers: Optional[mailbox.Answers] = None  # the thread that answers its layers (made with it)
         self._box: Optional[mailbox.Mailbox] = None  # the mailbox while a step that uses it is being built
-        self._posted = 0  # MoE layers of that step posted so far
         self._answered: list = []  # (layer, experts read in) of that step's answers
         self._launch: Optional[mx.array] = None  # the last posted layer's slots, where not launched yet
         # MLX's memory limit while the pager serves (restored by close): MLX allocates a queued graph's buffers as it
@@ -678,7 +674,7 @@ class ExpertPager:
                  box: Optional[mailbox.Mailbox]) -> tuple[mx.array, mx.array]:
         """The step layer by layer, queued whole through `box` or a stretch between two MoE layers at a time; (id,
         read) evaluated."""
-        self._deferring, self._box, self._posted, self._launch = True, box, 0, None
+        self._deferring, self._box, self._launch = True, box, None
         if box is not None:
             box.open()
         try:

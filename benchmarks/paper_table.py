@@ -301,7 +301,7 @@ def table(res: dict) -> str:
     rs = routings(res)
     routing = rs[0] if len(rs) == 1 else " or ".join(rs) + ", each row's in brackets after its model"
     notes = [f"Synthetic checkpoints (random weights at the recipe's bits, routing {routing}), "
-             f"{res['tokens']} greedy tokens after a prompt of the context's length; every cell one `rq run` "
+             f"{greedy_tokens(res)} after a prompt of the context's length; every cell one `rq run` "
              "process. Decode tok/s: steady (first step apart). TTFT: the prefill. The paper's numbers: Apple M4 Max, "
              "its own checkpoints."]
     if any(r != "uniform" for r in rs):
@@ -375,6 +375,18 @@ def queued(pd: dict) -> str:
     return f"{pd['queued']} ({pd['queue_fallbacks']}" + (", then by stretch)" if pd.get("queue_stopped") else ")")
 
 
+def greedy_tokens(res: dict) -> str:
+    """"N greedy tokens", or each model's N where merged runs decoded different numbers."""
+    per = {}
+    for m in res["models"]:
+        n = max([(c.get("run") or {}).get("generated_tokens") or 0 for c in m["cells"]], default=0)
+        if n:
+            per[model_cell(m, res)] = n
+    if len(set(per.values())) <= 1:
+        return f"{next(iter(per.values()), res['tokens'])} greedy tokens"
+    return "greedy tokens (" + "; ".join(f"{k} {v}" for k, v in per.items()) + ")"
+
+
 def step_table(res: dict) -> list[str]:
     """Where a paged decode step's time goes, per token over the decode steps (the first, with its kernel compile,
     included): reading pages, waiting for each MoE layer's routing (the device computing the layers before it), the
@@ -386,7 +398,10 @@ def step_table(res: dict) -> list[str]:
             # decode_steps, else (older files) rate x time, rounded: 1/x*x is not always 1.0 in floats
             pd = r.get("pager_decode")
             n = r.get("decode_steps") or round((r.get("decode_tok_per_s") or 0) * (r.get("decode_s") or 0))
-            if not pd or n < 1 or pd.get("misses") is None:
+            plan = c.get("plan") or {}
+            slots = plan.get("slots_per_layer")
+            every = slots is not None and slots == plan.get("experts_per_layer")  # nothing paged after the prompt
+            if not pd or n < 1 or pd.get("misses") is None or every:
                 continue
             ms = lambda s: f"{1e3 * s / n:.1f}"  # noqa: E731
             rest = r["decode_s"] - pd["sync_s"] - pd["host_s"]

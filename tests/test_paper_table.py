@@ -133,6 +133,11 @@ def test_step_table_counts_steps_exactly():
     run["decode_steps"] = 7  # recorded: taken as is
     (row,) = [x for x in pt.step_table(res) if x.startswith("| qwen3")]
     assert row.startswith("| qwen3-30b-a3b | 1GB | fp16 | 16 | 7000.0 | 71.4 |")
+    # a cell with a slot for every expert pages nothing once the prompt has read them: no row
+    res["models"][0]["cells"][0]["plan"] = {"slots_per_layer": 128, "experts_per_layer": 128}
+    assert pt.step_table(res) == []
+    res["models"][0]["cells"][0]["plan"] = {"slots_per_layer": 8, "experts_per_layer": 128}
+    assert len([x for x in pt.step_table(res) if x.startswith("| qwen3")]) == 1
 
 
 def test_rows_merged_from_two_machines_each_name_their_own():
@@ -213,3 +218,17 @@ def test_merge_keeps_one_models_uniform_and_zipf_rows_side_by_side():
     assert len(pt.kept_rows(res, False, ["gemma4"], "uniform")) == 2
     assert pt.canonical_routing("zipf") == pt.canonical_routing("zipf:1.0") == "zipf:1"
     assert pt.kept_rows(res, True, [], "uniform") == []  # a --tiny run does not mix with real-size rows
+
+
+def test_the_notes_give_each_models_token_count_where_merged_runs_differ():
+    """Rows merged from runs that decoded different numbers of tokens: the notes name each model's, not the newest
+    run's for all; one number where they agree."""
+    pt = _module()
+
+    def model(config: str, n: int) -> dict:
+        return {"config": config, "cells": [{"run": {"generated_tokens": n}}, {"run": {"generated_tokens": n - 1}}]}
+
+    res = {"tokens": 4, "models": [model("nemotron3-super-120b-a12b", 24), model("qwen3-30b-a3b", 4)]}
+    assert pt.greedy_tokens(res) == "greedy tokens (nemotron3-super-120b-a12b 24; qwen3-30b-a3b 4)"
+    res["models"][0] = model("nemotron3-super-120b-a12b", 4)
+    assert pt.greedy_tokens(res) == "4 greedy tokens"

@@ -1229,7 +1229,7 @@ def _queued_run(packed, family: str, monkeypatch, box_class, queue: str | None =
 @pytest.mark.parametrize("family", list(TINY))
 def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, family, monkeypatch):
     """On CUDA a decode step is queued whole, each MoE layer's slots handed to the device through a mailbox: layers are
-    answered on a thread of their own (the building thread goes on building and launching), every posted layer
+    answered on a thread of their own (the building thread goes on building), every posted layer
     within its step, in order; the step launched once, after its last layer is posted (never while the building thread,
     which holds the GIL the answers need, may still call into MLX); the logits are the all-resident model's, and the
     device table a call outside a decode step reads (the mailbox's steps do not write it) maps the experts as the host
@@ -1714,9 +1714,11 @@ def test_a_fetch_gives_up_when_the_step_is_released_or_its_wait_gave_up():
     with pytest.raises(mailbox.Abandoned):
         box.fetch(1, 3)
     box.open()
-    threading.Timer(0.2, box.release_all).start()
+    release = threading.Timer(0.2, box.release_all)
+    release.start()
     with pytest.raises(mailbox.Abandoned):
         box.fetch(2, 3)
+    release.join()  # the fetch gives up as the release begins, before it has raised every entry's flag
     assert box.failed() and (box.box[:, mailbox.GO] == 1).all()
     box.open()
     assert not box.failed()

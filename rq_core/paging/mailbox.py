@@ -12,17 +12,18 @@ its experts are in, on kernels already launched.
 
 The host's side runs on a thread of its own (`Answers`): each posted layer's ids fetched, its pages read and its slots
 and copies answered, in the order the layers were posted (on the building thread the device would wait while the host
-builds). The step is launched once it is built (ExpertPager.settle), not layer by layer as it is built: the answers'
+builds). The step is launched once it is built (ExpertPager.settle, which also launches and waits for the layers
+posted so far where an evaluation comes in the middle of a build), not layer by layer as it is built: the answers'
 thread needs Python's GIL, which the building thread holds while it builds, and an MLX call made while building can
-wait for the device (an array made from host data where MLX is over its memory limit frees cached buffers, and
-cudaFree waits for the device). With layers launched and a `wait` spinning, that call and the device would wait for
-each other until the wait gave up: on an H200 every step of a Nemotron 3 Super 120B-shaped model at a 32 GB budget
-queued that way fell back, and on an H100 a 12-layer slice of it ran 38.2 tok/s launched once a step against 36.0
-launched every two MoE layers. Once the step is launched the building thread only waits, without the GIL (for the
+wait for the device (MLX's CUDA allocator, over its memory limit, frees cached buffers with cudaFree, which waits for
+the device). With layers launched and a `wait` spinning, such a call and the device would wait for each other until
+the wait gave up. That is the likely reason every step queued as it was built fell back for a Nemotron 3 Super
+120B-shaped model at a 32 GB budget on an H200, over MLX's limit there (3 of 3; benchmarks/results/paper_table.json),
+not yet confirmed on a GPU. Once the step is launched the building thread only waits, without the GIL (for the
 answers, then for the step's result). The answers make no CUDA call: the device copies the pages itself. Copies the
-host queued on the copy engine while the device waited in the step were held up until the `wait` gave up (on the H100
-slice: the answers' copy, or the wait for it, blocked until two layers' waits had given up; every step fell back), and
-anything a CUDA call may wait behind is outside the host's control.
+host queued on the copy engine while the device waited in the step were held up until the `wait` gave up (on an H100,
+a 12-layer slice of that model: the answers' copy, or the wait for it, blocked until two layers' waits had given up;
+every step fell back), and anything a CUDA call may wait behind is outside the host's control.
 
 The flags are written once per step and cleared when it starts (`open`). While the host answers a layer it moves the
 entry's `progress` word on (its ids taken, each page read); a `wait` that sees neither `go` nor progress for `WAIT_S`

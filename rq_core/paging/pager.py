@@ -364,9 +364,9 @@ class _Layer:
         if not pager._deferring:  # cannot happen: paged_experts serves a layer only within decode_step
             raise RQError("internal: a paged decode layer served outside a decode step")
         if pager._box is not None:
-            # the step queued whole: the layer answered on the answers' thread once the device posts it; the step is
-            # launched once built (settle), never while this thread builds (see mailbox: the device would wait for
-            # the answers' thread while this one holds the GIL)
+            # the step queued whole: the layer answered on the answers' thread once the device posts it; launched
+            # only by settle, which waits for every answer before the build goes on (mailbox: the device must not
+            # wait for the answers' thread while this one builds, holding the GIL)
             box = pager._box
             slots = box.post(self.entry, indices)
             pager._answers.submit(functools.partial(self.answer, box, indices.size), box)

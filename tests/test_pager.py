@@ -299,13 +299,14 @@ def _buffer(a: mx.array) -> int:
     return np.frombuffer(memoryview(a), np.uint8).ctypes.data
 
 
-def _paged_logits(model, graphs: bool, pager=None) -> tuple[list, int, int]:
-    """Logits of 10 decode steps after a 12-token prompt (with `pager`, through its decode_step); with `pager`: (its
-    misses in steps 3-10, bank tensors whose buffer moved in a step that missed)."""
+def _paged_logits(model, graphs: bool, pager=None, kv: KVSettings | None = None,
+                  prompt: int = 12) -> tuple[list, int, int]:
+    """Logits of 10 decode steps after a `prompt`-token prompt (with `pager`, through its decode_step; `kv`: the cache,
+    fp16 by default); with `pager`: (its misses in steps 3-10, bank tensors whose buffer moved in a step that missed)."""
     from rq_core.models.base import layers_as_written
 
-    cache = model.make_cache(KVSettings(mode="fp16"))
-    model(mx.array([PROMPT[:12]]), cache=cache)
+    cache = model.make_cache(kv or KVSettings(mode="fp16"))
+    model(mx.array([PROMPT[:prompt]]), cache=cache)
     for c in cache:
         c.end_prefill()
     out, misses, moved = [], 0, 0
@@ -1201,15 +1202,15 @@ class HostMailbox:
         return self.released
 
 
-def _queued_run(packed, family: str, monkeypatch, box_class, queue: str | None = "always") -> tuple:
+def _queued_run(packed, family: str, monkeypatch, box_class, queue: str | None = "always", **steps) -> tuple:
     """(all-resident logits, logits of steps queued whole through box_class, misses, the pager) of _paged_logits'
-    steps, with 2 slots a layer (`queue`: the pager's; None: its default)."""
+    steps (`steps`: its kv and prompt), with 2 slots a layer (`queue`: the pager's; None: its default)."""
     import rq_core.paging.pager as pager_mod
 
     if family not in packed:
         pytest.skip(f"model family {family} not in this build yet")
     ck = packed[family]
-    want = _paged_logits(load(ck, tokenizer=False).model, graphs=True)[0]
+    want = _paged_logits(load(ck, tokenizer=False).model, graphs=True, **steps)[0]
     monkeypatch.setattr(pager_mod.mailbox, "available", lambda copier: True)
     monkeypatch.setattr(pager_mod.mailbox, "Mailbox", box_class)
     model = load(ck, tokenizer=False).model
@@ -1222,7 +1223,7 @@ def _queued_run(packed, family: str, monkeypatch, box_class, queue: str | None =
     monkeypatch.setattr(pager_mod.mx, "async_eval", launch)
     pager = ExpertPager(model, ck, slots=2, speculate="off",  # queued whole where a mailbox can be made
                         **({} if queue is None else {"queue": queue}))
-    got, misses, _ = _paged_logits(model, True, pager)
+    got, misses, _ = _paged_logits(model, True, pager, **steps)
     return want, got, misses, pager
 
 
@@ -1281,6 +1282,36 @@ def test_a_step_queued_whole_serves_each_layer_after_the_next_is_queued(packed, 
     pager.close()
     assert not any(t.is_alive() for t in box.answer_threads)  # close ends the thread
 
+
+
+def test_a_step_queued_whole_launches_what_it_posted_before_an_evaluation_inside_it(packed, monkeypatch):
+    """An IsoQuant cache codes its full fp16 window in chunks inside a decode step, evaluating between them: in a step
+    queued whole, settle first launches the layers posted so far and waits for their answers (nothing waits on a layer
+    never launched), and the layers posted after are launched at the step's end; the logits are the all-resident
+    model's with the same cache."""
+    kv = KVSettings(mode="isoquant3", fp16_window=32, edge_layers=1)
+    want, got, misses, pager = _queued_run(packed, "qwen3_moe", monkeypatch, HostMailbox, kv=kv, prompt=30)
+    assert misses > 0 and len(got) == len(want) and pager.stats.queue_fallbacks == 0
+    for a, b in zip(want, got):
+        assert mx.array_equal(a, b), float(mx.abs(a - b).max())
+    steps, cur = [], None
+    for ev in pager.mailbox.log:
+        if ev == "open":
+            cur = []
+            steps.append(cur)
+        elif cur is not None:
+            cur.append(ev)
+    assert steps and pager.stats.queued == len(steps)
+    inside = 0  # steps with an evaluation inside: a launch before their last post
+    for ev in steps:
+        posts = [i for i, x in enumerate(ev) if x != "launch" and x[0] == "post"]
+        launches = [i for i, x in enumerate(ev) if x == "launch"]
+        assert launches and launches[-1] > posts[-1]  # every posted layer launched
+        inside += launches[0] < posts[-1]
+        answers = [x[1] for x in ev if x != "launch" and x[0] == "answer"]
+        assert answers == [ev[i][1] for i in posts]  # each answered, in order
+    assert inside > 0
+    pager.close()
 
 
 class SlowMailbox(HostMailbox):

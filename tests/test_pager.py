@@ -301,8 +301,9 @@ def _buffer(a: mx.array) -> int:
 
 def _paged_logits(model, graphs: bool, pager=None, kv: KVSettings | None = None,
                   prompt: int = 12) -> tuple[list, int, int]:
-    """Logits of 10 decode steps after a `prompt`-token prompt (with `pager`, through its decode_step; `kv`: the cache,
-    fp16 by default); with `pager`: (its misses in steps 3-10, bank tensors whose buffer moved in a step that missed)."""
+    """Logits of 10 decode steps after a `prompt`-token prompt (with `pager`, through its decode_step; `kv`: the
+    cache, fp16 by default); with `pager`: (its misses in steps 3-10, bank tensors whose buffer moved in a step that
+    missed)."""
     from rq_core.models.base import layers_as_written
 
     cache = model.make_cache(kv or KVSettings(mode="fp16"))
